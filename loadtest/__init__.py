@@ -1,0 +1,1 @@
+"""Load generators, benchmarks and their reports (tables, JSON, PNG plots)."""

@@ -1,0 +1,138 @@
+"""The OpenAI-compatible HTTP front: routes, validation, error mapping."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine.config import Role
+from engine.lifecycle import InstanceState
+from router import metrics
+from router.config import RouterConfig
+from router.errors import BadRequest, ModelNotFound, RouterError, error_body
+from router.instances import HealthMonitor, InstanceRegistry
+from router.policy import make_policy
+from router.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from router.proxy import Forwarder
+
+log = logging.getLogger(__name__)
+SERVING_ROLES = (Role.COLOCATED, Role.DECODE)
+ERROR_RESPONSES = {
+    status: {"description": description}
+    for status, description in ((400, "Invalid request"), (404, "Unknown model"),
+                                (502, "Engine failed"), (503, "No ready instance"))
+}  # fmt: skip
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    first = exc.errors()[0]
+    location = [str(part) for part in first.get("loc", ()) if part != "body"]
+    if first.get("type") == "json_invalid":
+        return "the request body is not valid JSON", None
+    param = ".".join(location) or None
+    return f"{param or 'body'}: {first.get('msg', 'invalid value')}", param
+
+
+def build_app(config: RouterConfig, registry: InstanceRegistry) -> FastAPI:
+    """The router's FastAPI app; its lifespan owns the HTTP client and the health monitor."""
+    policy = make_policy(config.policy)
+    forwarder = Forwarder(config, registry, policy.choose)
+    monitor = HealthMonitor(
+        registry, config.health_interval_s, config.health_timeout_s, config.health_failure_threshold
+    )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        monitor.start()
+        try:
+            yield
+        finally:
+            await monitor.stop()
+            await forwarder.close()
+
+    app = FastAPI(title="pdcluster router", lifespan=lifespan)
+    app.state.registry = registry
+    app.state.config = config
+
+    @app.exception_handler(RouterError)
+    async def _router_error(_: Request, exc: RouterError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return BadRequest(message, param).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "NotFoundError" if exc.status_code == 404 else "InvalidRequestError"
+        return JSONResponse(error_body(str(exc.detail), kind, exc.status_code), exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unexpected error")
+        return JSONResponse(error_body(f"internal error: {exc!r}", "InternalServerError", 500), 500)
+
+    def check_model(request: SamplingRequest) -> None:
+        if request.model != config.served_model_name:
+            raise ModelNotFound(f"The model `{request.model}` does not exist.", param="model")
+
+    def serving_instances():
+        return registry.ready(SERVING_ROLES)
+
+    @app.post("/v1/completions", responses=ERROR_RESPONSES)
+    async def completions(request: CompletionRequest) -> Response:
+        check_model(request)
+        return await forwarder.forward("/v1/completions", request.forwarded(), serving_instances)
+
+    @app.post("/v1/chat/completions", responses=ERROR_RESPONSES)
+    async def chat_completions(request: ChatCompletionRequest) -> Response:
+        check_model(request)
+        return await forwarder.forward("/v1/chat/completions", request.forwarded(), serving_instances)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        card = {
+            "id": config.served_model_name,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "pdcluster",
+            "max_model_len": config.max_model_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        ready = len(serving_instances())
+        status = 200 if ready else 503
+        return JSONResponse({"status": "ok" if ready else "unavailable", "ready_instances": ready}, status)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        metrics.INSTANCES.clear()
+        for instance in registry.all():
+            metrics.INSTANCES.labels(instance.role.value, instance.state.value).inc()
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/admin/instances")
+    async def instances() -> dict:
+        """The instances behind this router (for `pdcluster status` and benchmarks)."""
+        return {
+            "instances": [
+                {"instance_id": i.instance_id, "role": i.role.value, "url": i.url,
+                 "state": i.state.value, "inflight": i.inflight}
+                for i in registry.all()
+            ]
+        }  # fmt: skip
+
+    return app
+
+
+__all__ = ["build_app", "InstanceState"]

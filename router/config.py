@@ -1,0 +1,37 @@
+"""The router's typed configuration."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from engine.environment import is_loopback
+
+
+class RouterConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    host: str = "127.0.0.1"
+    """Address the HTTP endpoint binds to."""
+    port: int = Field(8000, ge=0, le=65535)
+    served_model_name: str
+    """The model name clients must send."""
+    max_model_len: int = Field(ge=1)
+    policy: str = "round_robin"
+    """Routing policy name (see router.policy.POLICIES)."""
+    connect_timeout_s: float = Field(5.0, gt=0)
+    """Longest wait to open a connection to an engine."""
+    request_timeout_s: float = Field(600.0, gt=0)
+    """Longest wait for an engine's next bytes of a response (raise for very long generations)."""
+    max_attempts: int = Field(2, ge=1)
+    """Instances tried for a request that failed before any byte was streamed."""
+    health_interval_s: float = Field(2.0, gt=0)
+    health_timeout_s: float = Field(2.0, gt=0)
+    health_failure_threshold: int = Field(2, ge=1)
+    allow_remote: bool = False
+    """Allow binding beyond loopback (for a cluster's head node)."""
+
+    @model_validator(mode="after")
+    def _loopback_unless_allowed(self) -> RouterConfig:
+        if not self.allow_remote and not is_loopback(self.host):
+            raise ValueError(f"host {self.host} is not loopback; set allow_remote to bind it")
+        return self

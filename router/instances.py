@@ -1,0 +1,109 @@
+"""The router's view of the engine instances: address, role, state, load, health.
+
+The router knows instances by URL only; whoever starts them (the launcher in `deploy/`) adds and
+removes them. A health loop takes an instance out of rotation after `failure_threshold` failed
+checks in a row and puts it back after one passing check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+
+import httpx
+
+from engine.config import Role
+from engine.lifecycle import InstanceState
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Instance:
+    instance_id: str
+    role: Role
+    url: str
+    state: InstanceState = InstanceState.READY
+    inflight: int = 0
+    """Requests the router has sent there and not yet seen finish."""
+    failed_checks: int = 0
+
+
+class InstanceRegistry:
+    """Instances by id. Mutated only on the router's event loop."""
+
+    def __init__(self) -> None:
+        self._instances: dict[str, Instance] = {}
+
+    def add(self, instance: Instance) -> None:
+        if instance.instance_id in self._instances:
+            raise ValueError(f"instance {instance.instance_id} is already registered")
+        self._instances[instance.instance_id] = instance
+
+    def remove(self, instance_id: str) -> Instance | None:
+        return self._instances.pop(instance_id, None)
+
+    def get(self, instance_id: str) -> Instance | None:
+        return self._instances.get(instance_id)
+
+    def all(self) -> list[Instance]:
+        return list(self._instances.values())
+
+    def ready(self, roles: tuple[Role, ...]) -> list[Instance]:
+        return [i for i in self._instances.values() if i.state == InstanceState.READY and i.role in roles]
+
+    def mark_failed(self, instance: Instance, reason: str) -> None:
+        if instance.state == InstanceState.READY:
+            log.warning("instance %s out of rotation: %s", instance.instance_id, reason)
+        instance.state = InstanceState.FAILED
+
+
+class HealthMonitor:
+    """Checks every instance's /health each `interval_s`; owns its task and its HTTP client."""
+
+    def __init__(
+        self,
+        registry: InstanceRegistry,
+        interval_s: float,
+        timeout_s: float,
+        failure_threshold: int,
+    ) -> None:
+        self.registry = registry
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        self.failure_threshold = failure_threshold
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="health-monitor")
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _run(self) -> None:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(self.timeout_s)) as client:
+            while True:
+                instances = [
+                    i for i in self.registry.all()
+                    if i.state in (InstanceState.READY, InstanceState.FAILED)
+                ]  # fmt: skip
+                await asyncio.gather(*(self.check(client, i) for i in instances))
+                await asyncio.sleep(self.interval_s)
+
+    async def check(self, client: httpx.AsyncClient, instance: Instance) -> None:
+        try:
+            healthy = (await client.get(f"{instance.url}/health")).status_code == 200
+        except httpx.HTTPError:
+            healthy = False
+        if healthy:
+            if instance.state == InstanceState.FAILED:
+                log.info("instance %s back in rotation", instance.instance_id)
+            instance.failed_checks = 0
+            instance.state = InstanceState.READY
+            return
+        instance.failed_checks += 1
+        if instance.failed_checks >= self.failure_threshold:
+            self.registry.mark_failed(instance, f"{instance.failed_checks} failed health checks")

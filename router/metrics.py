@@ -1,0 +1,30 @@
+"""The router's Prometheus metrics (served at GET /metrics)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+REQUESTS = Counter(
+    "pdcluster_router_requests", "Requests answered, by endpoint and HTTP status.", ["endpoint", "status"]
+)
+TIME_TO_FIRST_BYTE = Histogram(
+    "pdcluster_router_time_to_first_byte_seconds",
+    "From the request's arrival to the engine's first response bytes (the first token when streaming).",
+    ["endpoint"],
+    buckets=LATENCY_BUCKETS,
+)
+REQUEST_LATENCY = Histogram(
+    "pdcluster_router_request_seconds",
+    "From the request's arrival to its last byte.",
+    ["endpoint"],
+    buckets=LATENCY_BUCKETS,
+)
+INFLIGHT = Gauge("pdcluster_router_inflight_requests", "Requests being served.", ["instance"])
+RETRIES = Counter(
+    "pdcluster_router_retries", "Requests moved to another instance before any byte was streamed."
+)
+INSTANCES = Gauge(
+    "pdcluster_router_instances", "Instances known to the router, by role and state.", ["role", "state"]
+)

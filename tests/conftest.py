@@ -1,0 +1,39 @@
+"""Shared fixtures. End-to-end tests share one `pdcluster serve` (tiny model) per session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from engine.environment import RAY_LOOPBACK_ENV
+
+REPO = Path(__file__).resolve().parent.parent
+ARTIFACTS = REPO / ".cache" / "test-artifacts"
+os.environ.setdefault("PDCLUSTER_MODEL_ROOT", str(REPO / ".cache" / "models"))
+# Any Ray this test process starts stays on loopback (read when ray is first imported).
+os.environ.update(RAY_LOOPBACK_ENV)
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Path:
+    """The tiny random-weight model, built once (in a child process, as torch must not load here)."""
+    import subprocess
+    import sys
+
+    from engine.models import default_model_root
+
+    path = default_model_root() / "tiny"
+    subprocess.run([sys.executable, "-m", "deploy.cli", "model", "tiny", str(path)], check=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def served(tiny_model):
+    """One colocated tiny-model engine behind the router, for the whole session."""
+    from deploy.local import LocalServer
+
+    server = LocalServer(["--model", "tiny", "--kv-cache-gib", "1"], ARTIFACTS / "serve-colocated.log")
+    with server:
+        yield server

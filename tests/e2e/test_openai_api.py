@@ -1,0 +1,145 @@
+"""The OpenAI API through the router, against a real vLLM engine (CPU build, tiny model)."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+pytestmark = pytest.mark.slow
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def client(served) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused", timeout=60, max_retries=0)
+
+
+def test_completion(client):
+    result = client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0
+    )
+    assert result.choices[0].text
+    assert result.usage.completion_tokens == 8
+    assert result.usage.prompt_tokens > 0
+
+
+def test_chat_completion(client):
+    result = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hello there"}], max_tokens=6, temperature=0
+    )
+    assert result.choices[0].message.role == "assistant"
+    assert result.choices[0].message.content
+    assert result.usage.completion_tokens == 6
+
+
+def test_streamed_chat_joins_to_the_unstreamed_text(client):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Count to five."}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=24, temperature=0,
+        stream=True, stream_options={"include_usage": True},
+    )  # fmt: skip
+    pieces, usage = [], None
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            pieces.append(chunk.choices[0].delta.content)
+        usage = chunk.usage or usage
+    assert len(pieces) > 1
+    assert "".join(pieces) == whole.choices[0].message.content
+    assert usage is not None and usage.completion_tokens == 24
+
+
+def test_models(client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+def test_sampling_parameters_pass_through(client):
+    two = client.completions.create(
+        model=MODEL, prompt="Once upon", max_tokens=5, n=2, temperature=1.0, seed=7
+    )
+    assert len(two.choices) == 2
+    again = client.completions.create(
+        model=MODEL, prompt="Once upon", max_tokens=5, n=2, temperature=1.0, seed=7
+    )
+    assert [c.text for c in again.choices] == [c.text for c in two.choices]
+    scored = client.completions.create(
+        model=MODEL, prompt="Once upon", max_tokens=3, logprobs=2, temperature=0
+    )
+    assert len(scored.choices[0].logprobs.top_logprobs) == 3
+    assert all(len(top) >= 2 for top in scored.choices[0].logprobs.top_logprobs)
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+        logprobs=True, top_logprobs=2, top_p=0.5,
+    )  # fmt: skip
+    assert len(chat.choices[0].logprobs.content) == 3
+    free = client.completions.create(model=MODEL, prompt="Once upon", max_tokens=12, temperature=0)
+    first_word = free.choices[0].text[1:4]
+    stopped = client.completions.create(
+        model=MODEL, prompt="Once upon", max_tokens=12, temperature=0, stop=[first_word]
+    )
+    assert first_word not in stopped.choices[0].text
+    assert stopped.choices[0].finish_reason == "stop"
+
+
+BAD_REQUESTS = [
+    # (endpoint, body, status, param)
+    ("/v1/completions", {"prompt": "hi"}, 400, "model"),
+    ("/v1/chat/completions", {"model": MODEL}, 400, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": "hi"}, 400, "messages"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": "8"}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"model": "no-such-model", "prompt": "hi"}, 404, "model"),
+    (
+        "/v1/chat/completions",
+        {"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]},
+        404,
+        "model",
+    ),
+    ("/v1/completions", {"model": MODEL, "prompt": "hello " * 5000}, 400, None),
+    ("/v1/completions", {"model": MODEL, "prompt": "hello", "max_tokens": 100000}, 400, None),
+]
+
+
+@pytest.mark.parametrize("endpoint,body,status,param", BAD_REQUESTS)
+def test_bad_input_gets_an_openai_error(served, endpoint, body, status, param):
+    response = httpx.post(f"{served.url}{endpoint}", json=body, timeout=30)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["code"] == status and error["message"] and error["type"]
+    if param:
+        assert error["param"] == param
+
+
+@pytest.mark.parametrize("raw", [b'{"model": "tiny", "prompt": "x"', b"not json", b"[1, 2]", b""])
+def test_malformed_body_is_a_400(served, raw):
+    response = httpx.post(
+        f"{served.url}/v1/completions", content=raw, headers={"content-type": "application/json"}, timeout=30
+    )
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["type"] == "BadRequestError"
+
+
+def test_bad_input_loses_nothing(served, client):
+    """After a run of bad requests, the next good request is served as usual."""
+    for endpoint, body, _, _ in BAD_REQUESTS:
+        httpx.post(f"{served.url}{endpoint}", json=body, timeout=30)
+    result = client.completions.create(model=MODEL, prompt="still here", max_tokens=4, temperature=0)
+    assert result.usage.completion_tokens == 4
+
+
+def test_openai_client_sees_typed_errors(client):
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="missing", prompt="x", max_tokens=1)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=0)
+
+
+def test_health_and_metrics(served, client):
+    assert httpx.get(f"{served.url}/health", timeout=5).json()["ready_instances"] == 1
+    client.completions.create(model=MODEL, prompt="count me", max_tokens=2)
+    text = httpx.get(f"{served.url}/metrics", timeout=5).text
+    assert 'pdcluster_router_requests_total{endpoint="/v1/completions",status="200"}' in text
+    assert 'pdcluster_router_instances{role="colocated",state="ready"} 1.0' in text

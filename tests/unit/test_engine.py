@@ -1,0 +1,59 @@
+"""Engine-side pieces that need no engine: config validation, timelines, core placement."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from pydantic import ValidationError
+
+from deploy.launcher import cpu_core_sets
+from engine.config import EngineConfig
+from engine.environment import engine_env
+from engine.host import STAGE_PATTERNS
+from engine.lifecycle import StartTimeline
+
+
+def test_engine_config_rejects_a_folder_without_a_model(tmp_path):
+    with pytest.raises(ValidationError, match="config.json"):
+        EngineConfig(model=tmp_path, served_model_name="m")
+
+
+def test_engine_config_forbids_unknown_fields(tiny_model):
+    with pytest.raises(ValidationError, match="extra"):
+        EngineConfig(model=tiny_model, served_model_name="m", blocksize=16)
+
+
+def test_timeline_durations_add_up():
+    timeline = StartTimeline(started_at=time.time() - 1.0)
+    for stage in ("spawn_and_import", "weights", "warmup_request"):
+        timeline.mark(stage)
+    timeline.mark("weights")  # a repeated mark keeps the first
+    record = timeline.as_record()
+    assert list(record["stages_s"]) == ["spawn_and_import", "weights", "warmup_request"]
+    assert sum(record["stages_s"].values()) == pytest.approx(record["total_s"], abs=1e-3)
+    assert record["total_s"] >= 1.0
+
+
+def test_stage_patterns_match_vllm_log_lines():
+    lines = {
+        "weights": "(Worker pid=1) INFO [default_loader.py:501] Loading weights took 0.02 seconds",
+        "kv_cache_and_profile": "INFO [core.py:402] init engine (profile, create kv cache, warmup model) took 2.79 s",
+        "api_server": "INFO:     Application startup complete.",
+    }
+    patterns = dict(STAGE_PATTERNS)
+    for stage, line in lines.items():
+        assert patterns[stage].search(line), stage
+
+
+@pytest.mark.parametrize(
+    "engines,cores,expected",
+    [(1, 2, ["1"]), (2, 2, ["0", "1"]), (2, 5, ["1-2", "3-4"]), (3, 8, ["1-2", "3-4", "5-6"]), (0, 4, [])],
+)
+def test_cpu_core_sets_are_disjoint_and_spare_core_zero(engines, cores, expected):
+    assert cpu_core_sets(engines, cores) == expected
+
+
+def test_engine_env_keeps_ucx_on_loopback_only_for_loopback_hosts():
+    assert engine_env("127.0.0.1", 1, "1")["UCX_NET_DEVICES"] == "lo"
+    assert "UCX_NET_DEVICES" not in engine_env("10.0.0.5", 1, None)

@@ -1,0 +1,109 @@
+"""The router without engines: validation, error shapes, policies, dead instances."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from fastapi.testclient import TestClient
+
+from engine.config import Role
+from engine.host import free_port
+from engine.lifecycle import InstanceState
+from router.app import build_app
+from router.config import RouterConfig
+from router.instances import Instance, InstanceRegistry
+from router.policy import LeastLoaded, RoundRobin, make_policy
+
+
+def make_client(instances: list[Instance]) -> TestClient:
+    registry = InstanceRegistry()
+    for instance in instances:
+        registry.add(instance)
+    config = RouterConfig(served_model_name="m", max_model_len=128, health_interval_s=60)
+    return TestClient(build_app(config, registry))
+
+
+def dead_instance(instance_id: str = "dead-0") -> Instance:
+    """An instance whose port nothing listens on: a real refused connection."""
+    return Instance(instance_id, Role.COLOCATED, f"http://127.0.0.1:{free_port('127.0.0.1')}")
+
+
+def test_no_instance_is_a_503_with_retry_after():
+    with make_client([]) as client:
+        response = client.post("/v1/completions", json={"model": "m", "prompt": "x"})
+    assert response.status_code == 503
+    assert response.headers["retry-after"] == "2"
+    assert response.json()["error"]["type"] == "ServiceUnavailableError"
+    with make_client([]) as client:
+        assert client.get("/health").status_code == 503
+
+
+def test_dead_instances_fail_fast_with_a_clean_error():
+    with make_client([dead_instance("dead-0"), dead_instance("dead-1")]) as client:
+        started = time.monotonic()
+        first = client.post(
+            "/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "x"}]}
+        )
+        second = client.post("/v1/completions", json={"model": "m", "prompt": "x", "stream": True})
+        elapsed = time.monotonic() - started
+    assert first.status_code == 502 and "unreachable" in first.json()["error"]["message"]
+    assert second.status_code == 503  # both were taken out of rotation by the first failure
+    assert elapsed < 10
+
+
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"model": "m"}, "prompt"),
+        ({"model": "m", "prompt": []}, "prompt"),
+        ({"model": "m", "prompt": "x", "n": 0}, "n"),
+        ({"model": "m", "prompt": "x", "top_p": 0}, "top_p"),
+        ({"model": "m", "prompt": "x", "stream": "yes"}, "stream"),
+        ({"model": "m", "prompt": "x", "logprobs": 21}, "logprobs"),
+        ({"model": 3, "prompt": "x"}, "model"),
+    ],
+)
+def test_validation_errors_name_the_parameter(body, param):
+    with make_client([]) as client:
+        response = client.post("/v1/completions", json=body)
+    assert response.status_code == 400
+    assert response.json()["error"]["param"].split(".")[0] == param
+
+
+def test_unknown_route_is_an_openai_404():
+    with make_client([]) as client:
+        response = client.get("/v1/nothing")
+    assert response.status_code == 404
+    assert response.json()["error"]["code"] == 404
+
+
+def test_models_lists_the_served_model():
+    with make_client([]) as client:
+        assert client.get("/v1/models").json()["data"][0]["id"] == "m"
+
+
+def test_round_robin_cycles_and_least_loaded_prefers_idle():
+    instances = [Instance(f"i{n}", Role.COLOCATED, "http://127.0.0.1:1") for n in range(3)]
+    rr = RoundRobin()
+    assert [rr.choose(instances).instance_id for _ in range(6)] == ["i0", "i1", "i2", "i0", "i1", "i2"]
+    instances[0].inflight, instances[1].inflight, instances[2].inflight = 3, 1, 2
+    assert LeastLoaded().choose(instances).instance_id == "i1"
+    with pytest.raises(ValueError, match="unknown routing policy"):
+        make_policy("nope")
+
+
+def test_registry_serves_only_ready_instances_of_serving_roles():
+    registry = InstanceRegistry()
+    registry.add(Instance("a", Role.COLOCATED, "u", InstanceState.READY))
+    registry.add(Instance("b", Role.COLOCATED, "u", InstanceState.LOADING))
+    registry.add(Instance("c", Role.PREFILL, "u", InstanceState.READY))
+    assert [i.instance_id for i in registry.ready((Role.COLOCATED, Role.DECODE))] == ["a"]
+    with pytest.raises(ValueError):
+        registry.add(Instance("a", Role.COLOCATED, "u"))
+
+
+def test_router_refuses_a_non_loopback_bind_unless_allowed():
+    with pytest.raises(ValueError, match="not loopback"):
+        RouterConfig(host="0.0.0.0", served_model_name="m", max_model_len=1)
+    assert RouterConfig(host="0.0.0.0", served_model_name="m", max_model_len=1, allow_remote=True)
