@@ -24,6 +24,7 @@ serve: install
 	$(VENV)/bin/pdcluster serve
 
 test: install
+	$(VENV)/bin/ruff check .
 	$(VENV)/bin/pytest -ra
 
 lint: install

@@ -5,11 +5,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Sequence
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.config import Role
@@ -31,8 +34,26 @@ ERROR_RESPONSES = {
 }  # fmt: skip
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    first = exc.errors()[0]
+def _body_schema(model: type[SamplingRequest]) -> dict:
+    """The request model's JSON schema for the OpenAPI document, with its $defs inlined."""
+    schema = model.model_json_schema()
+    definitions = schema.pop("$defs", {})
+
+    def inline(node: Any) -> Any:
+        if isinstance(node, dict):
+            if "$ref" in node:
+                return inline(definitions[node["$ref"].rsplit("/", 1)[-1]])
+            return {key: inline(value) for key, value in node.items()}
+        if isinstance(node, list):
+            return [inline(item) for item in node]
+        return node
+
+    content = {"application/json": {"schema": inline(schema)}}
+    return {"requestBody": {"content": content, "required": True}}
+
+
+def _validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
+    first = errors[0]
     location = [str(part) for part in first.get("loc", ()) if part != "body"]
     if first.get("type") == "json_invalid":
         return "the request body is not valid JSON", None
@@ -67,7 +88,7 @@ def build_app(config: RouterConfig, registry: InstanceRegistry) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(exc)
+        message, param = _validation_message(exc.errors())
         return BadRequest(message, param).response()
 
     @app.exception_handler(StarletteHTTPException)
@@ -87,15 +108,27 @@ def build_app(config: RouterConfig, registry: InstanceRegistry) -> FastAPI:
     def serving_instances():
         return registry.ready(SERVING_ROLES)
 
-    @app.post("/v1/completions", responses=ERROR_RESPONSES)
-    async def completions(request: CompletionRequest) -> Response:
-        check_model(request)
-        return await forwarder.forward("/v1/completions", request.forwarded(), serving_instances)
+    async def parse(request: Request, model: type[SamplingRequest]) -> SamplingRequest:
+        # pydantic-core parses and validates the raw bytes in one pass, several times faster
+        # than FastAPI's body handling; the schema is still published through openapi_extra.
+        try:
+            parsed = model.model_validate_json(await request.body())
+        except ValidationError as exc:
+            raise BadRequest(*_validation_message(exc.errors())) from None
+        check_model(parsed)
+        return parsed
 
-    @app.post("/v1/chat/completions", responses=ERROR_RESPONSES)
-    async def chat_completions(request: ChatCompletionRequest) -> Response:
-        check_model(request)
-        return await forwarder.forward("/v1/chat/completions", request.forwarded(), serving_instances)
+    @app.post("/v1/completions", responses=ERROR_RESPONSES, openapi_extra=_body_schema(CompletionRequest))
+    async def completions(request: Request) -> Response:
+        parsed = await parse(request, CompletionRequest)
+        return await forwarder.forward("/v1/completions", parsed.forwarded(), serving_instances)
+
+    @app.post(
+        "/v1/chat/completions", responses=ERROR_RESPONSES, openapi_extra=_body_schema(ChatCompletionRequest)
+    )
+    async def chat_completions(request: Request) -> Response:
+        parsed = await parse(request, ChatCompletionRequest)
+        return await forwarder.forward("/v1/chat/completions", parsed.forwarded(), serving_instances)
 
     @app.get("/v1/models")
     async def models() -> dict:

@@ -22,6 +22,8 @@ class RouterConfig(BaseModel):
     """Longest wait to open a connection to an engine."""
     request_timeout_s: float = Field(600.0, gt=0)
     """Longest wait for an engine's next bytes of a response (raise for very long generations)."""
+    max_request_s: float = Field(3600.0, gt=0)
+    """Longest a whole request may take, streaming included."""
     max_attempts: int = Field(2, ge=1)
     """Instances tried for a request that failed before any byte was streamed."""
     health_interval_s: float = Field(2.0, gt=0)

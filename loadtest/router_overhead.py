@@ -1,0 +1,185 @@
+"""What the router adds: TTFT and total time through the router vs straight to the same engine.
+
+    python -m loadtest.router_overhead [--url http://127.0.0.1:8000] [--rounds 200]
+
+Without --url it starts `pdcluster serve --model tiny` itself. Requests alternate between the two
+paths (router, engine, router, ...) so drift in the engine's speed hits both alike; the same
+streamed completion is sent each time. Prints a table, writes JSON (results/router_overhead.json).
+
+On a 2-core machine the router, the client and vLLM's server processes share cores, so part of
+what the real run shows is contention. `--null-engine` puts a router in front of a stand-in
+server that streams 16 canned SSE events at once (named as such: no engine runs), which isolates
+the router's own cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import httpx
+from rich.console import Console
+from rich.progress import track
+from rich.table import Table
+
+from deploy.local import LocalServer
+
+
+def timed_stream(client: httpx.Client, base_url: str, body: dict) -> tuple[float, float]:
+    """(seconds to the first streamed token, seconds to the end) of one streamed completion."""
+    started = time.perf_counter()
+    first = None
+    with client.stream("POST", f"{base_url}/v1/completions", json=body) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if first is None and line.startswith("data: {"):
+                first = time.perf_counter() - started
+    return first if first is not None else float("nan"), time.perf_counter() - started
+
+
+def measure(router_url: str, engine_url: str, model: str, rounds: int, max_tokens: int) -> dict:
+    body = {"model": model, "prompt": "Measure the router's overhead, please.", "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "ignore_eos": True}  # fmt: skip
+    samples: dict[str, dict[str, list[float]]] = {p: {"ttft": [], "total": []} for p in ("router", "engine")}
+    with httpx.Client(timeout=60) as client:
+        for url in (router_url, engine_url) * 5:  # warm both paths' connections and caches
+            timed_stream(client, url, body)
+        for _ in track(range(rounds), description="router vs engine"):
+            for path, url in (("router", router_url), ("engine", engine_url)):
+                ttft, total = timed_stream(client, url, body)
+                samples[path]["ttft"].append(ttft)
+                samples[path]["total"].append(total)
+    summary = {
+        path: {metric: {"median_ms": statistics.median(v) * 1e3,
+                        "p90_ms": statistics.quantiles(v, n=10)[-1] * 1e3} for metric, v in metrics.items()}
+        for path, metrics in samples.items()
+    }  # fmt: skip
+    summary["added_ms"] = {
+        metric: summary["router"][metric]["median_ms"] - summary["engine"][metric]["median_ms"]
+        for metric in ("ttft", "total")
+    }
+    return summary
+
+
+async def null_engine_app(scope, receive, send) -> None:
+    """A stand-in for an engine: answers any POST with 16 SSE token events and [DONE] at once."""
+    if scope["type"] != "http":
+        return
+    while (await receive()).get("more_body"):
+        pass
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+    for _ in range(16):
+        event = b'data: {"choices": [{"index": 0, "text": "x"}]}\n\n'
+        await send({"type": "http.response.body", "body": event, "more_body": True})
+    await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+
+
+def _serve_router_before(engine_url: str, port: int) -> None:
+    import uvicorn
+
+    from engine.config import Role
+    from router.app import build_app
+    from router.config import RouterConfig
+    from router.instances import Instance, InstanceRegistry
+
+    registry = InstanceRegistry()
+    registry.add(Instance("null-0", Role.COLOCATED, engine_url))
+    config = RouterConfig(served_model_name="null", max_model_len=4096, port=port, health_interval_s=3600)
+    uvicorn.run(build_app(config, registry), host="127.0.0.1", port=port, log_level="error")
+
+
+def null_engine_run(rounds: int, runs: int) -> list[dict]:
+    """Router in front of the null engine, each in its own process."""
+    import multiprocessing
+
+    import uvicorn
+
+    from engine.host import free_port
+
+    engine_port, router_port = free_port("127.0.0.1"), free_port("127.0.0.1")
+    engine_url, router_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{router_port}"
+    context = multiprocessing.get_context("spawn")
+    processes = [
+        context.Process(target=uvicorn.run, args=(null_engine_app,),
+                        kwargs={"host": "127.0.0.1", "port": engine_port, "log_level": "error"}),
+        context.Process(target=_serve_router_before, args=(engine_url, router_port)),
+    ]  # fmt: skip
+    for process in processes:
+        process.start()
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{router_url}/v1/models", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        return [measure(router_url, engine_url, "null", rounds, 16) for _ in range(runs)]
+    finally:
+        for process in processes:
+            process.terminate()
+            process.join(10)
+
+
+def print_table(result: dict, console: Console) -> None:
+    table = Table(title=f"router overhead ({result['engine_kind']}), {result['rounds']} rounds x "
+                  f"{result['runs']} runs (medians of runs)")
+    for column in ("metric", "engine direct ms", "through router ms", "added ms"):
+        table.add_column(column, justify="right")
+    for metric in ("ttft", "total"):
+        table.add_row(
+            metric,
+            f"{result['engine'][metric]:.2f}",
+            f"{result['router'][metric]:.2f}",
+            f"{result['added_ms'][metric]:.2f}",
+        )
+    console.print(table)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--url", help="a running pdcluster router (default: start one with the tiny model)")
+    parser.add_argument("--rounds", type=int, default=200)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--null-engine", action="store_true", help="measure against a stand-in engine")
+    parser.add_argument("--out", type=Path, default=Path("results/router_overhead.json"))
+    args = parser.parse_args(argv)
+    console = Console()
+    server = None
+    if args.null_engine:
+        runs = null_engine_run(args.rounds, args.runs)
+    elif args.url is None:
+        server = LocalServer(["--model", "tiny"], Path("results/router_overhead-serve.log")).start()
+    if not args.null_engine:
+        try:
+            router_url = args.url or server.url
+            (instance,) = httpx.get(f"{router_url}/admin/instances", timeout=5).json()["instances"][:1]
+            model = httpx.get(f"{router_url}/v1/models", timeout=5).json()["data"][0]["id"]
+            runs = [measure(router_url, instance["url"], model, args.rounds, args.max_tokens)
+                    for _ in range(args.runs)]  # fmt: skip
+        finally:
+            if server:
+                server.stop()
+    result = {
+        "engine_kind": "null engine (stand-in)" if args.null_engine else "vLLM engine",
+        "rounds": args.rounds,
+        "runs": args.runs,
+        "max_tokens": args.max_tokens,
+        **{path: {m: statistics.median(r[path][m]["median_ms"] for r in runs) for m in ("ttft", "total")}
+           for path in ("router", "engine")},
+        "added_ms": {m: statistics.median(r["added_ms"][m] for r in runs) for m in ("ttft", "total")},
+        "per_run": runs,
+    }  # fmt: skip
+    print_table(result, console)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    console.print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
