@@ -50,12 +50,20 @@ def _add_serve_parser(subparsers) -> None:
         default=os.environ.get("RAY_ADDRESS"),
         help="join this Ray cluster instead of starting a head on loopback",
     )
-    parser.add_argument("--policy", default="round_robin")
+    parser.add_argument("--policy", default="kv_aware", help="routing policy (router.policies.POLICIES)")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--kv-cache-gib", type=float, default=1.0)
     parser.add_argument("--no-eager", action="store_true", help="allow compilation / CUDA graphs")
     parser.add_argument("--start-timeout", type=float, default=300.0)
     parser.set_defaults(func=_cmd_serve)  # fmt: skip
+
+
+def _add_simulate_parser(subparsers) -> None:
+    from loadtest import simulate
+
+    parser = subparsers.add_parser("simulate", help="replay a Mooncake trace through the routing policies")
+    simulate.add_arguments(parser)
+    parser.set_defaults(func=simulate.run)
 
 
 def _cmd_model(args: argparse.Namespace) -> int:
@@ -92,8 +100,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         )
         router_config = RouterConfig(
             host=args.host, port=args.port, served_model_name=name,
-            max_model_len=args.max_model_len, policy=args.policy,
-            allow_remote=args.address is not None,
+            max_model_len=args.max_model_len, policy=args.policy, tokenizer=model_path,
+            block_size=engine_config.block_size, allow_remote=args.address is not None,
         )  # fmt: skip
         if args.instances < 1:
             raise ValueError("--instances must be at least 1")
@@ -109,10 +117,16 @@ async def _serve(engine_config, router_config, instances: int, address: str | No
     import uvicorn
 
     from deploy.launcher import Launcher, cpu_core_sets, is_cpu_build, start_ray
+    from engine.host import free_port, node_address
     from router.app import build_app
     from router.instances import InstanceRegistry
 
     started_head = start_ray(address)
+    # The engines publish their KV events to the router's SUB socket, on the router's node.
+    events_host = node_address()
+    events_endpoint = f"tcp://{events_host}:{free_port(events_host)}"
+    router_config = router_config.model_copy(update={"kv_events_endpoint": events_endpoint})
+    engine_config = engine_config.model_copy(update={"kv_events_endpoint": events_endpoint})
     registry = InstanceRegistry()
     launcher = Launcher(registry, console)
     cores = cpu_core_sets(instances, os.cpu_count() or 1) if is_cpu_build() and not address else []
@@ -155,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     subparsers = parser.add_subparsers(required=True, metavar="COMMAND")
     _add_model_parser(subparsers)
     _add_serve_parser(subparsers)
+    _add_simulate_parser(subparsers)
     args = parser.parse_args(argv)
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:

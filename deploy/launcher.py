@@ -121,7 +121,10 @@ class Launcher:
                 instance_id, actors[instance_id], info["url"], Role(info["role"]), timeline
             )
             self.instances[instance_id] = record
-            self.registry.add(Instance(instance_id, record.role, record.url, InstanceState.READY))
+            self.registry.add(
+                Instance(instance_id, record.role, record.url, InstanceState.READY,
+                         kv_events_replay_endpoint=info["kv_events_replay_endpoint"])
+            )  # fmt: skip
             started.append(record)
             self.console.print(
                 f"[green]{instance_id}[/] ready at {record.url} in {timeline['total_s']:.1f} s "

@@ -38,6 +38,9 @@ class EngineConfig(BaseModel):
     """Share of GPU memory vLLM may take on a CUDA build."""
     cpu_cores: str | None = None
     """Cores the CPU build binds its threads to ("1", "2-3"); None lets vLLM choose."""
+    kv_events_endpoint: str | None = None
+    """Where the engine publishes its KV events (the router's SUB socket, tcp://host:port);
+    None publishes none."""
     start_timeout_s: float = Field(300.0, gt=0)
     """Longest a start may take before the instance is declared failed."""
     extra_args: tuple[str, ...] = ()

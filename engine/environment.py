@@ -23,6 +23,11 @@ def use_loopback_ray() -> None:
     os.environ.update(RAY_LOOPBACK_ENV)
 
 
+# Seeds the root of vLLM's prefix-cache block hashes (and LMCache's fallback hash) in every engine;
+# the router derives the same root so its block hashes are the engines' (router/hashing.py).
+KV_HASH_SEED = "0"
+
+
 def is_loopback(host: str) -> bool:
     try:
         return ipaddress.ip_address(host).is_loopback
@@ -37,7 +42,7 @@ def engine_env(host: str, kv_cache_gib: float, cpu_cores: str | None) -> dict[st
         "VLLM_NIXL_SIDE_CHANNEL_HOST": host,
         "VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_gib:g}",
         # LMCache falls back to Python's randomized hash; KV keys must agree across processes.
-        "PYTHONHASHSEED": "0",
+        "PYTHONHASHSEED": KV_HASH_SEED,
         "PYTHONUNBUFFERED": "1",
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import ctypes
+import json
 import os
 import re
 import signal
@@ -65,6 +66,9 @@ class EngineHost:
         self.instance_id = instance_id
         self.host = host or node_address()
         self.port = free_port(self.host)
+        self.kv_events_replay_endpoint = (
+            f"tcp://{self.host}:{free_port(self.host)}" if config.kv_events_endpoint else None
+        )
         self.state = InstanceState.STANDBY
         self.timeline = StartTimeline()
         self._process: subprocess.Popen[str] | None = None
@@ -83,6 +87,7 @@ class EngineHost:
             "state": self.state.value,
             "served_model_name": self.config.served_model_name,
             "max_model_len": self.config.max_model_len,
+            "kv_events_replay_endpoint": self.kv_events_replay_endpoint,
             "pid": self._process.pid if self._process else None,
             "last_stage": self.timeline.marks[-1][0] if self.timeline.marks else "",
             "elapsed_s": time.time() - self.timeline.started_at,
@@ -103,6 +108,15 @@ class EngineHost:
         ]  # fmt: skip
         if c.enforce_eager:
             command.append("--enforce-eager")
+        if c.kv_events_endpoint:
+            events = {
+                "enable_kv_cache_events": True,
+                "publisher": "zmq",
+                "topic": self.instance_id,
+                "endpoint": c.kv_events_endpoint,
+                "replay_endpoint": self.kv_events_replay_endpoint,
+            }
+            command += ["--kv-events-config", json.dumps(events)]
         return command + list(c.extra_args)
 
     async def start(self) -> dict:

@@ -70,7 +70,9 @@ async def null_engine_app(scope, receive, send) -> None:
         return
     while (await receive()).get("more_body"):
         pass
-    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+    await send(
+        {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]}
+    )
     for _ in range(16):
         event = b'data: {"choices": [{"index": 0, "text": "x"}]}\n\n'
         await send({"type": "http.response.body", "body": event, "more_body": True})
@@ -125,8 +127,10 @@ def null_engine_run(rounds: int, runs: int) -> list[dict]:
 
 
 def print_table(result: dict, console: Console) -> None:
-    table = Table(title=f"router overhead ({result['engine_kind']}), {result['rounds']} rounds x "
-                  f"{result['runs']} runs (medians of runs)")
+    table = Table(
+        title=f"router overhead ({result['engine_kind']}), {result['rounds']} rounds x "
+        f"{result['runs']} runs (medians of runs)"
+    )
     for column in ("metric", "engine direct ms", "through router ms", "added ms"):
         table.add_column(column, justify="right")
     for metric in ("ttft", "total"):
@@ -140,7 +144,9 @@ def print_table(result: dict, console: Console) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--url", help="a running pdcluster router (default: start one with the tiny model)")
     parser.add_argument("--rounds", type=int, default=200)
     parser.add_argument("--runs", type=int, default=3)

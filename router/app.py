@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -16,12 +17,14 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.config import Role
-from engine.lifecycle import InstanceState
 from router import metrics
 from router.config import RouterConfig
 from router.errors import BadRequest, ModelNotFound, RouterError, error_body
+from router.hashing import PromptHasher
 from router.instances import HealthMonitor, InstanceRegistry
-from router.policy import make_policy
+from router.kv_events import KVEventListener
+from router.kv_index import KVIndex
+from router.policies import PolicyContext, RoutingRequest, make_policy
 from router.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from router.proxy import Forwarder
 
@@ -61,26 +64,84 @@ def _validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
     return f"{param or 'body'}: {first.get('msg', 'invalid value')}", param
 
 
+class RequestAnalyzer:
+    """Turns a validated request into what routing policies see (tokens, block hashes, text)."""
+
+    # Tokenizing a long prompt takes milliseconds: off the event loop beyond this many chars.
+    INLINE_CHARS = 2048
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.block_size = config.block_size
+        self.hasher = (
+            PromptHasher(config.tokenizer, config.block_size, config.hash_seed) if config.tokenizer else None
+        )
+
+    async def analyze(self, request: SamplingRequest) -> RoutingRequest:
+        text = _prompt_text(request)
+        if self.hasher is None:
+            return RoutingRequest((), 0, self.block_size, text)
+        if len(text) > self.INLINE_CHARS:
+            tokens = await asyncio.to_thread(self.token_ids, request)
+        else:
+            tokens = self.token_ids(request)
+        hashes = self.hasher.block_hashes(tokens, getattr(request, "cache_salt", None))
+        return RoutingRequest(hashes, len(tokens), self.block_size, text)
+
+    def token_ids(self, request: SamplingRequest) -> list[int]:
+        assert self.hasher is not None
+        if isinstance(request, ChatCompletionRequest):
+            messages = [m.model_dump(exclude_unset=True) for m in request.messages]
+            return self.hasher.chat_tokens(messages, request.model_extra or {})
+        assert isinstance(request, CompletionRequest)
+        return self.hasher.completion_tokens(request.prompt)
+
+
+def _prompt_text(request: SamplingRequest) -> str:
+    if isinstance(request, ChatCompletionRequest):
+        return "\n".join(str(m.content) for m in request.messages if m.content)
+    prompt = request.prompt  # type: ignore[attr-defined]
+    return prompt if isinstance(prompt, str) else ""
+
+
 def build_app(config: RouterConfig, registry: InstanceRegistry) -> FastAPI:
-    """The router's FastAPI app; its lifespan owns the HTTP client and the health monitor."""
-    policy = make_policy(config.policy)
-    forwarder = Forwarder(config, registry, policy.choose)
+    """The router's FastAPI app; its lifespan owns the HTTP client, the health monitor and the
+    KV event listener."""
+    index = KVIndex(config.max_index_blocks_per_instance, config.speculative_ttl_s)
+    policy = make_policy(
+        config.policy,
+        PolicyContext(
+            index=index, prefill_tokens_per_s=config.prefill_tokens_per_s, fetch_cost=config.fetch_cost
+        ),
+    )
+    analyzer = RequestAnalyzer(config)
+    forwarder = Forwarder(config, registry, policy)
     monitor = HealthMonitor(
         registry, config.health_interval_s, config.health_timeout_s, config.health_failure_threshold
+    )
+    listener = (
+        KVEventListener(index, config.kv_events_endpoint, registry.replay_endpoint_of)
+        if config.kv_events_endpoint
+        else None
     )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         monitor.start()
+        if listener:
+            listener.start()
         try:
             yield
         finally:
             await monitor.stop()
+            if listener:
+                await listener.stop()
             await forwarder.close()
 
     app = FastAPI(title="pdcluster router", lifespan=lifespan)
     app.state.registry = registry
     app.state.config = config
+    app.state.index = index
+    app.state.listener = listener
 
     @app.exception_handler(RouterError)
     async def _router_error(_: Request, exc: RouterError) -> JSONResponse:
@@ -121,14 +182,16 @@ def build_app(config: RouterConfig, registry: InstanceRegistry) -> FastAPI:
     @app.post("/v1/completions", responses=ERROR_RESPONSES, openapi_extra=_body_schema(CompletionRequest))
     async def completions(request: Request) -> Response:
         parsed = await parse(request, CompletionRequest)
-        return await forwarder.forward("/v1/completions", parsed.forwarded(), serving_instances)
+        routing = await analyzer.analyze(parsed)
+        return await forwarder.forward("/v1/completions", parsed.forwarded(), serving_instances, routing)
 
     @app.post(
         "/v1/chat/completions", responses=ERROR_RESPONSES, openapi_extra=_body_schema(ChatCompletionRequest)
     )
     async def chat_completions(request: Request) -> Response:
         parsed = await parse(request, ChatCompletionRequest)
-        return await forwarder.forward("/v1/chat/completions", parsed.forwarded(), serving_instances)
+        routing = await analyzer.analyze(parsed)
+        return await forwarder.forward("/v1/chat/completions", parsed.forwarded(), serving_instances, routing)
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -165,7 +228,19 @@ def build_app(config: RouterConfig, registry: InstanceRegistry) -> FastAPI:
             ]
         }  # fmt: skip
 
+    @app.post("/admin/explain")
+    async def explain(request: Request) -> dict:
+        """What the router sees of a request: its tokens, block hashes, and which instances hold
+        how many of its leading blocks. Routes nothing."""
+        body = await request.body()
+        kind = ChatCompletionRequest if b'"messages"' in body else CompletionRequest
+        parsed = await parse(request, kind)
+        routing = await analyzer.analyze(parsed)
+        return {
+            "token_ids": analyzer.token_ids(parsed) if analyzer.hasher else None,
+            "block_hashes": [str(h) for h in routing.block_hashes],
+            "matched_blocks": index.match(routing.block_hashes),
+            "kv_event_batches": listener.batches_applied if listener else 0,
+        }
+
     return app
-
-
-__all__ = ["build_app", "InstanceState"]

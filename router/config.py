@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from engine.environment import is_loopback
+from engine.environment import KV_HASH_SEED, is_loopback
 
 
 class RouterConfig(BaseModel):
@@ -16,8 +18,23 @@ class RouterConfig(BaseModel):
     served_model_name: str
     """The model name clients must send."""
     max_model_len: int = Field(ge=1)
-    policy: str = "round_robin"
-    """Routing policy name (see router.policy.POLICIES)."""
+    policy: str = "kv_aware"
+    """Routing policy: a name in router.policies.POLICIES, or module:Class."""
+    tokenizer: Path | None = None
+    """Model folder whose tokenizer the router hashes prompts with; None routes on load only."""
+    block_size: int = Field(32, ge=1)
+    """The engines' KV block size (their prefix-cache granularity)."""
+    hash_seed: str = KV_HASH_SEED
+    """The engines' block-hash seed (their PYTHONHASHSEED)."""
+    kv_events_endpoint: str | None = None
+    """Where the router's SUB socket binds for the engines' KV events (tcp://host:port)."""
+    speculative_ttl_s: float = Field(2.0, gt=0)
+    """How long a just-routed request's blocks count as held before an event confirms them."""
+    max_index_blocks_per_instance: int = Field(1_000_000, ge=1)
+    prefill_tokens_per_s: float = Field(20_000.0, gt=0)
+    """An instance's prefill speed in the routing cost model."""
+    fetch_cost: float = Field(0.05, ge=0, le=1)
+    """Fetching a block from the KV store costs this share of computing it."""
     connect_timeout_s: float = Field(5.0, gt=0)
     """Longest wait to open a connection to an engine."""
     request_timeout_s: float = Field(600.0, gt=0)

@@ -27,7 +27,11 @@ class Instance:
     state: InstanceState = InstanceState.READY
     inflight: int = 0
     """Requests the router has sent there and not yet seen finish."""
+    pending_prefill_tokens: float = 0.0
+    """Prompt tokens routed there whose prefill has not finished (the router's estimate)."""
     failed_checks: int = 0
+    kv_events_replay_endpoint: str | None = None
+    """The engine's replay socket for missed KV event batches."""
 
 
 class InstanceRegistry:
@@ -43,6 +47,10 @@ class InstanceRegistry:
 
     def remove(self, instance_id: str) -> Instance | None:
         return self._instances.pop(instance_id, None)
+
+    def replay_endpoint_of(self, instance_id: str) -> str | None:
+        instance = self._instances.get(instance_id)
+        return instance.kv_events_replay_endpoint if instance else None
 
     def get(self, instance_id: str) -> Instance | None:
         return self._instances.get(instance_id)

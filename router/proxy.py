@@ -14,19 +14,18 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 
 import aiohttp
 from fastapi.responses import Response, StreamingResponse
 
 from router import metrics
 from router.config import RouterConfig
-from router.errors import EngineFailed, NoInstance, RouterError, error_body
+from router.errors import EngineFailed, NoInstance, error_body
 from router.instances import Instance, InstanceRegistry
+from router.policies import RoutingPolicy, RoutingRequest
 
 log = logging.getLogger(__name__)
-
-Chooser = Callable[[Sequence[Instance]], Instance]
 
 
 class _RetryableEngineError(Exception):
@@ -36,10 +35,10 @@ class _RetryableEngineError(Exception):
 class Forwarder:
     """Owns the pooled HTTP client to the engines."""
 
-    def __init__(self, config: RouterConfig, registry: InstanceRegistry, choose: Chooser):
+    def __init__(self, config: RouterConfig, registry: InstanceRegistry, policy: RoutingPolicy):
         self.config = config
         self.registry = registry
-        self.choose = choose
+        self.policy = policy
         self.timeout = aiohttp.ClientTimeout(
             total=config.max_request_s,
             connect=config.connect_timeout_s,
@@ -59,7 +58,9 @@ class Forwarder:
         if self._session is not None:
             await self._session.close()
 
-    async def forward(self, endpoint: str, body: dict, candidates: Callable[[], list[Instance]]) -> Response:
+    async def forward(
+        self, endpoint: str, body: dict, candidates: Callable[[], list[Instance]], request: RoutingRequest
+    ) -> Response:
         started = time.perf_counter()
         tried: set[str] = set()
         last_error: str = "no instance tried"
@@ -67,12 +68,16 @@ class Forwarder:
             ready = [i for i in candidates() if i.instance_id not in tried]
             if not ready:
                 break
-            instance = self.choose(ready)
+            decision = self.policy.choose(ready, request)
+            instance = decision.instance
             tried.add(instance.instance_id)
             if attempt:
                 metrics.RETRIES.inc()
+            prefill = _PrefillLoad(
+                instance, request.num_tokens - decision.cached_tokens - decision.store_tokens
+            )
             try:
-                return await self._send(instance, endpoint, body, started)
+                return await self._send(instance, endpoint, body, started, prefill)
             except _RetryableEngineError as exc:
                 last_error = str(exc)
                 log.warning("instance %s failed a request: %s", instance.instance_id, exc)
@@ -80,7 +85,9 @@ class Forwarder:
             raise NoInstance("no ready instance can serve this request; retry shortly", retry_after_s=2)
         raise EngineFailed(f"every instance tried failed; last error: {last_error}")
 
-    async def _send(self, instance: Instance, endpoint: str, body: dict, started: float) -> Response:
+    async def _send(
+        self, instance: Instance, endpoint: str, body: dict, started: float, prefill: _PrefillLoad
+    ) -> Response:
         self._enter(instance)
         handed_over = False
         try:
@@ -109,12 +116,14 @@ class Forwarder:
                 upstream.close()
                 raise _RetryableEngineError(f"stream ended before its first byte: {exc!r}") from None
             metrics.TIME_TO_FIRST_BYTE.labels(endpoint).observe(time.perf_counter() - started)
+            prefill.done()
             handed_over = True
             return StreamingResponse(
                 self._relay(instance, endpoint, upstream, first, chunks, started),
                 media_type="text/event-stream",
             )
         finally:
+            prefill.done()
             if not handed_over:
                 self._leave(instance)
 
@@ -165,4 +174,14 @@ class Forwarder:
         metrics.REQUESTS.labels(endpoint, str(status)).inc()
 
 
-__all__ = ["Forwarder", "RouterError"]
+class _PrefillLoad:
+    """Prompt tokens routed to an instance and not yet prefilled, counted until the first byte
+    (or the end of a non-streamed answer) comes back: the queue the cost model charges."""
+
+    def __init__(self, instance: Instance, tokens: int) -> None:
+        self.instance, self.tokens = instance, max(tokens, 0)
+        instance.pending_prefill_tokens += self.tokens
+
+    def done(self) -> None:
+        self.instance.pending_prefill_tokens -= self.tokens
+        self.tokens = 0

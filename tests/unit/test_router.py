@@ -13,14 +13,16 @@ from engine.lifecycle import InstanceState
 from router.app import build_app
 from router.config import RouterConfig
 from router.instances import Instance, InstanceRegistry
-from router.policy import LeastLoaded, RoundRobin, make_policy
+from router.policies import PolicyContext, RoutingRequest, make_policy
 
 
 def make_client(instances: list[Instance]) -> TestClient:
     registry = InstanceRegistry()
     for instance in instances:
         registry.add(instance)
-    config = RouterConfig(served_model_name="m", max_model_len=128, health_interval_s=60)
+    config = RouterConfig(
+        served_model_name="m", max_model_len=128, health_interval_s=60, policy="round_robin"
+    )
     return TestClient(build_app(config, registry))
 
 
@@ -85,12 +87,15 @@ def test_models_lists_the_served_model():
 
 def test_round_robin_cycles_and_least_loaded_prefers_idle():
     instances = [Instance(f"i{n}", Role.COLOCATED, "http://127.0.0.1:1") for n in range(3)]
-    rr = RoundRobin()
-    assert [rr.choose(instances).instance_id for _ in range(6)] == ["i0", "i1", "i2", "i0", "i1", "i2"]
+    request = RoutingRequest((), 10, 32)
+    rr = make_policy("round_robin")
+    picks = [rr.choose(instances, request).instance.instance_id for _ in range(6)]
+    assert picks == ["i0", "i1", "i2", "i0", "i1", "i2"]
     instances[0].inflight, instances[1].inflight, instances[2].inflight = 3, 1, 2
-    assert LeastLoaded().choose(instances).instance_id == "i1"
+    assert make_policy("least_loaded").choose(instances, request).instance.instance_id == "i1"
     with pytest.raises(ValueError, match="unknown routing policy"):
         make_policy("nope")
+    assert make_policy("router.policies.basic:RoundRobin", PolicyContext()).name == "round_robin"
 
 
 def test_registry_serves_only_ready_instances_of_serving_roles():

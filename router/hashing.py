@@ -1,0 +1,76 @@
+"""Prompt -> token ids -> KV block hashes, exactly as the engines compute them.
+
+Tokenization follows vLLM's OpenAI server: a completion prompt is encoded with the tokenizer's
+special tokens, a chat is rendered with the model's chat template (generation prompt added) and
+encoded without them. Block hashes come from vLLM's own `hash_block_tokens` and hash function,
+chained from the same root (`NONE_HASH`, derived from the same seed: the engines run with
+PYTHONHASHSEED set to `hash_seed`), with the cache salt as extra key of the first block, and
+converted to the 64-bit integers vLLM publishes in its KV events. A mismatch here silently
+turns every hit into a miss, so tests compare these hashes with the engines' own events.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from router.kv_index import BlockHash
+
+
+class PromptHasher:
+    def __init__(self, model: Path, block_size: int, hash_seed: str, hash_algorithm: str = "sha256") -> None:
+        from transformers import AutoTokenizer
+        from vllm.utils.hashing import get_hash_fn_by_name
+
+        self.tokenizer = AutoTokenizer.from_pretrained(model)
+        self.block_size = block_size
+        self._hash_fn = get_hash_fn_by_name(hash_algorithm)
+        self._root = self._hash_fn(hash_seed)
+
+    # --- tokens -------------------------------------------------------------------------------
+    def completion_tokens(
+        self, prompt: str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]]
+    ) -> list[int]:
+        """Token ids of a completion prompt (the first one, when several are given)."""
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        first = prompt[0]
+        if isinstance(first, int):
+            return list(prompt)  # type: ignore[arg-type]
+        return self.completion_tokens(first)  # type: ignore[arg-type]
+
+    def chat_tokens(self, messages: Sequence[dict[str, Any]], options: dict[str, Any]) -> list[int]:
+        """Token ids of a chat request, rendered with the model's chat template."""
+        conversation = [{**m, "content": _text_content(m.get("content"))} for m in messages]
+        continue_final = bool(options.get("continue_final_message", False))
+        text = self.tokenizer.apply_chat_template(
+            conversation,
+            tokenize=False,
+            add_generation_prompt=bool(options.get("add_generation_prompt", not continue_final)),
+            continue_final_message=continue_final,
+            **(options.get("chat_template_kwargs") or {}),
+        )
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    # --- hashes -------------------------------------------------------------------------------
+    def block_hashes(self, token_ids: Sequence[int], cache_salt: str | None = None) -> list[BlockHash]:
+        """The 64-bit hashes vLLM publishes for the full blocks of `token_ids`."""
+        from vllm.v1.core.kv_cache_utils import hash_block_tokens
+
+        hashes: list[BlockHash] = []
+        parent = self._root
+        for start in range(0, len(token_ids) - self.block_size + 1, self.block_size):
+            extra = (("cache_salt", cache_salt),) if start == 0 and cache_salt else None
+            parent = hash_block_tokens(
+                self._hash_fn, parent, token_ids[start : start + self.block_size], extra
+            )
+            hashes.append(int.from_bytes(parent, "big") & ((1 << 64) - 1))
+        return hashes
+
+
+def _text_content(content: Any) -> Any:
+    """vLLM's "string" content format: the text parts of a message, joined by newlines."""
+    if isinstance(content, list):
+        return "\n".join(part.get("text", "") for part in content if part.get("type") == "text")
+    return content

@@ -1,0 +1,132 @@
+"""Feeding the KV index from vLLM's KV events.
+
+Every engine runs vLLM's own `ZmqEventPublisher` (`--kv-events-config`), its PUB socket
+connecting to the router's one SUB socket with the instance id as topic, and its replay ROUTER
+socket bound on the engine's address. (The router binds and the engines connect because vLLM
+binds a PUB socket only on a wildcard address, and nothing here may listen beyond loopback.)
+
+Each batch carries a sequence number. A gap (a slow joiner, a dropped message, a restarted
+engine) triggers a replay from the engine's buffer; if the replay cannot cover the gap the
+holder's entries are cleared and rebuilt from the next events, since stale entries are worse
+than none.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from router.kv_index import KVIndex
+
+log = logging.getLogger(__name__)
+END_SEQ = -1
+
+
+class KVEventListener:
+    """Owns the SUB socket, its task, and the replay sockets it opens."""
+
+    def __init__(
+        self,
+        index: KVIndex,
+        bind_endpoint: str,
+        replay_endpoint_of: Callable[[str], str | None],
+        replay_timeout_s: float = 1.0,
+    ) -> None:
+        from vllm.distributed.kv_events import KVEventBatch
+
+        self.index = index
+        self.bind_endpoint = bind_endpoint
+        self.replay_endpoint_of = replay_endpoint_of
+        self.replay_timeout_s = replay_timeout_s
+        self.batches_applied = 0
+        self.resyncs = 0
+        self._decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        self._context = zmq.asyncio.Context()
+        self._socket: zmq.asyncio.Socket | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._socket = self._context.socket(zmq.SUB)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.SUBSCRIBE, b"")
+        self._socket.bind(self.bind_endpoint)
+        self._task = asyncio.create_task(self._run(), name="kv-event-listener")
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self._socket:
+            self._socket.close(linger=0)
+        self._context.term()
+
+    async def _run(self) -> None:
+        assert self._socket is not None
+        while True:
+            frames = await self._socket.recv_multipart()
+            if len(frames) != 3:
+                log.warning("ignoring a KV event message of %d frames", len(frames))
+                continue
+            topic, seq_bytes, payload = frames
+            await self.receive(topic.decode(), int.from_bytes(seq_bytes, "big", signed=True), payload)
+
+    async def receive(self, holder: str, seq: int, payload: bytes) -> None:
+        """Apply one batch, replaying or resyncing first if batches were missed."""
+        if self._apply(holder, seq, payload):
+            return
+        expected = self.index.expected_seq(holder)
+        replayed = await self._replay(holder, expected)
+        if not replayed or replayed[0][0] != expected:
+            # The engine no longer holds what we missed (or restarted): start over from here.
+            self.resyncs += 1
+            log.warning("KV events of %s: gap before %d not replayable; resyncing", holder, seq)
+            self.index.resync(holder, replayed[0][0] if replayed else seq)
+        for replay_seq, replay_payload in replayed:
+            self._apply(holder, replay_seq, replay_payload)
+        self._apply(holder, seq, payload)
+
+    def _apply(self, holder: str, seq: int, payload: bytes) -> bool:
+        from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
+        if seq < self.index.expected_seq(holder):
+            return True  # already applied (a replay overlapping the live stream)
+
+        def apply() -> None:
+            for event in self._decoder.decode(payload).events:
+                if isinstance(event, BlockStored):
+                    self.index.stored(holder, event.block_hashes)
+                elif isinstance(event, BlockRemoved):
+                    self.index.removed(holder, event.block_hashes)
+                elif isinstance(event, AllBlocksCleared):
+                    self.index.clear(holder)
+            self.batches_applied += 1
+
+        return self.index.apply_batch(holder, seq, apply)
+
+    async def _replay(self, holder: str, start: int) -> list[tuple[int, bytes]]:
+        endpoint = self.replay_endpoint_of(holder)
+        if endpoint is None:
+            return []
+        socket = self._context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.connect(endpoint)
+        batches: list[tuple[int, bytes]] = []
+        try:
+            await socket.send_multipart((b"", start.to_bytes(8, "big")))
+            async with asyncio.timeout(self.replay_timeout_s):
+                while True:
+                    _, _, seq_bytes, payload = await socket.recv_multipart()
+                    seq = int.from_bytes(seq_bytes, "big", signed=True)
+                    if seq == END_SEQ:
+                        return batches
+                    batches.append((seq, payload))
+        except (TimeoutError, ValueError, zmq.ZMQError) as exc:
+            log.warning("KV event replay from %s failed: %r", holder, exc)
+            return []
+        finally:
+            socket.close(linger=0)

@@ -1,0 +1,70 @@
+"""The policy interface, what a policy sees of a request, and the registry."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Sequence
+from typing import Protocol
+
+from router.instances import Instance
+from router.kv_index import BlockHash, KVIndex
+
+
+@dataclasses.dataclass(frozen=True)
+class RoutingRequest:
+    """What a policy may look at: the prompt's KV block hashes (as the engines compute them),
+    its length in tokens, and its text (for character-based baselines)."""
+
+    block_hashes: Sequence[BlockHash]
+    num_tokens: int
+    block_size: int
+    text: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class RoutingDecision:
+    instance: Instance
+    cached_tokens: int = 0
+    """Prompt tokens the policy expects the instance to find in its own prefix cache."""
+    store_tokens: int = 0
+    """Prompt tokens the policy expects the instance to fetch from the KV store."""
+
+
+@dataclasses.dataclass
+class PolicyContext:
+    """What policies may use besides the request: the KV index and the cost model's rates."""
+
+    index: KVIndex | None = None
+    store_holders: frozenset[str] = frozenset()
+    """Index holders that are store shards (readable by every instance), not instances."""
+    prefill_tokens_per_s: float = 20_000.0
+    """An instance's prefill speed, to turn queued and uncached tokens into seconds."""
+    fetch_cost: float = 0.05
+    """Fetching a block from the store costs this fraction of computing it."""
+
+
+class RoutingPolicy(Protocol):
+    name: str
+
+    def choose(self, candidates: Sequence[Instance], request: RoutingRequest) -> RoutingDecision:
+        """Pick one of `candidates` (never empty) and record the choice."""
+        ...
+
+
+POLICIES: dict[str, str] = {
+    "round_robin": "router.policies.basic:RoundRobin",
+    "least_loaded": "router.policies.basic:LeastLoaded",
+    "prefix_tree_chars": "router.policies.prefix_tree:PrefixTreeChars",
+    "kv_aware": "router.policies.kv_aware:KVAware",
+}
+
+
+def make_policy(name: str, context: PolicyContext | None = None) -> RoutingPolicy:
+    """A registered policy by name, or an outside one as `module.path:ClassName`."""
+    target = POLICIES.get(name, name if ":" in name else None)
+    if target is None:
+        raise ValueError(f"unknown routing policy {name!r}; choose one of {sorted(POLICIES)} or module:Class")
+    module_name, class_name = target.split(":")
+    policy_class = getattr(importlib.import_module(module_name), class_name)
+    return policy_class(context or PolicyContext())
