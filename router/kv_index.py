@@ -7,7 +7,8 @@ then lands together before the engine has reported anything.
 
 Hazards handled here: a sequence gap means lost events, so `apply_batch` reports it and the caller
 must replay or `clear` that holder (stale entries are worse than none); memory is bounded per
-holder, evicting its least recently stored or matched blocks first.
+holder, evicting its earliest stored blocks first (the engines' own BlockRemoved events keep
+each holder well under the bound; the bound only stops a lost-events leak).
 
 Complexity: `match` walks the request's blocks once and intersects holder sets, O(blocks x
 holders); inserts and removals are O(1) per block.
@@ -91,18 +92,16 @@ class KVIndex:
         """For each holder, how many of the leading `hashes` it holds (holders with 0 left out)."""
         self.expire()
         matched: dict[str, int] = {}
-        alive: set[str] | None = None
-        for position, block_hash in enumerate(hashes):
-            holders = self._holders.get(block_hash, _EMPTY)
-            alive = set(holders) if alive is None else alive & holders
+        alive: set[str] = set(self._holders.get(hashes[0], _EMPTY)) if hashes else set()
+        for position in range(1, len(hashes)):
             if not alive:
                 break
-            for holder in alive:
-                matched[holder] = position + 1
-        for holder in matched:  # a matched prefix is in use: keep it in the bounded index
-            blocks = self._blocks[holder]
-            for block_hash in hashes[: matched[holder]]:
-                blocks.move_to_end(block_hash)
+            still = alive.intersection(self._holders.get(hashes[position], _EMPTY))
+            for holder in alive - still:
+                matched[holder] = position
+            alive = still
+        for holder in alive:
+            matched[holder] = len(hashes)
         return matched
 
     def num_blocks(self, holder: str) -> int:

@@ -76,10 +76,10 @@ def test_sequence_gaps_are_reported_and_resync_restarts(clock):
     assert applied == [0, 1, 3]
 
 
-def test_memory_is_bounded_per_holder_evicting_least_recent(clock):
+def test_memory_is_bounded_per_holder_evicting_the_earliest_stored(clock):
     index = KVIndex(max_blocks_per_holder=3, clock=clock)
     index.stored("a", [1, 2, 3])
-    index.match([1])  # block 1 is in use: it stays
+    index.stored("a", [1])  # stored again: the newest now
     index.stored("a", [4])
     assert index.num_blocks("a") == 3
     assert index.match([2]) == {}
