@@ -58,12 +58,12 @@ def _add_serve_parser(subparsers) -> None:
     parser.set_defaults(func=_cmd_serve)  # fmt: skip
 
 
-def _add_simulate_parser(subparsers) -> None:
-    from loadtest import simulate
-
-    parser = subparsers.add_parser("simulate", help="replay a Mooncake trace through the routing policies")
-    simulate.add_arguments(parser)
-    parser.set_defaults(func=simulate.run)
+def _add_module_parser(subparsers, name: str, module, help: str) -> None:
+    """A subcommand whose arguments and runner live in `module` (add_arguments, run)."""
+    parser = subparsers.add_parser(name, help=help, description=module.__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    module.add_arguments(parser)
+    parser.set_defaults(func=module.run)
 
 
 def _cmd_model(args: argparse.Namespace) -> int:
@@ -169,7 +169,13 @@ def main(argv: list[str] | None = None) -> int:
     subparsers = parser.add_subparsers(required=True, metavar="COMMAND")
     _add_model_parser(subparsers)
     _add_serve_parser(subparsers)
-    _add_simulate_parser(subparsers)
+    from loadtest import cli as loadtest_cli
+    from loadtest import simulate
+
+    _add_module_parser(
+        subparsers, "simulate", simulate, "replay a Mooncake trace through the routing policies"
+    )
+    _add_module_parser(subparsers, "loadtest", loadtest_cli, "load an OpenAI endpoint and report")
     args = parser.parse_args(argv)
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:

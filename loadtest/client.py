@@ -22,6 +22,7 @@ class RequestResult:
     chunk_times_s: list[float] = dataclasses.field(default_factory=list)
     output_tokens: int = 0
     prompt_tokens: int = 0
+    text: str = ""
     error: str | None = None
     """None, or the kind of failure: "http_<status>", "timeout", "connection", "stream"."""
 
@@ -38,11 +39,11 @@ class RequestResult:
         return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
 
 
-def _content(event: dict) -> bool:
+def _content(event: dict) -> str:
+    """The text an SSE event adds (first choice)."""
     for choice in event.get("choices") or ():
-        if choice.get("text") or (choice.get("delta") or {}).get("content"):
-            return True
-    return False
+        return choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+    return ""
 
 
 async def stream_request(client: httpx.AsyncClient, url: str, body: dict) -> RequestResult:
@@ -64,9 +65,10 @@ async def stream_request(client: httpx.AsyncClient, url: str, body: dict) -> Req
                     result.error = "stream"
                     break
                 now = time.perf_counter() - started
-                if _content(event):
+                if piece := _content(event):
                     result.ttft_s = now if result.ttft_s is None else result.ttft_s
                     result.chunk_times_s.append(now)
+                    result.text += piece
                 if event.get("usage"):
                     result.output_tokens = event["usage"].get("completion_tokens", 0)
                     result.prompt_tokens = event["usage"].get("prompt_tokens", 0)

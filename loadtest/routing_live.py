@@ -13,60 +13,36 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import statistics
 from pathlib import Path
 
-import httpx
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
 from deploy.local import LocalServer
-from loadtest.client import RequestResult, stream_request
-from loadtest.scrape import prefix_cache_counts
-from loadtest.workloads import SharedPrefixWorkload
+from loadtest.arrivals import FixedConcurrency
+from loadtest.report import summarize
+from loadtest.runner import Limits, run_load
+from loadtest.workloads import SharedPrefix
 
 
-async def run_workload(
-    url: str, bodies: list[dict], concurrency: int, progress: Progress
-) -> list[RequestResult]:
-    task = progress.add_task("requests", total=len(bodies))
-    gate = asyncio.Semaphore(concurrency)
-    limits = httpx.Limits(max_connections=concurrency * 2)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(120.0), limits=limits) as client:
-
-        async def one(body: dict) -> RequestResult:
-            async with gate:
-                result = await stream_request(client, f"{url}/v1/chat/completions", body)
-                progress.advance(task)
-                return result
-
-        return await asyncio.gather(*(one(b) for b in bodies))
-
-
-def measure(
-    policy: str, instances: int, workload: SharedPrefixWorkload, concurrency: int, log_dir: Path
-) -> dict:
+def measure(policy: str, instances: int, workload: SharedPrefix, concurrency: int, log_dir: Path) -> dict:
     args = ["--model", "tiny", "--instances", str(instances), "--policy", policy]
     with LocalServer(args, log_dir / f"routing_live-{policy}.log") as server:
-        engines = [i["url"] for i in server.instances()]
-        hits0, queries0 = prefix_cache_counts(engines)
+        limits = Limits(max_requests=workload.groups * workload.questions)
         with Progress(transient=True) as progress:
-            results = asyncio.run(
-                run_workload(server.url, workload.chat_bodies("tiny", 8), concurrency, progress)
+            load = asyncio.run(
+                run_load(server.url, workload.jobs("tiny"), FixedConcurrency(concurrency), limits, progress)
             )
-        hits1, queries1 = prefix_cache_counts(engines)
-    ttfts = [r.ttft_s for r in results if r.ok and r.ttft_s is not None]
+    summary = summarize(load, slo_ttft_s=1.0, slo_tpot_s=0.2, label=policy)
     return {
         "policy": policy,
-        "requests": len(results),
-        "errors": sum(not r.ok for r in results),
-        "vllm_prefix_hit_tokens": hits1 - hits0,
-        "vllm_prefix_query_tokens": queries1 - queries0,
-        "vllm_prefix_hit_rate": (hits1 - hits0) / max(queries1 - queries0, 1),
-        "ttft_p50_s": statistics.median(ttfts),
-        "ttft_p90_s": statistics.quantiles(ttfts, n=10)[-1],
-        "ttft_mean_s": statistics.fmean(ttfts),
+        "requests": summary["requests"],
+        "errors": sum(summary["errors"].values()),
+        "vllm_prefix_hit_rate": summary["prefix_hit_rate"],
+        "ttft_p50_s": summary["ttft"]["p50_ms"] / 1e3,
+        "ttft_p90_s": summary["ttft"]["p90_ms"] / 1e3,
+        "ttft_mean_s": summary["ttft"]["mean_ms"] / 1e3,
     }
 
 
@@ -82,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--out", type=Path, default=Path("results/routing_live.json"))
     args = parser.parse_args(argv)
-    workload = SharedPrefixWorkload(args.groups, args.questions, args.system_words)
+    workload = SharedPrefix(args.groups, args.questions, args.system_words, output_tokens=8)
     results = [measure(p, args.instances, workload, args.concurrency, args.out.parent) for p in args.policies]
     base = results[0]
     table = Table(title=f"{args.instances} engines, {args.groups} groups x {args.questions} questions, "

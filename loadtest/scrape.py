@@ -5,9 +5,6 @@ from __future__ import annotations
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-VLLM_PREFIX_HITS = "vllm:prefix_cache_hits"
-VLLM_PREFIX_QUERIES = "vllm:prefix_cache_queries"
-
 
 def scrape(url: str, timeout_s: float = 5.0) -> dict[str, float]:
     """Every sample of `url`/metrics, summed over label sets, by sample name."""
@@ -17,13 +14,3 @@ def scrape(url: str, timeout_s: float = 5.0) -> dict[str, float]:
         for sample in family.samples:
             totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
     return totals
-
-
-def prefix_cache_counts(engine_urls: list[str]) -> tuple[float, float]:
-    """(hit tokens, queried tokens) of vLLM's prefix cache, summed over engines."""
-    hits = queries = 0.0
-    for url in engine_urls:
-        samples = scrape(url)
-        hits += samples.get(f"{VLLM_PREFIX_HITS}_total", 0.0)
-        queries += samples.get(f"{VLLM_PREFIX_QUERIES}_total", 0.0)
-    return hits, queries
