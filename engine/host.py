@@ -24,8 +24,8 @@ import time
 
 import httpx
 
-from engine.config import EngineConfig
-from engine.environment import engine_env
+from engine.config import EngineConfig, Role
+from engine.environment import engine_env, is_cpu_build
 from engine.lifecycle import InstanceState, StartTimeline
 
 # vLLM log lines that end a start-up stage, in the order they appear, with the seconds vLLM
@@ -117,7 +117,19 @@ class EngineHost:
                 "replay_endpoint": self.kv_events_replay_endpoint,
             }
             command += ["--kv-events-config", json.dumps(events)]
+        if c.role != Role.COLOCATED:
+            command += ["--kv-transfer-config", json.dumps(self.kv_transfer_config())]
         return command + list(c.extra_args)
+
+    def kv_transfer_config(self) -> dict:
+        """vLLM's NixlConnector: the decode instance reads the prefill's KV blocks one-sided over
+        UCX (RDMA on clusters, TCP here); a failed read is recomputed, never an error."""
+        return {
+            "kv_connector": "NixlConnector",
+            "kv_role": "kv_both",
+            "kv_buffer_device": "cpu" if is_cpu_build() else "cuda",
+            "kv_load_failure_policy": "recompute",
+        }
 
     async def start(self) -> dict:
         """Start the server, wait for health, send a warm-up request; returns the timeline."""
@@ -126,6 +138,8 @@ class EngineHost:
         self.timeline = StartTimeline()
         self.state = InstanceState.LOADING
         env = {**os.environ, **engine_env(self.host, self.config.kv_cache_gib, self.config.cpu_cores)}
+        if self.config.role != Role.COLOCATED:
+            env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port(self.host))
         self._process = subprocess.Popen(
             self.server_command(),
             env=env,

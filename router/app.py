@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from engine.config import Role
 from router import metrics
 from router.config import RouterConfig
+from router.disagg import RemotePrefill
 from router.errors import BadRequest, ModelNotFound, RouterError, error_body
 from router.hashing import PromptHasher
 from router.instances import HealthMonitor, InstanceRegistry
@@ -114,7 +115,14 @@ def build_app(config: RouterConfig, registry: InstanceRegistry) -> FastAPI:
         ),
     )
     analyzer = RequestAnalyzer(config)
+    prefill_policy = make_policy(
+        config.policy,
+        PolicyContext(
+            index=index, prefill_tokens_per_s=config.prefill_tokens_per_s, fetch_cost=config.fetch_cost
+        ),
+    )
     forwarder = Forwarder(config, registry, policy)
+    forwarder.prepare = RemotePrefill(config, registry, prefill_policy, lambda: forwarder.session).prepare
     monitor = HealthMonitor(
         registry, config.health_interval_s, config.health_timeout_s, config.health_failure_threshold
     )

@@ -46,6 +46,10 @@ class RouterConfig(BaseModel):
     health_interval_s: float = Field(2.0, gt=0)
     health_timeout_s: float = Field(2.0, gt=0)
     health_failure_threshold: int = Field(2, ge=1)
+    remote_prefill_min_tokens: int = Field(256, ge=0)
+    """P/D: a request whose uncached prompt part is shorter is prefilled by its decode instance."""
+    prefill_timeout_s: float = Field(60.0, gt=0)
+    """P/D: longest wait for a prefill instance; past it the decode instance prefills locally."""
     allow_remote: bool = False
     """Allow binding beyond loopback (for a cluster's head node)."""
 

@@ -28,3 +28,9 @@ RETRIES = Counter(
 INSTANCES = Gauge(
     "pdcluster_router_instances", "Instances known to the router, by role and state.", ["role", "state"]
 )
+PREFILLS = Counter(
+    "pdcluster_router_prefills",
+    "Where requests to decode instances were prefilled: remote, local (short or no prefill pool), "
+    "fallback_local (the remote prefill failed).",
+    ["where"],
+)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
 from fastapi.responses import Response, StreamingResponse
@@ -23,9 +23,11 @@ from router import metrics
 from router.config import RouterConfig
 from router.errors import EngineFailed, NoInstance, error_body
 from router.instances import Instance, InstanceRegistry
-from router.policies import RoutingPolicy, RoutingRequest
+from router.policies import RoutingDecision, RoutingPolicy, RoutingRequest
 
 log = logging.getLogger(__name__)
+# Turns the body for the chosen instance into the body to send it (P/D: adds the prefill's KV).
+Prepare = Callable[[str, dict, RoutingRequest, RoutingDecision], Awaitable[dict]]
 
 
 class _RetryableEngineError(Exception):
@@ -35,10 +37,17 @@ class _RetryableEngineError(Exception):
 class Forwarder:
     """Owns the pooled HTTP client to the engines."""
 
-    def __init__(self, config: RouterConfig, registry: InstanceRegistry, policy: RoutingPolicy):
+    def __init__(
+        self,
+        config: RouterConfig,
+        registry: InstanceRegistry,
+        policy: RoutingPolicy,
+        prepare: Prepare | None = None,
+    ):
         self.config = config
         self.registry = registry
         self.policy = policy
+        self.prepare = prepare
         self.timeout = aiohttp.ClientTimeout(
             total=config.max_request_s,
             connect=config.connect_timeout_s,
@@ -73,11 +82,12 @@ class Forwarder:
             tried.add(instance.instance_id)
             if attempt:
                 metrics.RETRIES.inc()
-            prefill = _PrefillLoad(
-                instance, request.num_tokens - decision.cached_tokens - decision.store_tokens
-            )
+            send_body = await self.prepare(endpoint, body, request, decision) if self.prepare else body
+            uncached = request.num_tokens - decision.cached_tokens - decision.store_tokens
+            # With the KV prefilled elsewhere, the decode instance has (almost) nothing to prefill.
+            prefill = _PrefillLoad(instance, 0 if "kv_transfer_params" in send_body else uncached)
             try:
-                return await self._send(instance, endpoint, body, started, prefill)
+                return await self._send(instance, endpoint, send_body, started, prefill)
             except _RetryableEngineError as exc:
                 last_error = str(exc)
                 log.warning("instance %s failed a request: %s", instance.instance_id, exc)

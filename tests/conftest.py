@@ -37,3 +37,14 @@ def served(tiny_model):
     server = LocalServer(["--model", "tiny", "--kv-cache-gib", "1"], ARTIFACTS / "serve-colocated.log")
     with server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def served_pd(tiny_model):
+    """One prefill and one decode instance (tiny model) behind the router; every request is
+    prefilled remotely (threshold 0)."""
+    from deploy.local import LocalServer
+
+    args = ["--model", "tiny", "--prefill", "1", "--decode", "1", "--remote-prefill-min-tokens", "0"]
+    with LocalServer(args, ARTIFACTS / "serve-pd.log") as server:
+        yield server
