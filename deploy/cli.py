@@ -36,8 +36,8 @@ def _add_model_parser(subparsers) -> None:
     parser.set_defaults(func=_cmd_model)
 
 
-def _add_serve_parser(subparsers) -> None:
-    parser = subparsers.add_parser("serve", help="serve a model through the OpenAI API")
+def _add_serve_parser(subparsers, name: str = "serve", help: str = "serve a model through the OpenAI API"):
+    parser = subparsers.add_parser(name, help=help)
     parser.add_argument(
         "--model",
         default=_env("MODEL", "smollm2"),
@@ -66,6 +66,7 @@ def _add_serve_parser(subparsers) -> None:
     parser.add_argument("--no-eager", action="store_true", help="allow compilation / CUDA graphs")
     parser.add_argument("--start-timeout", type=float, default=300.0)
     parser.set_defaults(func=_cmd_serve)  # fmt: skip
+    return parser
 
 
 def _add_module_parser(subparsers, name: str, module, help: str) -> None:
@@ -74,6 +75,62 @@ def _add_module_parser(subparsers, name: str, module, help: str) -> None:
                                    formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     module.add_arguments(parser)
     parser.set_defaults(func=module.run)
+
+
+def _add_cluster_parsers(subparsers) -> None:
+    launch = _add_serve_parser(subparsers, "launch", "start router and pools on a running Ray cluster")
+    launch.set_defaults(address="auto")
+    up = subparsers.add_parser("up", help="`ray up` a cluster YAML, then launch pdcluster on its head")
+    up.add_argument("cluster_yaml", type=Path)
+    up.add_argument("--port", type=int, default=8000)
+    up.add_argument("launch_args", nargs=argparse.REMAINDER, help="flags for `pdcluster launch`")
+    up.set_defaults(func=_cmd_up)
+    down = subparsers.add_parser("down", help="stop pdcluster and `ray down` the cluster")
+    down.add_argument("cluster_yaml", type=Path)
+    down.set_defaults(func=_cmd_down)
+    status = subparsers.add_parser("status", help="pools, instances and their states")
+    status.add_argument("--url", default=f"http://127.0.0.1:{_env('PORT', '8000')}")
+    status.set_defaults(func=_cmd_status)
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    from deploy import cluster
+
+    try:
+        url = cluster.up(args.cluster_yaml, args.launch_args, args.port)
+    except (cluster.ClusterConfigError, RuntimeError, TimeoutError) as exc:
+        console.print(f"[red]pdcluster up failed:[/] {exc}")
+        return 1
+    console.print(
+        f"pdcluster is serving on the head at {url} (`ray attach {args.cluster_yaml} -p {args.port}`)"
+    )
+    return 0
+
+
+def _cmd_down(args: argparse.Namespace) -> int:
+    from deploy import cluster
+
+    cluster.down(args.cluster_yaml)
+    return 0
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    import httpx
+    from rich.table import Table
+
+    try:
+        health = httpx.get(f"{args.url}/health", timeout=5).json()
+        instances = httpx.get(f"{args.url}/admin/instances", timeout=5).json()["instances"]
+    except httpx.HTTPError as exc:
+        console.print(f"[red]no router at {args.url}:[/] {exc!r}")
+        return 1
+    table = Table(title=f"pdcluster at {args.url}: {health['status']}")
+    for column in ("instance", "role", "state", "in flight", "url"):
+        table.add_column(column)
+    for i in instances:
+        table.add_row(i["instance_id"], i["role"], i["state"], str(i["inflight"]), i["url"])
+    Console().print(table)
+    return 0
 
 
 def _cmd_model(args: argparse.Namespace) -> int:
@@ -149,6 +206,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return 2
     if args.address is None:
         use_loopback_ray()
+
     return asyncio.run(_serve(engine_config, router_config, topology, args.address))
 
 
@@ -213,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     subparsers = parser.add_subparsers(required=True, metavar="COMMAND")
     _add_model_parser(subparsers)
     _add_serve_parser(subparsers)
+    _add_cluster_parsers(subparsers)
     from loadtest import cli as loadtest_cli
     from loadtest import simulate
 

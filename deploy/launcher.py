@@ -67,6 +67,15 @@ def cpu_core_sets(engines: int, cores: int) -> list[str]:
     return sets
 
 
+def placement_options(role: Role, gpus: int) -> dict:
+    """Where Ray may place an engine actor of `role`: role resources pin the pools to the nodes a
+    cluster YAML gives that role (and make the autoscaler add such nodes when none is free)."""
+    options: dict = {"num_cpus": 0, "num_gpus": gpus}
+    if role != Role.COLOCATED:
+        options["resources"] = {role.value: 1}
+    return options
+
+
 @dataclass
 class StartedInstance:
     instance_id: str
@@ -86,13 +95,10 @@ class Launcher:
         self._actors: dict[str, ray.actor.ActorHandle] = {}
 
     def _create_actor(self, config: EngineConfig, instance_id: str) -> ray.actor.ActorHandle:
-        options: dict = {"num_cpus": 0, "name": instance_id, "max_concurrency": 64}
-        if not is_cpu_build():
-            options["num_gpus"] = 1
-        if config.role != Role.COLOCATED:
-            # Role resources pin pools to the nodes a cluster YAML gives that role.
-            options["resources"] = {config.role.value: 1}
-        actor = EngineActor.options(**options).remote(config, instance_id)
+        options = placement_options(config.role, gpus=0 if is_cpu_build() else 1)
+        actor = EngineActor.options(name=instance_id, max_concurrency=64, **options).remote(
+            config, instance_id
+        )
         self._actors[instance_id] = actor
         return actor
 

@@ -1,0 +1,73 @@
+"""`ray up` clusters: validating their YAML offline, bringing them up with pdcluster on them,
+reporting, tearing down.
+
+`pdcluster up CLUSTER.yaml [serve flags]` runs `ray up`, then starts `pdcluster launch` on the
+head (detached, logging to ~/pdcluster-launch.log) and waits until the router answers /health
+there. pdcluster is expected in $PDCLUSTER_HOME (default ~/pdcluster) on every host.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+REMOTE_PDCLUSTER = "${PDCLUSTER_HOME:-$HOME/pdcluster}/.venv/bin/pdcluster"
+RAY_UP_ENV = {"RAY_UP_enable_autoscaler_v2": "0", "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
+
+
+class ClusterConfigError(ValueError):
+    pass
+
+
+def validate_cluster_yaml(path: Path) -> dict:
+    """Ray's own checks (its JSON schema, defaults filled in), offline; errors name the file."""
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    try:
+        config = yaml.safe_load(path.read_text())
+        config = prepare_config(config)
+        validate_config(config)
+    except Exception as exc:  # jsonschema, yaml and Ray's own ValueErrors alike
+        raise ClusterConfigError(f"{path}: {exc}") from exc
+    return config
+
+
+def _ray(*args: str, timeout_s: float, check: bool = True) -> subprocess.CompletedProcess:
+    ray = str(Path(sys.executable).with_name("ray"))
+    return subprocess.run([ray, *args], env={**os.environ, **RAY_UP_ENV}, timeout=timeout_s, check=check,
+                          text=True, capture_output=True)  # fmt: skip
+
+
+def head_exec(cluster_yaml: Path, command: str, timeout_s: float = 120, check: bool = True):
+    return _ray("exec", str(cluster_yaml), command, timeout_s=timeout_s, check=check)
+
+
+def up(cluster_yaml: Path, launch_args: list[str], port: int, timeout_s: float = 900) -> str:
+    """`ray up`, then pdcluster on the head; returns the router's URL as seen from the head."""
+    validate_cluster_yaml(cluster_yaml)
+    result = _ray("up", "-y", str(cluster_yaml), timeout_s=timeout_s, check=False)
+    if result.returncode != 0:
+        raise RuntimeError(f"ray up failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+    launch = " ".join(
+        [REMOTE_PDCLUSTER, "launch", "--address", "auto", "--port", str(port), *map(shlex.quote, launch_args)]
+    )
+    head_exec(cluster_yaml, f"setsid nohup {launch} > ~/pdcluster-launch.log 2>&1 < /dev/null &")
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        probe = head_exec(cluster_yaml, f"curl -sf http://127.0.0.1:{port}/health", check=False)
+        if probe.returncode == 0:
+            return f"http://127.0.0.1:{port}"
+        time.sleep(5)
+    log = head_exec(cluster_yaml, "tail -50 ~/pdcluster-launch.log", check=False).stdout
+    raise TimeoutError(f"the router did not become healthy in {timeout_s} s; launch log:\n{log}")
+
+
+def down(cluster_yaml: Path, timeout_s: float = 300) -> None:
+    head_exec(cluster_yaml, "pkill -INT -f 'pdcluster launch' || true", check=False)
+    _ray("down", "-y", str(cluster_yaml), timeout_s=timeout_s)

@@ -1,0 +1,89 @@
+"""Run by test_autoscaling.py in its own PID namespace (so `ray stop` there ends only this cluster):
+a Ray head with the fake multi-node provider, a decode node type with min 0 / max 2 workers,
+two actors placed like decode engines, then nothing. Prints one JSON line of what it saw."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+BIN = Path(sys.executable).parent
+
+
+def cluster_config() -> dict:
+    return {
+        "cluster_name": "pdcluster-fake",
+        "max_workers": 2,
+        "provider": {"type": "fake_multinode", "use_node_id_as_ip": True, "disable_node_updaters": True,
+                     "disable_launch_config_check": True},
+        "available_node_types": {
+            "ray.head.default": {"resources": {"CPU": 1}, "node_config": {}, "max_workers": 0},
+            "decode_node": {"resources": {"CPU": 1, "decode": 1}, "node_config": {}, "min_workers": 0,
+                            "max_workers": 2},
+        },
+        "head_node_type": "ray.head.default",
+        "auth": {}, "upscaling_speed": 1.0, "idle_timeout_minutes": 0.1, "docker": {},
+        "initialization_commands": [], "setup_commands": [], "head_setup_commands": [],
+        "worker_setup_commands": [], "head_start_ray_commands": [], "worker_start_ray_commands": [],
+        "file_mounts": {}, "cluster_synced_files": [], "file_mounts_sync_continuously": False,
+        "rsync_exclude": [], "rsync_filter": [],
+    }  # fmt: skip
+
+
+def wait_for(condition, timeout_s: float) -> float:
+    started = time.monotonic()
+    while not condition():
+        if time.monotonic() - started > timeout_s:
+            raise TimeoutError
+        time.sleep(1)
+    return time.monotonic() - started
+
+
+def main() -> int:
+    config = Path(tempfile.mkdtemp()) / "fake.json"
+    config.write_text(json.dumps(cluster_config()))
+    env = {**os.environ, "RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1"}
+    subprocess.run([BIN / "ray", "start", "--head", "--num-cpus=1", "--include-dashboard=false",
+                    "--object-store-memory=100000000", f"--autoscaling-config={config}"],
+                   env=env, check=True, capture_output=True)  # fmt: skip
+    try:
+        import ray
+
+        from deploy.launcher import placement_options
+        from engine.config import Role
+
+        ray.init("auto", log_to_driver=False)
+
+        def decode_nodes() -> int:
+            return sum(1 for n in ray.nodes() if n["Alive"] and n["Resources"].get("decode"))
+
+        seen = {"decode_nodes_at_start": decode_nodes()}
+
+        @ray.remote
+        class DecodeSlot:  # holds a decode engine's placement; the engine is not the subject here
+            def node(self) -> str:
+                return ray.get_runtime_context().get_node_id()
+
+        started = time.monotonic()
+        slots = [DecodeSlot.options(**placement_options(Role.DECODE, gpus=0)).remote() for _ in range(2)]
+        nodes = ray.get([s.node.remote() for s in slots], timeout=180)
+        seen.update(scale_up_s=time.monotonic() - started, decode_nodes_in_use=decode_nodes(),
+                    distinct_nodes=len(set(nodes)))  # fmt: skip
+        for slot in slots:
+            ray.kill(slot)
+        seen["scale_down_s"] = wait_for(lambda: decode_nodes() == 0, 180)
+        seen["decode_nodes_at_end"] = decode_nodes()
+        print(json.dumps(seen))
+        ray.shutdown()
+        return 0
+    finally:
+        subprocess.run([BIN / "ray", "stop", "--force"], env=env, capture_output=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
