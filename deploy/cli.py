@@ -64,7 +64,13 @@ def _add_serve_parser(subparsers, name: str = "serve", help: str = "serve a mode
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--kv-cache-gib", type=float, default=1.0)
     parser.add_argument("--no-eager", action="store_true", help="allow compilation / CUDA graphs")
-    parser.add_argument("--start-timeout", type=float, default=300.0)
+    parser.add_argument("--start-timeout", type=float, default=300.0, help="per engine, once placed")
+    parser.add_argument(
+        "--placement-timeout",
+        type=float,
+        default=900.0,
+        help="longest wait for Ray to place the engines (autoscaling included)",
+    )
     parser.set_defaults(func=_cmd_serve)  # fmt: skip
     return parser
 
@@ -82,8 +88,7 @@ def _add_cluster_parsers(subparsers) -> None:
     launch.set_defaults(address="auto")
     up = subparsers.add_parser("up", help="`ray up` a cluster YAML, then launch pdcluster on its head")
     up.add_argument("cluster_yaml", type=Path)
-    up.add_argument("--port", type=int, default=8000)
-    up.add_argument("launch_args", nargs=argparse.REMAINDER, help="flags for `pdcluster launch`")
+    up.add_argument("launch_args", nargs=argparse.REMAINDER, help="flags for `pdcluster launch` (--port ...)")
     up.set_defaults(func=_cmd_up)
     down = subparsers.add_parser("down", help="stop pdcluster and `ray down` the cluster")
     down.add_argument("cluster_yaml", type=Path)
@@ -96,6 +101,9 @@ def _add_cluster_parsers(subparsers) -> None:
 def _cmd_up(args: argparse.Namespace) -> int:
     from deploy import cluster
 
+    port_parser = argparse.ArgumentParser(add_help=False)
+    port_parser.add_argument("--port", type=int, default=8000)
+    args.port = port_parser.parse_known_args(args.launch_args)[0].port
     try:
         url = cluster.up(args.cluster_yaml, args.launch_args, args.port)
     except (cluster.ClusterConfigError, RuntimeError, TimeoutError) as exc:
@@ -207,10 +215,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if args.address is None:
         use_loopback_ray()
 
-    return asyncio.run(_serve(engine_config, router_config, topology, args.address))
+    return asyncio.run(_serve(engine_config, router_config, topology, args.address, args.placement_timeout))
 
 
-async def _serve(engine_config, router_config, topology, address: str | None) -> int:
+async def _serve(
+    engine_config, router_config, topology, address: str | None, placement_timeout_s: float
+) -> int:
     import uvicorn
 
     from deploy.launcher import Launcher, cpu_core_sets, start_ray
@@ -237,7 +247,7 @@ async def _serve(engine_config, router_config, topology, address: str | None) ->
         for k, (instance_id, role) in enumerate(roles)
     ]
     try:
-        await launcher.start_instances(configs)
+        await launcher.start_instances(configs, placement_timeout_s)
         app = build_app(router_config, registry)
         server = uvicorn.Server(
             uvicorn.Config(app, host=router_config.host, port=router_config.port, log_level="warning")

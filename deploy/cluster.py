@@ -17,7 +17,8 @@ from pathlib import Path
 
 import yaml
 
-REMOTE_PDCLUSTER = "${PDCLUSTER_HOME:-$HOME/pdcluster}/.venv/bin/pdcluster"
+REMOTE_BIN = "${PDCLUSTER_HOME:-$HOME/pdcluster}/.venv/bin"
+REMOTE_PDCLUSTER = f"{REMOTE_BIN}/pdcluster"
 RAY_UP_ENV = {"RAY_UP_enable_autoscaler_v2": "0", "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
 
 
@@ -49,14 +50,13 @@ def head_exec(cluster_yaml: Path, command: str, timeout_s: float = 120, check: b
 
 
 def up(cluster_yaml: Path, launch_args: list[str], port: int, timeout_s: float = 900) -> str:
-    """`ray up`, then pdcluster on the head; returns the router's URL as seen from the head."""
+    """`ray up`, then pdcluster on the head with `launch_args` (which set the router's `port`);
+    returns the router's URL as seen from the head."""
     validate_cluster_yaml(cluster_yaml)
     result = _ray("up", "-y", str(cluster_yaml), timeout_s=timeout_s, check=False)
     if result.returncode != 0:
         raise RuntimeError(f"ray up failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
-    launch = " ".join(
-        [REMOTE_PDCLUSTER, "launch", "--address", "auto", "--port", str(port), *map(shlex.quote, launch_args)]
-    )
+    launch = " ".join([REMOTE_PDCLUSTER, "launch", "--address", "auto", *map(shlex.quote, launch_args)])
     head_exec(cluster_yaml, f"setsid nohup {launch} > ~/pdcluster-launch.log 2>&1 < /dev/null &")
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -69,5 +69,11 @@ def up(cluster_yaml: Path, launch_args: list[str], port: int, timeout_s: float =
 
 
 def down(cluster_yaml: Path, timeout_s: float = 300) -> None:
-    head_exec(cluster_yaml, "pkill -INT -f 'pdcluster launch' || true", check=False)
+    """Stop the router and engines, the head's Ray (its autoscaler would relaunch the workers
+    `ray down` terminates), then `ray down`. `ray down` alone runs a bare `ray stop` through a
+    login shell, whose PATH need not hold the venv's `ray`."""
+    # "[p]" keeps pkill from matching the shell that runs it.
+    head_exec(cluster_yaml, "pkill -INT -f '[p]dcluster launch'", check=False)
+    time.sleep(5)
+    head_exec(cluster_yaml, f"{REMOTE_BIN}/ray stop", check=False)
     _ray("down", "-y", str(cluster_yaml), timeout_s=timeout_s)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from dataclasses import dataclass
 
 import ray
@@ -102,12 +103,22 @@ class Launcher:
         self._actors[instance_id] = actor
         return actor
 
-    async def start_instances(self, configs: list[tuple[str, EngineConfig]]) -> list[StartedInstance]:
-        """Start one engine per (instance_id, config) concurrently, showing their progress."""
+    async def start_instances(
+        self, configs: list[tuple[str, EngineConfig]], placement_timeout_s: float = 900.0
+    ) -> list[StartedInstance]:
+        """Start one engine per (instance_id, config) concurrently, showing their progress.
+
+        An engine Ray cannot place within `placement_timeout_s` (no node offers its role's
+        resource, and the autoscaler added none) fails the start; so does a failed engine."""
         actors = {iid: self._create_actor(cfg, iid) for iid, cfg in configs}
         starts = {iid: asyncio.ensure_future(actor.start.remote()) for iid, actor in actors.items()}
+        deadline = time.monotonic() + placement_timeout_s + max(cfg.start_timeout_s for _, cfg in configs)
         with Live(self._progress_table(actors, {}), console=self.console, transient=True) as live:
             while not all(task.done() for task in starts.values()):
+                if time.monotonic() > deadline:
+                    waiting = sorted(iid for iid, task in starts.items() if not task.done())
+                    raise TimeoutError(f"engines not started in time (no node for their role?): {waiting}; "
+                                       "raise --placement-timeout")  # fmt: skip
                 states = await self._describe_all(actors)
                 live.update(self._progress_table(actors, states))
                 await asyncio.wait(list(starts.values()), timeout=0.5)

@@ -1,8 +1,10 @@
 """The measuring client: one streamed OpenAI request, timed chunk by chunk.
 
-TTFT is the time to the first content-bearing SSE event; inter-token latencies are the gaps
-between later content events (one per token with vLLM's default streaming); errors are kept by
-kind (HTTP status, timeout, broken stream) instead of raised.
+TTFT is the time to the first token event; inter-token latencies are the gaps between later
+token events (one per token with vLLM's default streaming). A token event is a streamed choice
+that carries generated text, even an empty piece (a token that ends mid-character), but not the
+chat role announcement or the closing event with only a finish reason: the same events `vllm
+bench serve` times. Errors are kept by kind (HTTP status, timeout, broken stream), not raised.
 """
 
 from __future__ import annotations
@@ -39,11 +41,15 @@ class RequestResult:
         return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
 
 
-def _content(event: dict) -> str:
-    """The text an SSE event adds (first choice)."""
+def _token_text(event: dict) -> str | None:
+    """The text a token event adds (first choice), or None if the event carries no token."""
     for choice in event.get("choices") or ():
-        return choice.get("text") or (choice.get("delta") or {}).get("content") or ""
-    return ""
+        delta = choice.get("delta")
+        text = choice.get("text") if delta is None else (None if "role" in delta else delta.get("content"))
+        if text is None or (not text and choice.get("finish_reason")):
+            return None
+        return text
+    return None
 
 
 async def stream_request(client: httpx.AsyncClient, url: str, body: dict) -> RequestResult:
@@ -65,7 +71,8 @@ async def stream_request(client: httpx.AsyncClient, url: str, body: dict) -> Req
                     result.error = "stream"
                     break
                 now = time.perf_counter() - started
-                if piece := _content(event):
+                piece = _token_text(event)
+                if piece is not None:
                     result.ttft_s = now if result.ttft_s is None else result.ttft_s
                     result.chunk_times_s.append(now)
                     result.text += piece

@@ -3,7 +3,8 @@
     python -m loadtest.crosscheck [--url http://127.0.0.1:8000] [--runs 3]
 
 Both clients send the same workload (random token prompts of --input-tokens, --output-tokens
-each with ignore_eos, Poisson arrivals at --rate, --requests of them) to the same endpoint,
+each with ignore_eos, --requests of them, at --concurrency in flight, or with Poisson arrivals
+at --rate when --concurrency is 0) to the same endpoint,
 alternating run by run with a fresh seed each run so no run finds another's prompts cached. The
 table compares medians over runs of request throughput and median TTFT. Without --url it
 starts `pdcluster serve --model tiny` itself. `vllm bench serve` is driven through its module
@@ -24,7 +25,7 @@ from rich.console import Console
 from rich.table import Table
 
 from deploy.local import LocalServer
-from loadtest.arrivals import Poisson
+from loadtest.arrivals import FixedConcurrency, Poisson
 from loadtest.report import summarize
 from loadtest.runner import Limits, run_load
 from loadtest.workloads import RandomLengths
@@ -40,7 +41,9 @@ def vllm_bench(url: str, model: str, tokenizer: str, args: argparse.Namespace, s
             "--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions", "--model", model,
             "--tokenizer", tokenizer, "--dataset-name", "random", "--random-input-len", str(args.input_tokens),
             "--random-output-len", str(args.output_tokens), "--num-prompts", str(args.requests),
-            "--request-rate", str(args.rate), "--seed", str(seed), "--ignore-eos", "--disable-tqdm",
+            "--request-rate", str(args.rate) if not args.concurrency else "inf",
+            *(["--max-concurrency", str(args.concurrency)] if args.concurrency else []),
+            "--seed", str(seed), "--ignore-eos", "--disable-tqdm",
             "--save-result", "--result-dir", out, "--result-filename", "bench.json",
         ])  # fmt: skip
         asyncio.run(serve.main_async(bench_args)) if hasattr(serve, "main_async") else serve.main(bench_args)
@@ -51,7 +54,8 @@ def vllm_bench(url: str, model: str, tokenizer: str, args: argparse.Namespace, s
 
 def ours(url: str, model: str, args: argparse.Namespace, seed: int) -> dict:
     workload = RandomLengths(args.input_tokens, args.output_tokens, seed=seed)
-    load = asyncio.run(run_load(url, workload.jobs(model), Poisson(args.rate, seed), Limits(args.requests)))
+    arrival = FixedConcurrency(args.concurrency) if args.concurrency else Poisson(args.rate, seed)
+    load = asyncio.run(run_load(url, workload.jobs(model), arrival, Limits(args.requests)))
     summary = summarize(load, 1.0, 0.2)
     return {"request_throughput": summary["request_throughput"], "median_ttft_ms": summary["ttft"]["p50_ms"],
             "completed": summary["completed"]}  # fmt: skip
@@ -64,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--url")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--requests", type=int, default=60)
+    parser.add_argument("--concurrency", type=int, default=4, help="requests in flight; 0: Poisson at --rate")
     parser.add_argument("--rate", type=float, default=3.0)
     parser.add_argument("--input-tokens", type=int, default=256)
     parser.add_argument("--output-tokens", type=int, default=32)
@@ -88,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     medians = {client: {key: statistics.median(r[key] for r in results)
                         for key in ("request_throughput", "median_ttft_ms")} for client, results in runs.items()}  # fmt: skip
     theirs, mine = medians["vllm bench serve"], medians["pdcluster loadtest"]
-    table = Table(title=f"{args.requests} requests at {args.rate} req/s, {args.input_tokens} in / "
+    load_shape = f"concurrency {args.concurrency}" if args.concurrency else f"Poisson {args.rate} req/s"
+    table = Table(title=f"{args.requests} requests, {load_shape}, {args.input_tokens} in / "
                   f"{args.output_tokens} out, median of {args.runs} runs")  # fmt: skip
     for column in ("client", "req/s", "median TTFT ms"):
         table.add_column(column, justify="right")

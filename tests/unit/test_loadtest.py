@@ -69,3 +69,20 @@ def test_load_tests_refuse_targets_beyond_loopback(url):
     with pytest.raises(ValueError, match="loopback"):
         check_target(url)
     assert check_target("http://127.0.0.1:8000/") == "http://127.0.0.1:8000"
+
+
+@pytest.mark.parametrize(
+    "event,expected",
+    [
+        ({"choices": [{"text": "Hi", "finish_reason": None}]}, "Hi"),
+        ({"choices": [{"text": "", "finish_reason": None}]}, ""),  # a token ending mid-character
+        ({"choices": [{"text": "", "finish_reason": "length"}]}, None),  # the closing event
+        ({"choices": [{"delta": {"role": "assistant", "content": ""}}]}, None),  # the chat role event
+        ({"choices": [{"delta": {"content": "x"}, "finish_reason": None}]}, "x"),
+        ({"choices": [], "usage": {"completion_tokens": 3}}, None),
+    ],
+)
+def test_token_events_are_the_ones_vllm_bench_times(event, expected):
+    from loadtest.client import _token_text
+
+    assert _token_text(event) == expected
