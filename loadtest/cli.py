@@ -112,15 +112,3 @@ def run(args: argparse.Namespace) -> int:
         report.plot_sweep(summaries, rates, args.out / f"{args.label or workload.name}-sweep.png")
     console.print(f"wrote results under {args.out}")
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

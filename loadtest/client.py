@@ -5,6 +5,10 @@ token events (one per token with vLLM's default streaming). A token event is a s
 that carries generated text, even an empty piece (a token that ends mid-character), but not the
 chat role announcement or the closing event with only a finish reason: the same events `vllm
 bench serve` times. Errors are kept by kind (HTTP status, timeout, broken stream), not raised.
+
+aiohttp, as in `vllm bench serve`: a client's own per-event cost shows up in what it measures,
+and on a small machine it shares cores with the server. With httpx (pure-Python HTTP parsing)
+the cross-check read 29% less throughput and twice the median TTFT that vllm bench read.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import dataclasses
 import json
 import time
 
-import httpx
+import aiohttp
 
 
 @dataclasses.dataclass
@@ -52,18 +56,19 @@ def _token_text(event: dict) -> str | None:
     return None
 
 
-async def stream_request(client: httpx.AsyncClient, url: str, body: dict) -> RequestResult:
+async def stream_request(session: aiohttp.ClientSession, url: str, body: dict) -> RequestResult:
     """POST `body` (stream forced on, usage requested) to `url` and time its events."""
     body = {**body, "stream": True, "stream_options": {"include_usage": True}}
     result = RequestResult(started_at=time.time())
     started = time.perf_counter()
     try:
-        async with client.stream("POST", url, json=body) as response:
-            if response.status_code != 200:
-                await response.aread()
-                result.error = f"http_{response.status_code}"
+        async with session.post(url, json=body) as response:
+            if response.status != 200:
+                await response.read()
+                result.error = f"http_{response.status}"
                 return result
-            async for line in response.aiter_lines():
+            async for raw in response.content:
+                line = raw.decode().strip()
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 event = json.loads(line[6:])
@@ -79,9 +84,9 @@ async def stream_request(client: httpx.AsyncClient, url: str, body: dict) -> Req
                 if event.get("usage"):
                     result.output_tokens = event["usage"].get("completion_tokens", 0)
                     result.prompt_tokens = event["usage"].get("prompt_tokens", 0)
-    except httpx.TimeoutException:
+    except TimeoutError:
         result.error = "timeout"
-    except httpx.TransportError:
+    except aiohttp.ClientError:
         result.error = "connection"
     result.e2e_s = time.perf_counter() - started
     return result

@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterator
 from urllib.parse import urlparse
 
+import aiohttp
 import httpx
 from rich.progress import Progress
 
@@ -70,13 +71,12 @@ class MetricsSampler:
         entry: dict = {"t": time.perf_counter() - started, "engines": {}, "router": {}}
         for url in self.engine_urls():
             try:
-                values = scrape(url)
+                values = scrape(url, self.ENGINE_KEYS)
             except (httpx.HTTPError, ValueError):
                 continue
             entry["engines"][url] = {k: values.get(k, 0.0) for k in self.ENGINE_KEYS}
         try:
-            router = scrape(self.url)
-            entry["router"] = {k: v for k, v in router.items() if k.startswith("pdcluster_router_")}
+            entry["router"] = scrape(self.url, ("pdcluster_router_",))
         except (httpx.HTTPError, ValueError):
             pass
         self.samples.append(entry)
@@ -87,7 +87,7 @@ class MetricsSampler:
             await asyncio.sleep(self.interval_s)
 
 
-async def run_job(client: httpx.AsyncClient, url: str, job: Job, timeout_s: float) -> list[RequestResult]:
+async def run_job(client: aiohttp.ClientSession, url: str, job: Job, timeout_s: float) -> list[RequestResult]:
     """One job: a request, or a session's turns in order, each turn carrying the history."""
     if not job.turns:
         return [await _bounded(client, f"{url}{job.endpoint}", job.body, timeout_s)]
@@ -102,7 +102,7 @@ async def run_job(client: httpx.AsyncClient, url: str, job: Job, timeout_s: floa
     return results
 
 
-async def _bounded(client: httpx.AsyncClient, url: str, body: dict, timeout_s: float) -> RequestResult:
+async def _bounded(client: aiohttp.ClientSession, url: str, body: dict, timeout_s: float) -> RequestResult:
     try:
         async with asyncio.timeout(timeout_s):
             return await stream_request(client, url, body)
@@ -126,11 +126,11 @@ async def run_load(
         if progress is not None and task is not None:
             progress.advance(task, len(batch))
 
-    connections = httpx.Limits(max_connections=2048, max_keepalive_connections=256)
-    timeout = httpx.Timeout(limits.request_timeout_s, connect=10.0)
+    timeout = aiohttp.ClientTimeout(total=limits.request_timeout_s, connect=10.0)
     sampling = asyncio.create_task(sampler.run(started))
     try:
-        async with httpx.AsyncClient(timeout=timeout, limits=connections) as client:
+        connector = aiohttp.TCPConnector(limit=2048)
+        async with aiohttp.ClientSession(timeout=timeout, connector=connector) as client:
             if isinstance(arrival, FixedConcurrency):
                 await _closed_loop(client, url, jobs, arrival.concurrency, limits, deadline, record)
             else:

@@ -6,11 +6,16 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 
-def scrape(url: str, timeout_s: float = 5.0) -> dict[str, float]:
-    """Every sample of `url`/metrics, summed over label sets, by sample name."""
+def scrape(url: str, prefixes: tuple[str, ...] = ("",), timeout_s: float = 5.0) -> dict[str, float]:
+    """The samples of `url`/metrics whose names start with one of `prefixes`, summed over label
+    sets, by sample name. Lines of other metrics are dropped before parsing: vLLM's page is
+    large, and a load generator that parses all of it every second competes with the server."""
     text = httpx.get(f"{url}/metrics", timeout=timeout_s).text
+    wanted = "\n".join(
+        line for line in text.splitlines() if line.startswith(prefixes) and not line.startswith("#")
+    )
     totals: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
+    for family in text_string_to_metric_families(wanted):
         for sample in family.samples:
             totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
     return totals

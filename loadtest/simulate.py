@@ -255,15 +255,3 @@ def run(args: argparse.Namespace) -> int:
     plot(results, title, args.out / f"{stem}.png")
     console.print(f"wrote {args.out / stem}.json and .png")
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
