@@ -204,17 +204,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             host=args.host, port=args.port, served_model_name=name,
             max_model_len=args.max_model_len, policy=args.policy, tokenizer=model_path,
             block_size=engine_config.block_size, allow_remote=args.address is not None,
+            remote_prefill_min_tokens=args.remote_prefill_min_tokens,
         )  # fmt: skip
-        router_config = router_config.model_copy(
-            update={"remote_prefill_min_tokens": args.remote_prefill_min_tokens}
-        )
         topology = Topology.from_args(args.instances, args.prefill, args.decode)
     except (ValidationError, ValueError) as exc:
         console.print(f"[red]invalid configuration:[/] {exc}")
         return 2
     if args.address is None:
         use_loopback_ray()
-
     return asyncio.run(_serve(engine_config, router_config, topology, args.address, args.placement_timeout))
 
 
