@@ -61,6 +61,13 @@ def _add_serve_parser(subparsers, name: str = "serve", help: str = "serve a mode
         help="join this Ray cluster instead of starting a head on loopback",
     )
     parser.add_argument("--policy", default="kv_aware", help="routing policy (router.policies.POLICIES)")
+    parser.add_argument(
+        "--api-keys",
+        default=os.environ.get("PDCLUSTER_API_KEYS", ""),
+        help="KEY:TENANT,KEY:TENANT (env PDCLUSTER_API_KEYS); none: open endpoint",
+    )
+    parser.add_argument("--rate-limit", type=float, help="requests/s per API key")
+    parser.add_argument("--max-concurrency-per-key", type=int, help="requests in flight per API key")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--kv-cache-gib", type=float, default=1.0)
     parser.add_argument("--no-eager", action="store_true", help="allow compilation / CUDA graphs")
@@ -158,6 +165,17 @@ def resolve_model(model: str) -> tuple[Path, str]:
     return path, path.name
 
 
+def parse_api_keys(spec: str) -> dict[str, str]:
+    """ "KEY:TENANT,KEY:TENANT" -> {KEY: TENANT}; a key without a tenant is its own tenant."""
+    keys = {}
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        key, _, tenant = item.partition(":")
+        if key in keys:
+            raise ValueError(f"API key listed twice: {key[:4]}...")
+        keys[key] = tenant or key
+    return keys
+
+
 @dataclass(frozen=True)
 class Topology:
     """Colocated instances, or prefill and decode pools."""
@@ -204,7 +222,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             host=args.host, port=args.port, served_model_name=name,
             max_model_len=args.max_model_len, policy=args.policy, tokenizer=model_path,
             block_size=engine_config.block_size, allow_remote=args.address is not None,
-            remote_prefill_min_tokens=args.remote_prefill_min_tokens,
+            remote_prefill_min_tokens=args.remote_prefill_min_tokens, api_keys=parse_api_keys(args.api_keys),
+            rate_limit_per_s=args.rate_limit, max_concurrency_per_key=args.max_concurrency_per_key,
         )  # fmt: skip
         topology = Topology.from_args(args.instances, args.prefill, args.decode)
     except (ValidationError, ValueError) as exc:

@@ -11,16 +11,17 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.config import Role
 from router import metrics
+from router.admission import Admission, release_after
 from router.config import RouterConfig
 from router.disagg import RemotePrefill
-from router.errors import BadRequest, ModelNotFound, RouterError, error_body
+from router.errors import BadRequest, ModelNotFound, PayloadTooLarge, RouterError, error_body
 from router.hashing import PromptHasher
 from router.instances import HealthMonitor, InstanceRegistry
 from router.kv_events import KVEventListener
@@ -33,7 +34,8 @@ log = logging.getLogger(__name__)
 SERVING_ROLES = (Role.COLOCATED, Role.DECODE)
 ERROR_RESPONSES = {
     status: {"description": description}
-    for status, description in ((400, "Invalid request"), (404, "Unknown model"),
+    for status, description in ((400, "Invalid request"), (401, "No or invalid API key"),
+                                (404, "Unknown model"), (413, "Body too large"), (429, "Rate limited"),
                                 (502, "Engine failed"), (503, "No ready instance"))
 }  # fmt: skip
 
@@ -115,6 +117,9 @@ def build_app(config: RouterConfig, registry: InstanceRegistry) -> FastAPI:
         ),
     )
     analyzer = RequestAnalyzer(config)
+    admission = Admission(config.api_keys, config.rate_limit_per_s, config.max_concurrency_per_key)
+    if admission.open:
+        log.warning("no API keys configured: anyone who reaches %s:%d may use it", config.host, config.port)
     prefill_policy = make_policy(
         config.policy,
         PolicyContext(
@@ -177,29 +182,55 @@ def build_app(config: RouterConfig, registry: InstanceRegistry) -> FastAPI:
     def serving_instances():
         return registry.ready(SERVING_ROLES)
 
-    async def parse(request: Request, model: type[SamplingRequest]) -> SamplingRequest:
+    def parse(body: bytes, model: type[SamplingRequest]) -> SamplingRequest:
         # pydantic-core parses and validates the raw bytes in one pass, several times faster
         # than FastAPI's body handling; the schema is still published through openapi_extra.
         try:
-            parsed = model.model_validate_json(await request.body())
+            parsed = model.model_validate_json(body)
         except ValidationError as exc:
             raise BadRequest(*_validation_message(exc.errors())) from None
         check_model(parsed)
         return parsed
 
+    async def admitted_request(request: Request, model: type[SamplingRequest]) -> tuple[str, SamplingRequest]:
+        """Authenticate, bound the body, validate, and salt the cache with the caller's tenant."""
+        key = admission.authenticate(request.headers.get("authorization"))
+        declared = request.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > config.max_body_bytes:
+            raise PayloadTooLarge(f"request bodies are limited to {config.max_body_bytes} bytes")
+        body = await request.body()
+        if len(body) > config.max_body_bytes:
+            raise PayloadTooLarge(f"request bodies are limited to {config.max_body_bytes} bytes")
+        parsed = parse(body, model)
+        salt = admission.cache_salt(key, getattr(parsed, "cache_salt", None))
+        if salt is not None:
+            parsed.cache_salt = salt  # an extra field: forwarded to vLLM, hashed by the analyzer
+        return key, parsed
+
+    async def serve(request: Request, model: type[SamplingRequest], endpoint: str) -> Response:
+        key, parsed = await admitted_request(request, model)
+        release = admission.admit(key)
+        try:
+            routing = await analyzer.analyze(parsed)
+            response = await forwarder.forward(endpoint, parsed.forwarded(), serving_instances, routing)
+        except BaseException:
+            release()
+            raise
+        if isinstance(response, StreamingResponse):
+            response.body_iterator = release_after(response.body_iterator, release)
+        else:
+            release()
+        return response
+
     @app.post("/v1/completions", responses=ERROR_RESPONSES, openapi_extra=_body_schema(CompletionRequest))
     async def completions(request: Request) -> Response:
-        parsed = await parse(request, CompletionRequest)
-        routing = await analyzer.analyze(parsed)
-        return await forwarder.forward("/v1/completions", parsed.forwarded(), serving_instances, routing)
+        return await serve(request, CompletionRequest, "/v1/completions")
 
     @app.post(
         "/v1/chat/completions", responses=ERROR_RESPONSES, openapi_extra=_body_schema(ChatCompletionRequest)
     )
     async def chat_completions(request: Request) -> Response:
-        parsed = await parse(request, ChatCompletionRequest)
-        routing = await analyzer.analyze(parsed)
-        return await forwarder.forward("/v1/chat/completions", parsed.forwarded(), serving_instances, routing)
+        return await serve(request, ChatCompletionRequest, "/v1/chat/completions")
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -240,9 +271,8 @@ def build_app(config: RouterConfig, registry: InstanceRegistry) -> FastAPI:
     async def explain(request: Request) -> dict:
         """What the router sees of a request: its tokens, block hashes, and which instances hold
         how many of its leading blocks. Routes nothing."""
-        body = await request.body()
-        kind = ChatCompletionRequest if b'"messages"' in body else CompletionRequest
-        parsed = await parse(request, kind)
+        kind = ChatCompletionRequest if b'"messages"' in await request.body() else CompletionRequest
+        _, parsed = await admitted_request(request, kind)
         routing = await analyzer.analyze(parsed)
         return {
             "token_ids": analyzer.token_ids(parsed) if analyzer.hasher else None,

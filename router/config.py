@@ -50,6 +50,14 @@ class RouterConfig(BaseModel):
     """P/D: a request whose uncached prompt part is shorter is prefilled by its decode instance."""
     prefill_timeout_s: float = Field(60.0, gt=0)
     """P/D: longest wait for a prefill instance; past it the decode instance prefills locally."""
+    api_keys: dict[str, str] = Field(default_factory=dict)
+    """API key -> tenant. Empty: the endpoint is open to anyone who can reach it."""
+    rate_limit_per_s: float | None = Field(None, gt=0)
+    """Requests per second per API key (a token bucket); None: unlimited."""
+    max_concurrency_per_key: int | None = Field(None, ge=1)
+    """Requests in flight per API key; None: unlimited."""
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+    """Largest request body accepted (413 beyond)."""
     allow_remote: bool = False
     """Allow binding beyond loopback (for a cluster's head node)."""
 

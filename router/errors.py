@@ -34,6 +34,11 @@ class BadRequest(RouterError):
     type = "BadRequestError"
 
 
+class PayloadTooLarge(RouterError):
+    status = 413
+    type = "BadRequestError"
+
+
 class ModelNotFound(RouterError):
     status = 404
     type = "NotFoundError"

@@ -1,0 +1,113 @@
+"""Admission: who may send requests, how many, and which tenant's cache they use.
+
+API keys map to tenants. With no keys configured the endpoint is open (the launcher warns). Each
+tenant's requests carry a cache salt derived from the tenant, which vLLM folds into the first
+block's hash, and so does the router's index: one tenant never hits (nor times) another's cached
+prompt. Per key, a token bucket bounds the request rate and a counter the requests in flight;
+beyond either the answer is 429 with Retry-After.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import time
+from collections.abc import AsyncIterator, Callable
+
+from router.errors import RouterError
+
+OPEN_TENANT = "public"
+
+
+class Unauthorized(RouterError):
+    status = 401
+    type = "AuthenticationError"
+
+
+class RateLimited(RouterError):
+    status = 429
+    type = "RateLimitError"
+
+
+class _Bucket:
+    def __init__(self, rate_per_s: float, burst: float) -> None:
+        self.rate, self.burst = rate_per_s, burst
+        self.tokens, self.updated = burst, time.monotonic()
+
+    def take(self) -> float:
+        """0 if a request may pass now, else the seconds until it may."""
+        now = time.monotonic()
+        self.tokens = min(self.burst, self.tokens + (now - self.updated) * self.rate)
+        self.updated = now
+        if self.tokens >= 1:
+            self.tokens -= 1
+            return 0.0
+        return (1 - self.tokens) / self.rate
+
+
+class Admission:
+    def __init__(
+        self, api_keys: dict[str, str], rate_per_s: float | None, max_concurrency: int | None
+    ) -> None:
+        self.api_keys = api_keys
+        self.rate_per_s = rate_per_s
+        self.max_concurrency = max_concurrency
+        self._buckets: dict[str, _Bucket] = {}
+        self._inflight: dict[str, int] = {}
+
+    @property
+    def open(self) -> bool:
+        return not self.api_keys
+
+    def authenticate(self, authorization: str | None) -> str:
+        """The caller's key (the Bearer token), or the open tenant when no keys are configured."""
+        if self.open:
+            return ""
+        scheme, _, token = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            raise Unauthorized("missing API key: send `Authorization: Bearer <key>`")
+        for key in self.api_keys:  # constant-time comparison: no timing hint about valid keys
+            if hmac.compare_digest(key.encode(), token.encode()):
+                return key
+        raise Unauthorized("invalid API key")
+
+    def tenant(self, key: str) -> str:
+        return self.api_keys.get(key, OPEN_TENANT)
+
+    def cache_salt(self, key: str, client_salt: str | None) -> str | None:
+        """The salt the request's KV blocks are hashed with: the tenant's, then the client's own."""
+        if self.open:
+            return client_salt
+        tenant_salt = hashlib.sha256(f"pdcluster-tenant:{self.tenant(key)}".encode()).hexdigest()[:32]
+        return f"{tenant_salt}:{client_salt}" if client_salt else tenant_salt
+
+    def admit(self, key: str) -> Callable[[], None]:
+        """Take one of `key`'s request slots; returns the function that gives it back (once)."""
+        if self.rate_per_s:
+            bucket = self._buckets.setdefault(key, _Bucket(self.rate_per_s, max(1.0, self.rate_per_s)))
+            wait = bucket.take()
+            if wait:
+                raise RateLimited(
+                    f"rate limit of {self.rate_per_s:g} requests/s exceeded", retry_after_s=wait
+                )
+        if self.max_concurrency and self._inflight.get(key, 0) >= self.max_concurrency:
+            raise RateLimited(f"at most {self.max_concurrency} requests in flight per key", retry_after_s=1)
+        self._inflight[key] = self._inflight.get(key, 0) + 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self._inflight[key] -= 1
+
+        return release
+
+
+async def release_after(body: AsyncIterator[bytes], release: Callable[[], None]) -> AsyncIterator[bytes]:
+    """A streamed body that gives its request slot back when it ends, however it ends."""
+    try:
+        async for chunk in body:
+            yield chunk
+    finally:
+        release()

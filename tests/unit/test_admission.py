@@ -1,0 +1,77 @@
+"""Admission: API keys, per-key rate and concurrency limits, tenant salts, body size."""
+
+from __future__ import annotations
+
+import pytest
+from fastapi.testclient import TestClient
+
+from deploy.cli import parse_api_keys
+from router.admission import Admission, RateLimited, Unauthorized
+from router.app import build_app
+from router.config import RouterConfig
+from router.instances import InstanceRegistry
+
+BODY = {"model": "m", "prompt": "x"}
+
+
+def client(**config) -> TestClient:
+    settings = RouterConfig(served_model_name="m", max_model_len=64, health_interval_s=60, **config)
+    return TestClient(build_app(settings, InstanceRegistry()))
+
+
+@pytest.mark.parametrize(
+    "header,status", [(None, 401), ("Bearer wrong", 401), ("Basic k1", 401), ("Bearer k1", 503)]
+)
+def test_keys_are_required_when_configured(header, status):
+    headers = {"authorization": header} if header else {}
+    with client(api_keys={"k1": "a"}) as c:
+        response = c.post("/v1/completions", json=BODY, headers=headers)
+    assert response.status_code == status  # 503: admitted, but no engine in this test
+    if status == 401:
+        assert response.json()["error"]["type"] == "AuthenticationError"
+
+
+def test_without_keys_the_endpoint_is_open():
+    with client() as c:
+        assert c.post("/v1/completions", json=BODY).status_code == 503
+
+
+def test_rate_limit_answers_429_with_retry_after():
+    with client(api_keys={"k1": "a", "k2": "b"}, rate_limit_per_s=1) as c:
+        first = c.post("/v1/completions", json=BODY, headers={"authorization": "Bearer k1"})
+        second = c.post("/v1/completions", json=BODY, headers={"authorization": "Bearer k1"})
+        other = c.post("/v1/completions", json=BODY, headers={"authorization": "Bearer k2"})
+    assert first.status_code == 503 and other.status_code == 503  # each key has its own bucket
+    assert second.status_code == 429 and int(second.headers["retry-after"]) >= 1
+
+
+def test_concurrency_slots_are_given_back():
+    admission = Admission({"k": "t"}, rate_per_s=None, max_concurrency=1)
+    release = admission.admit("k")
+    with pytest.raises(RateLimited):
+        admission.admit("k")
+    release()
+    release()  # twice is harmless
+    admission.admit("k")()
+
+
+def test_tenant_salts_differ_per_tenant_and_keep_the_clients_own():
+    admission = Admission({"ka": "a", "ka2": "a", "kb": "b"}, None, None)
+    assert admission.cache_salt("ka", None) == admission.cache_salt("ka2", None)  # same tenant
+    assert admission.cache_salt("ka", None) != admission.cache_salt("kb", None)
+    assert admission.cache_salt("ka", "mine").endswith(":mine")
+    assert Admission({}, None, None).cache_salt("", "mine") == "mine"
+    with pytest.raises(Unauthorized):
+        admission.authenticate("Bearer kc")
+
+
+def test_oversized_bodies_are_refused_with_413():
+    with client(max_body_bytes=1024) as c:
+        response = c.post("/v1/completions", json={"model": "m", "prompt": "x" * 5000})
+    assert response.status_code == 413
+
+
+def test_api_keys_flag():
+    assert parse_api_keys("k1:a, k2:b,k3") == {"k1": "a", "k2": "b", "k3": "k3"}
+    with pytest.raises(ValueError):
+        parse_api_keys("k1:a,k1:b")
