@@ -33,7 +33,7 @@ from engine.lifecycle import InstanceState, StartTimeline
 STAGE_PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("spawn_and_import", re.compile(r"vLLM API server version|version \d+\.\d+")),
     ("engine_process", re.compile(r"Initializing a V1 LLM engine")),
-    ("weights", re.compile(r"Loading weights took (?P<s>[\d.]+) seconds")),
+    ("worker_start_and_weights", re.compile(r"Loading weights took (?P<s>[\d.]+) seconds")),
     ("graph_capture", re.compile(r"Graph capturing finished in (?P<s>[\d.]+) secs")),
     ("kv_cache_and_profile", re.compile(r"init engine .* took (?P<s>[\d.]+) s")),
     ("api_server", re.compile(r"Application startup complete")),

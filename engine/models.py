@@ -52,11 +52,9 @@ def _training_corpus() -> list[str]:
     return texts
 
 
-def build_tiny(target: Path, vocab_size: int = 2048, seed: int = 0) -> None:
-    """A 4-layer Llama (hidden 256) with random weights and a trained byte-level BPE tokenizer."""
-    import torch
+def _trained_tokenizer(target: Path, vocab_size: int):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -76,15 +74,24 @@ def build_tiny(target: Path, vocab_size: int = 2048, seed: int = 0) -> None:
     )
     fast.chat_template = CHATML_TEMPLATE
     fast.save_pretrained(target)
+    return fast
 
+
+def _random_llama(target: Path, seed: int, layers: int, hidden: int, intermediate: int, heads: int,
+                  kv_heads: int) -> None:  # fmt: skip
+    """A Llama with random weights and the trained tokenizer."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    fast = _trained_tokenizer(target, vocab_size=2048)
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=len(fast),
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=4096,
         bos_token_id=fast.bos_token_id,
         eos_token_id=fast.eos_token_id,
@@ -94,6 +101,16 @@ def build_tiny(target: Path, vocab_size: int = 2048, seed: int = 0) -> None:
     )
     model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(target, safe_serialization=True)
+
+
+def build_tiny(target: Path, seed: int = 0) -> None:
+    """A 4-layer Llama (hidden 256, ~7 MB) with random weights and a trained BPE tokenizer."""
+    _random_llama(target, seed, layers=4, hidden=256, intermediate=512, heads=4, kv_heads=2)
+
+
+def build_llama1b(target: Path, seed: int = 0) -> None:
+    """A ~1B-parameter Llama (16 layers, hidden 2048) with random weights: cold-start yardstick."""
+    _random_llama(target, seed, layers=16, hidden=2048, intermediate=8192, heads=32, kv_heads=8)
 
 
 def _smollm2_gguf() -> Path:
@@ -126,7 +143,11 @@ def build_smollm2(target: Path) -> None:
     tokenizer.save_pretrained(target)
 
 
-BUILDERS: dict[str, Callable[[Path], None]] = {"tiny": build_tiny, "smollm2": build_smollm2}
+BUILDERS: dict[str, Callable[[Path], None]] = {
+    "tiny": build_tiny,
+    "smollm2": build_smollm2,
+    "llama1b": build_llama1b,
+}
 
 
 def ensure_model(name: str, target: Path | None = None) -> Path:

@@ -37,7 +37,7 @@ def test_timeline_durations_add_up():
 
 def test_stage_patterns_match_vllm_log_lines():
     lines = {
-        "weights": "(Worker pid=1) INFO [default_loader.py:501] Loading weights took 0.02 seconds",
+        "worker_start_and_weights": "(Worker pid=1) INFO [default_loader.py:501] Loading weights took 0.02 seconds",
         "kv_cache_and_profile": "INFO [core.py:402] init engine (profile, create kv cache, warmup model) took 2.79 s",
         "api_server": "INFO:     Application startup complete.",
     }
