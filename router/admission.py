@@ -14,19 +14,9 @@ import hmac
 import time
 from collections.abc import AsyncIterator, Callable
 
-from router.errors import RouterError
+from router.errors import RateLimited, Unauthorized
 
 OPEN_TENANT = "public"
-
-
-class Unauthorized(RouterError):
-    status = 401
-    type = "AuthenticationError"
-
-
-class RateLimited(RouterError):
-    status = 429
-    type = "RateLimitError"
 
 
 class _Bucket:

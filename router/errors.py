@@ -34,6 +34,18 @@ class BadRequest(RouterError):
     type = "BadRequestError"
 
 
+class Unauthorized(RouterError):
+    status = 401
+    type = "AuthenticationError"
+
+
+class RateLimited(RouterError):
+    """The caller's key is over its rate or concurrency limit (not the cluster's capacity)."""
+
+    status = 429
+    type = "RateLimitError"
+
+
 class PayloadTooLarge(RouterError):
     status = 413
     type = "BadRequestError"

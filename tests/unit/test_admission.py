@@ -6,9 +6,10 @@ import pytest
 from fastapi.testclient import TestClient
 
 from deploy.cli import parse_api_keys
-from router.admission import Admission, RateLimited, Unauthorized
+from router.admission import Admission
 from router.app import build_app
 from router.config import RouterConfig
+from router.errors import RateLimited, Unauthorized
 from router.instances import InstanceRegistry
 
 BODY = {"model": "m", "prompt": "x"}
