@@ -39,10 +39,11 @@ def served(tiny_model):
         yield server
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def served_pd(tiny_model):
     """One prefill and one decode instance (tiny model) behind the router; every request is
-    prefilled remotely (threshold 0)."""
+    prefilled remotely (threshold 0). Module-scoped: it stops once test_pd.py is done, so at most
+    three engines run at once."""
     from deploy.local import LocalServer
 
     args = ["--model", "tiny", "--prefill", "1", "--decode", "1", "--remote-prefill-min-tokens", "0"]
