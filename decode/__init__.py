@@ -1,3 +1,7 @@
-"""The decode pool: engine instances in the KV-consumer role, placed on nodes that offer the Ray
-resource `decode`; they stream tokens. (The P/D topology is built in its own issue; today every
-instance is colocated.)"""
+"""The decode pool: engine instances in the KV-consumer role, streaming the tokens.
+
+Today a decode instance is an `engine.host.EngineHost` with `Role.DECODE` (vLLM's NixlConnector
+reading the prefill's KV blocks over UCX), placed on nodes that offer the Ray resource `decode`
+(`deploy.launcher.placement_options`). What the pool needs beyond that (its scaling controller,
+its reads from the KV store) belongs here.
+"""
