@@ -20,7 +20,7 @@ import aiohttp
 from engine.config import Role
 from router import metrics
 from router.config import RouterConfig
-from router.instances import Instance, InstanceRegistry
+from router.instances import Instance, InstanceRegistry, PendingPrefill
 from router.policies import RoutingDecision, RoutingPolicy, RoutingRequest
 
 log = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ class RemotePrefill:
             "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
             "remote_block_ids": None, "remote_host": None, "remote_port": None})  # fmt: skip
         instance.inflight += 1
-        instance.pending_prefill_tokens += tokens
+        pending = PendingPrefill(instance, tokens)
         try:
             async with asyncio.timeout(self.config.prefill_timeout_s):
                 async with self.session().post(f"{instance.url}{endpoint}", json=prefill_body) as response:
@@ -87,4 +87,4 @@ class RemotePrefill:
             return None
         finally:
             instance.inflight -= 1
-            instance.pending_prefill_tokens -= tokens
+            pending.done()

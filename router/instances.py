@@ -34,6 +34,19 @@ class Instance:
     """The engine's replay socket for missed KV event batches."""
 
 
+class PendingPrefill:
+    """Prompt tokens routed to an instance and not yet prefilled, counted until the first byte
+    (or the end of a non-streamed answer) comes back: the queue the cost model charges."""
+
+    def __init__(self, instance: Instance, tokens: int) -> None:
+        self.instance, self.tokens = instance, max(tokens, 0)
+        instance.pending_prefill_tokens += self.tokens
+
+    def done(self) -> None:
+        self.instance.pending_prefill_tokens -= self.tokens
+        self.tokens = 0
+
+
 class InstanceRegistry:
     """Instances by id. Mutated only on the router's event loop."""
 

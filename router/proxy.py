@@ -22,7 +22,7 @@ from fastapi.responses import Response, StreamingResponse
 from router import metrics
 from router.config import RouterConfig
 from router.errors import EngineFailed, NoInstance, error_body
-from router.instances import Instance, InstanceRegistry
+from router.instances import Instance, InstanceRegistry, PendingPrefill
 from router.policies import RoutingDecision, RoutingPolicy, RoutingRequest
 
 log = logging.getLogger(__name__)
@@ -85,7 +85,7 @@ class Forwarder:
             send_body = await self.prepare(endpoint, body, request, decision) if self.prepare else body
             uncached = request.num_tokens - decision.cached_tokens - decision.store_tokens
             # With the KV prefilled elsewhere, the decode instance has (almost) nothing to prefill.
-            prefill = _PrefillLoad(instance, 0 if "kv_transfer_params" in send_body else uncached)
+            prefill = PendingPrefill(instance, 0 if "kv_transfer_params" in send_body else uncached)
             try:
                 return await self._send(instance, endpoint, send_body, started, prefill)
             except _RetryableEngineError as exc:
@@ -96,7 +96,7 @@ class Forwarder:
         raise EngineFailed(f"every instance tried failed; last error: {last_error}")
 
     async def _send(
-        self, instance: Instance, endpoint: str, body: dict, started: float, prefill: _PrefillLoad
+        self, instance: Instance, endpoint: str, body: dict, started: float, prefill: PendingPrefill
     ) -> Response:
         self._enter(instance)
         handed_over = False
@@ -117,7 +117,7 @@ class Forwarder:
                     raise _RetryableEngineError(f"broken response: {exc!r}") from None
                 finally:
                     upstream.release()
-                self._observe(endpoint, upstream.status, started, started_stream=None)
+                self._observe(endpoint, upstream.status, started, first_byte=True)
                 return Response(content, upstream.status, media_type="application/json")
             chunks = upstream.content.iter_any()
             try:
@@ -165,7 +165,7 @@ class Forwarder:
             else:
                 upstream.close()
             self._leave(instance)
-            self._observe(endpoint, status, started, started_stream=True)
+            self._observe(endpoint, status, started, first_byte=False)
 
     def _enter(self, instance: Instance) -> None:
         instance.inflight += 1
@@ -176,22 +176,10 @@ class Forwarder:
         metrics.INFLIGHT.labels(instance.instance_id).set(instance.inflight)
 
     @staticmethod
-    def _observe(endpoint: str, status: int, started: float, started_stream: bool | None) -> None:
+    def _observe(endpoint: str, status: int, started: float, first_byte: bool) -> None:
+        """Record a finished request; `first_byte` when its end was also its first byte (not streamed)."""
         elapsed = time.perf_counter() - started
-        if started_stream is None:
+        if first_byte:
             metrics.TIME_TO_FIRST_BYTE.labels(endpoint).observe(elapsed)
         metrics.REQUEST_LATENCY.labels(endpoint).observe(elapsed)
         metrics.REQUESTS.labels(endpoint, str(status)).inc()
-
-
-class _PrefillLoad:
-    """Prompt tokens routed to an instance and not yet prefilled, counted until the first byte
-    (or the end of a non-streamed answer) comes back: the queue the cost model charges."""
-
-    def __init__(self, instance: Instance, tokens: int) -> None:
-        self.instance, self.tokens = instance, max(tokens, 0)
-        instance.pending_prefill_tokens += self.tokens
-
-    def done(self) -> None:
-        self.instance.pending_prefill_tokens -= self.tokens
-        self.tokens = 0
