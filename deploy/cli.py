@@ -48,6 +48,35 @@ def _add_serve_parser(subparsers, name: str = "serve", help: str = "serve a mode
     parser.add_argument("--prefill", type=int, default=0, help="prefill instances (P/D topology)")
     parser.add_argument("--decode", type=int, default=0, help="decode instances (P/D topology)")
     parser.add_argument(
+        "--standby",
+        type=int,
+        default=0,
+        help="standby instances per pool (started without weights, activated in < 1 s)",
+    )
+    parser.add_argument(
+        "--max-instances",
+        type=int,
+        default=0,
+        help="ready instances per pool at most when scaling up (default: the initial count)",
+    )
+    parser.add_argument(
+        "--queue-timeout",
+        type=float,
+        default=30.0,
+        help="longest a request waits for an instance to become ready (s)",
+    )
+    parser.add_argument(
+        "--weights-key",
+        default=os.environ.get("PDCLUSTER_WEIGHTS_KEY"),
+        help="key that signs weight transfers between instances (env PDCLUSTER_WEIGHTS_KEY)",
+    )
+    parser.add_argument(
+        "--start-log",
+        type=Path,
+        default=Path(_env("START_LOG", "results/starts.jsonl")),
+        help="one JSON line per engine start, stage by stage (env PDCLUSTER_START_LOG)",
+    )
+    parser.add_argument(
         "--remote-prefill-min-tokens",
         type=int,
         default=256,
@@ -178,29 +207,56 @@ def parse_api_keys(spec: str) -> dict[str, str]:
 
 @dataclass(frozen=True)
 class Topology:
-    """Colocated instances, or prefill and decode pools."""
+    """Colocated instances, or prefill and decode pools; each pool may keep standbys and grow."""
 
     colocated: int = 0
     prefill: int = 0
     decode: int = 0
+    standby: int = 0
+    """Standby instances per pool."""
+    max_instances: int = 0
+    """Ready instances per pool at most; 0: the initial count (at least 1)."""
 
     @classmethod
-    def from_args(cls, instances: int, prefill: int, decode: int) -> Topology:
+    def from_args(cls, instances: int, prefill: int, decode: int, standby: int = 0,
+                  max_instances: int = 0) -> Topology:  # fmt: skip
+        if standby < 0 or max_instances < 0:
+            raise ValueError("--standby and --max-instances cannot be negative")
+        least = 0 if standby else 1  # a pool may start empty when a standby can serve it
         if prefill or decode:
-            if prefill < 1 or decode < 1:
-                raise ValueError("a P/D topology needs --prefill >= 1 and --decode >= 1")
-            return cls(0, prefill, decode)
-        if instances < 1:
-            raise ValueError("--instances must be at least 1")
-        return cls(instances, 0, 0)
+            if prefill < least or decode < least or prefill + decode == 0:
+                raise ValueError("a P/D topology needs --prefill >= 1 and --decode >= 1 (0 with --standby)")
+            return cls(0, prefill, decode, standby, max_instances)
+        if instances < least:
+            raise ValueError("--instances must be at least 1 (or 0 with --standby)")
+        return cls(instances, 0, 0, standby, max_instances)
+
+    def _counts(self) -> list[tuple[Role, int]]:
+        if self.colocated or not (self.prefill or self.decode):
+            return [(Role.COLOCATED, self.colocated)]
+        return [(Role.PREFILL, self.prefill), (Role.DECODE, self.decode)]
 
     def roles(self) -> list[tuple[str, Role]]:
-        counts = ((Role.COLOCATED, self.colocated), (Role.PREFILL, self.prefill), (Role.DECODE, self.decode))
-        return [(f"{role.value}-{i}", role) for role, count in counts for i in range(count)]
+        """The instances started at once, by id."""
+        return [(f"{role.value}-{i}", role) for role, count in self._counts() for i in range(count)]
+
+    def pools(self) -> list:
+        from deploy.pool import PoolSpec
+
+        return [
+            PoolSpec(
+                role=role, min_ready=count, max_ready=max(count, self.max_instances, 1), standby=self.standby
+            )
+            for role, count in self._counts()
+        ]
+
+    def engines_at_most(self) -> int:
+        return sum(pool.max_ready + pool.standby for pool in self.pools())
 
     def ray_resources(self) -> dict[str, float]:
         """A one-machine head offers the role resources the pools are placed by."""
-        return {Role.PREFILL.value: float(self.prefill), Role.DECODE.value: float(self.decode)}
+        return {pool.role.value: float(pool.max_ready + pool.standby) for pool in self.pools()
+                if pool.role != Role.COLOCATED}  # fmt: skip
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -217,6 +273,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             kv_cache_gib=args.kv_cache_gib,
             enforce_eager=not args.no_eager,
             start_timeout_s=args.start_timeout,
+            weights_key=args.weights_key,
         )
         router_config = RouterConfig(
             host=args.host, port=args.port, served_model_name=name,
@@ -224,22 +281,28 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             block_size=engine_config.block_size, allow_remote=args.address is not None,
             remote_prefill_min_tokens=args.remote_prefill_min_tokens, api_keys=parse_api_keys(args.api_keys),
             rate_limit_per_s=args.rate_limit, max_concurrency_per_key=args.max_concurrency_per_key,
+            queue_timeout_s=args.queue_timeout,
         )  # fmt: skip
-        topology = Topology.from_args(args.instances, args.prefill, args.decode)
+        topology = Topology.from_args(
+            args.instances, args.prefill, args.decode, args.standby, args.max_instances
+        )
     except (ValidationError, ValueError) as exc:
         console.print(f"[red]invalid configuration:[/] {exc}")
         return 2
     if args.address is None:
         use_loopback_ray()
-    return asyncio.run(_serve(engine_config, router_config, topology, args.address, args.placement_timeout))
+    return asyncio.run(
+        _serve(engine_config, router_config, topology, args.address, args.placement_timeout, args.start_log)
+    )
 
 
 async def _serve(
-    engine_config, router_config, topology, address: str | None, placement_timeout_s: float
+    engine_config, router_config, topology, address: str | None, placement_timeout_s: float, start_log: Path
 ) -> int:
     import uvicorn
 
     from deploy.launcher import Launcher, cpu_core_sets, start_ray
+    from deploy.pool import PoolController
     from engine.environment import is_cpu_build
     from engine.host import free_port, node_address
     from router.app import build_app
@@ -252,9 +315,10 @@ async def _serve(
     router_config = router_config.model_copy(update={"kv_events_endpoint": events_endpoint})
     engine_config = engine_config.model_copy(update={"kv_events_endpoint": events_endpoint})
     registry = InstanceRegistry()
-    launcher = Launcher(registry, console)
+    launcher = Launcher(registry, console, start_log)
     roles = topology.roles()
-    cores = cpu_core_sets(len(roles), os.cpu_count() or 1) if is_cpu_build() and not address else []
+    engines = topology.engines_at_most()
+    cores = cpu_core_sets(engines, os.cpu_count() or 1) if is_cpu_build() and not address else []
     configs = [
         (
             instance_id,
@@ -262,9 +326,14 @@ async def _serve(
         )
         for k, (instance_id, role) in enumerate(roles)
     ]
+    controller = None
     try:
         await launcher.start_instances(configs, placement_timeout_s)
         app = build_app(router_config, registry)
+        # Instances the controller adds get the core sets the initial ones left (all, if none).
+        controller = PoolController(launcher, registry, app.state.queue, topology.pools(), engine_config,
+                                    core_sets=cores[len(roles):] or cores or None)  # fmt: skip
+        controller.start()
         server = uvicorn.Server(
             uvicorn.Config(app, host=router_config.host, port=router_config.port, log_level="warning")
         )
@@ -282,6 +351,8 @@ async def _serve(
         return 1
     finally:
         console.print("stopping engines...")
+        if controller is not None:
+            await controller.stop()
         await launcher.shutdown()
         if started_head:
             import ray

@@ -1,18 +1,23 @@
 """Starting pdcluster on Ray: the Ray connection, the engine actors, the router.
 
 `Launcher` owns every actor it creates and stops them all on `shutdown()`; a Ray head it
-started itself it also stops.
+started itself it also stops. Every start is timed stage by stage: a Prometheus histogram per
+path and stage, and one JSON line per start in `start_log`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import logging
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import ray
+from prometheus_client import Histogram
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
@@ -25,6 +30,12 @@ from router.instances import Instance, InstanceRegistry
 
 log = logging.getLogger(__name__)
 EngineActor = ray.remote(EngineHost)
+START_SECONDS = Histogram(
+    "pdcluster_engine_start_stage_seconds",
+    "Engine start stages by path (disk, peer, standby_start, standby); stage 'total' is the sum.",
+    ["path", "stage"],
+    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 40, 80, 160, 320),
+)
 
 
 def start_ray(address: str | None, resources: dict[str, float] | None = None) -> bool:
@@ -89,9 +100,11 @@ class StartedInstance:
 class Launcher:
     """Creates engine actors, waits for them to be ready, registers them with the router."""
 
-    def __init__(self, registry: InstanceRegistry, console: Console | None = None):
+    def __init__(self, registry: InstanceRegistry, console: Console | None = None,
+                 start_log: Path | None = None):  # fmt: skip
         self.registry = registry
         self.console = console or Console(stderr=True)
+        self.start_log = start_log
         self.instances: dict[str, StartedInstance] = {}
         self._actors: dict[str, ray.actor.ActorHandle] = {}
 
@@ -104,42 +117,119 @@ class Launcher:
         return actor
 
     async def start_instances(
-        self, configs: list[tuple[str, EngineConfig]], placement_timeout_s: float = 900.0
+        self,
+        configs: list[tuple[str, EngineConfig]],
+        placement_timeout_s: float = 900.0,
+        peer: dict | None = None,
+        standby: bool = False,
+        progress: bool = True,
     ) -> list[StartedInstance]:
-        """Start one engine per (instance_id, config) concurrently, showing their progress.
+        """Start one engine per (instance_id, config) concurrently, showing their progress; with
+        weights from `peer` (a descriptor of `peer_weights()`) or disk, or as standbys without.
 
         An engine Ray cannot place within `placement_timeout_s` (no node offers its role's
-        resource, and the autoscaler added none) fails the start; so does a failed engine."""
+        resource, and the autoscaler added none) fails the start; so does a failed engine. Only one
+        start at a time may show `progress` (a live table); the pool controller's starts do not."""
+        if not configs:
+            return []
         actors = {iid: self._create_actor(cfg, iid) for iid, cfg in configs}
-        starts = {iid: asyncio.ensure_future(actor.start.remote()) for iid, actor in actors.items()}
+        starts = {
+            iid: asyncio.ensure_future(actor.start.remote(standby=standby, peer=peer))
+            for iid, actor in actors.items()
+        }
         deadline = time.monotonic() + placement_timeout_s + max(cfg.start_timeout_s for _, cfg in configs)
-        with Live(self._progress_table(actors, {}), console=self.console, transient=True) as live:
+        live = (
+            Live(self._progress_table(actors, {}), console=self.console, transient=True) if progress else None
+        )
+        with live or contextlib.nullcontext():
             while not all(task.done() for task in starts.values()):
                 if time.monotonic() > deadline:
                     waiting = sorted(iid for iid, task in starts.items() if not task.done())
                     raise TimeoutError(f"engines not started in time (no node for their role?): {waiting}; "
                                        "raise --placement-timeout")  # fmt: skip
                 states = await self._describe_all(actors)
-                live.update(self._progress_table(actors, states))
+                if live is not None:
+                    live.update(self._progress_table(actors, states))
                 await asyncio.wait(list(starts.values()), timeout=0.5)
+        failed = {iid: task.exception() for iid, task in starts.items() if task.exception()}
+        for instance_id in failed:  # their engines are stopped already; end the actors too
+            ray.kill(self._actors.pop(instance_id))
+        if failed:
+            raise next(iter(failed.values()))  # EngineStartError with the engine's log tail
         started = []
         for instance_id, task in starts.items():
-            timeline = task.result()  # raises EngineStartError with the engine's log tail
+            timeline = task.result()
             info = await actors[instance_id].describe.remote()
             record = StartedInstance(
                 instance_id, actors[instance_id], info["url"], Role(info["role"]), timeline
             )
             self.instances[instance_id] = record
             self.registry.add(
-                Instance(instance_id, record.role, record.url, InstanceState.READY,
+                Instance(instance_id, record.role, record.url, InstanceState(info["state"]),
                          kv_events_replay_endpoint=info["kv_events_replay_endpoint"])
             )  # fmt: skip
             started.append(record)
-            self.console.print(
-                f"[green]{instance_id}[/] ready at {record.url} in {timeline['total_s']:.1f} s "
-                + " ".join(f"{k}={v:.2f}" for k, v in timeline["stages_s"].items())
-            )
+            path = "standby_start" if standby else timeline["details"].get("weights_source", "disk")
+            self._record(instance_id, path.split("/")[0], timeline)
         return started
+
+    async def start_standby(self, instance_id: str, config: EngineConfig) -> StartedInstance:
+        """An instance with everything but weights, registered as STANDBY (gets no traffic)."""
+        return (await self.start_instances([(instance_id, config)], standby=True, progress=False))[0]
+
+    async def activate(self, instance_id: str, peer: dict | None) -> dict:
+        """Give a standby its weights (from `peer`, else disk) and put it in rotation."""
+        record = self.instances[instance_id]
+        instance = self.registry.get(instance_id)
+        if instance is None or instance.state != InstanceState.STANDBY:
+            raise RuntimeError(f"{instance_id} is not a registered standby")
+        instance.state = InstanceState.LOADING  # no second activation of the same standby
+        try:
+            timeline = await record.actor.activate.remote(peer)
+        except Exception:
+            instance.state = InstanceState.FAILED
+            raise
+        instance.state = InstanceState.READY
+        record.timeline = timeline
+        self._record(instance_id, "standby", timeline)
+        return timeline
+
+    async def peer_weights(self) -> dict | None:
+        """A weight descriptor of some ready instance (None if no instance can offer one)."""
+        for instance in self.registry.all():
+            record = self.instances.get(instance.instance_id)
+            if record is None or instance.state != InstanceState.READY:
+                continue
+            try:
+                return await asyncio.wait_for(record.actor.export_weights.remote(), 30)
+            except Exception as exc:  # try the next peer; disk is the last resort
+                log.warning("peer %s cannot offer its weights: %s", instance.instance_id, exc)
+        return None
+
+    async def stop_instance(self, instance_id: str) -> None:
+        """Take an instance out of rotation, stop its engine, end its actor."""
+        instance = self.registry.get(instance_id)
+        if instance is not None:
+            instance.state = InstanceState.DRAINING
+        actor = self._actors.pop(instance_id, None)
+        self.instances.pop(instance_id, None)
+        if actor is not None:
+            await asyncio.gather(asyncio.wait_for(actor.stop.remote(), 30), return_exceptions=True)
+            ray.kill(actor)
+        self.registry.remove(instance_id)
+
+    def _record(self, instance_id: str, path: str, timeline: dict) -> None:
+        for stage, seconds in timeline["stages_s"].items():
+            START_SECONDS.labels(path, stage).observe(seconds)
+        START_SECONDS.labels(path, "total").observe(timeline["total_s"])
+        if self.start_log is not None:
+            self.start_log.parent.mkdir(parents=True, exist_ok=True)
+            with self.start_log.open("a") as out:
+                out.write(json.dumps({"instance_id": instance_id, "path": path, **timeline}) + "\n")
+        self.console.print(
+            f"[green]{instance_id}[/] {path}: {timeline['total_s']:.2f} s "
+            + " ".join(f"{k}={v:.2f}" for k, v in timeline["stages_s"].items())
+        )
 
     @staticmethod
     async def _describe_all(actors: dict[str, ray.actor.ActorHandle]) -> dict[str, dict]:

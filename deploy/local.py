@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -17,12 +18,20 @@ from engine.host import free_port
 class LocalServer:
     """Runs `pdcluster serve ARGS` on a free loopback port until `stop()`; owns the process."""
 
-    def __init__(self, args: list[str], log_path: Path, start_timeout_s: float = 600.0):
+    def __init__(
+        self,
+        args: list[str],
+        log_path: Path,
+        start_timeout_s: float = 600.0,
+        ready: Callable[[LocalServer], bool] | None = None,
+    ):
         self.port = free_port("127.0.0.1")
         self.url = f"http://127.0.0.1:{self.port}"
         self.args = args
         self.log_path = log_path
         self.start_timeout_s = start_timeout_s
+        self.ready = ready or (lambda server: httpx.get(f"{server.url}/health", timeout=2).status_code == 200)
+        """When the server counts as started (default: its /health answers 200)."""
         self._process: subprocess.Popen | None = None
 
     def start(self) -> LocalServer:
@@ -37,7 +46,7 @@ class LocalServer:
                     f"pdcluster serve exited ({self._process.returncode}); see {self.log_path}"
                 )
             try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                if self.ready(self):
                     return self
             except httpx.HTTPError:
                 pass

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 
 class Role(enum.StrEnum):
@@ -43,6 +43,16 @@ class EngineConfig(BaseModel):
     None publishes none."""
     start_timeout_s: float = Field(300.0, gt=0)
     """Longest a start may take before the instance is declared failed."""
+    keep_host_weights: bool = True
+    """Keep a host copy of the checkpoint (shared memory) that new instances can read from this
+    one instead of from disk; costs the checkpoint's size in host memory per instance."""
+    weights_dir: Path = Path("/dev/shm")
+    """Folder of that host copy: shared memory, so peers on the node map it without a copy."""
+    weights_key: SecretStr | None = None
+    """Cluster key: peers sign their weight manifests with it and receivers reject unsigned or
+    wrongly signed ones. None accepts any peer of the same model (digests are still checked)."""
+    weight_transfer_timeout_s: float = Field(60.0, gt=0)
+    """Longest a weight transfer from a peer may take before the instance falls back to disk."""
     extra_args: tuple[str, ...] = ()
     """Further `vllm serve` arguments, passed through verbatim."""
 

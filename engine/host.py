@@ -5,6 +5,11 @@ the router finds it by handle; tokens flow over HTTP straight from the vLLM serv
 not through Ray. The host starts the server on the node's address, follows its log to time each
 start-up stage, sends a warm-up request before it reports READY, answers health checks and stops
 the whole process group on `stop()` or when the actor dies (PR_SET_PDEATHSIG).
+
+Every engine is built with `load_format=dummy` and gets its weights afterwards through the weight
+plane (engine/weights.py, engine/worker_extension.py): from a warm peer when one is named, else
+from disk. So one engine can wait as a STANDBY (process, runtime, KV cache and graphs ready, no
+weights) and `activate()` in well under a second when capacity is needed.
 """
 
 from __future__ import annotations
@@ -21,12 +26,14 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 
 from engine.config import EngineConfig, Role
 from engine.environment import engine_env, is_cpu_build
 from engine.lifecycle import InstanceState, StartTimeline
+from engine.worker_extension import WEIGHTS_KEY_ENV
 
 # vLLM log lines that end a start-up stage, in the order they appear, with the seconds vLLM
 # itself reports where it does.
@@ -69,8 +76,9 @@ class EngineHost:
         self.kv_events_replay_endpoint = (
             f"tcp://{self.host}:{free_port(self.host)}" if config.kv_events_endpoint else None
         )
-        self.state = InstanceState.STANDBY
+        self.state = InstanceState.STOPPED
         self.timeline = StartTimeline()
+        self.weights_record: dict = {}
         self._process: subprocess.Popen[str] | None = None
         self._log_tail: collections.deque[str] = collections.deque(maxlen=LOG_TAIL_LINES)
 
@@ -105,6 +113,8 @@ class EngineHost:
             "--block-size", str(c.block_size),
             "--gpu-memory-utilization", str(c.gpu_memory_utilization),
             "--disable-uvicorn-access-log",
+            "--load-format", "dummy",
+            "--worker-extension-cls", "engine.worker_extension.WeightPlaneExtension",
         ]  # fmt: skip
         if c.enforce_eager:
             command.append("--enforce-eager")
@@ -131,13 +141,25 @@ class EngineHost:
             "kv_load_failure_policy": "recompute",
         }
 
-    async def start(self) -> dict:
-        """Start the server, wait for health, send a warm-up request; returns the timeline."""
-        if self.state not in (InstanceState.STANDBY, InstanceState.STOPPED, InstanceState.FAILED):
+    @property
+    def shm_path(self) -> str | None:
+        """Where this instance keeps the host copy of its weights that peers may read."""
+        if not self.config.keep_host_weights:
+            return None
+        return str(self.config.weights_dir / f"pdcluster-weights-{self.instance_id}")
+
+    async def start(self, standby: bool = False, peer: dict | None = None) -> dict:
+        """Start the server and wait for /health. Then, unless `standby`, load the weights (from
+        `peer`, a descriptor of `export_weights()`, else from disk) and send a warm-up request.
+        Returns the timeline."""
+        if self.state not in (InstanceState.STOPPED, InstanceState.FAILED):
             raise EngineStartError(f"{self.instance_id} is {self.state.value}; cannot start")
         self.timeline = StartTimeline()
         self.state = InstanceState.LOADING
         env = {**os.environ, **engine_env(self.host, self.config.kv_cache_gib, self.config.cpu_cores)}
+        env["VLLM_SERVER_DEV_MODE"] = "1"  # /collective_rpc and /reset_prefix_cache, for weights
+        if self.config.weights_key is not None:
+            env[WEIGHTS_KEY_ENV] = self.config.weights_key.get_secret_value()
         if self.config.role != Role.COLOCATED:
             env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port(self.host))
         self._process = subprocess.Popen(
@@ -151,20 +173,92 @@ class EngineHost:
             preexec_fn=_die_with_parent,
         )
         threading.Thread(target=self._follow_log, args=(self._process,), daemon=True).start()
+
+        async def bring_up() -> None:
+            await self._wait_until_healthy()
+            if standby:
+                # Lazy first-request work does not depend on the weights: pay it now, not on activation.
+                await self._warm_up()
+                self.state = InstanceState.STANDBY
+            else:
+                await self._load_and_warm(peer)
+
+        await self._guarded(bring_up(), self.config.start_timeout_s, "start")
+        return self.timeline.as_record()
+
+    async def activate(self, peer: dict | None = None) -> dict:
+        """Turn a STANDBY instance into a READY one: weights (from `peer`, else disk), a warm-up
+        request. Returns the timeline of the activation alone."""
+        if self.state != InstanceState.STANDBY:
+            raise EngineStartError(f"{self.instance_id} is {self.state.value}, not standby")
+        self.timeline = StartTimeline()
+        await self._guarded(self._load_and_warm(peer), self.config.start_timeout_s, "activation")
+        return self.timeline.as_record()
+
+    async def export_weights(self, use_nixl: bool = True) -> dict:
+        """How a peer reads this instance's weights (shared memory on this node, NIXL anywhere)."""
+        if self.state != InstanceState.READY:
+            raise EngineStartError(f"{self.instance_id} is {self.state.value}; no weights to offer")
+        request = {"host": self.host, "use_nixl": use_nixl}
+        return await self._worker_call("pdc_export_weights", request, timeout_s=30)
+
+    async def _guarded(self, work, timeout_s: float, what: str) -> None:
+        """Run a start-up step; on failure or timeout stop the process and raise with its log."""
         try:
-            await asyncio.wait_for(self._wait_until_ready(), self.config.start_timeout_s)
+            await asyncio.wait_for(work, timeout_s)
         except Exception as exc:
             self.state = InstanceState.FAILED
-            self._terminate(grace_s=5)
+            await asyncio.to_thread(self._terminate, 5)
             reason = (
                 "timed out (raise EngineConfig.start_timeout_s)"
                 if isinstance(exc, asyncio.TimeoutError)
                 else str(exc)
             )
             tail = "\n".join(list(self._log_tail)[-40:])
-            raise EngineStartError(f"{self.instance_id} failed to start: {reason}\n{tail}") from None
-        self.state = InstanceState.READY
-        return self.timeline.as_record()
+            raise EngineStartError(f"{self.instance_id} {what} failed: {reason}\n{tail}") from None
+        if self.state != InstanceState.STANDBY:
+            self.state = InstanceState.READY
+
+    async def _load_and_warm(self, peer: dict | None) -> None:
+        self.state = InstanceState.LOADING
+        request = {"peer": peer, "host": self.host, "shm_path": self.shm_path,
+                   "timeout_s": self.config.weight_transfer_timeout_s}  # fmt: skip
+        record = await self._worker_call("pdc_load_weights", request, self.config.start_timeout_s)
+        self.weights_record = record
+        self.timeline.mark("weights")
+        source = record["source"] + (f"/{record['transport']}" if "transport" in record else "")
+        self.timeline.details.update(weights_source=source, weights_bytes=record["bytes"])
+        if record["fallback_reason"]:
+            self.timeline.details["weights_fallback_reason"] = record["fallback_reason"]
+        async with httpx.AsyncClient(timeout=httpx.Timeout(60.0)) as client:
+            # Blocks cached before the real weights arrived would hold wrong KV.
+            (await client.post(f"{self.url}/reset_prefix_cache")).raise_for_status()
+        self.state = InstanceState.WARMING
+        await self._warm_up()
+        self.timeline.mark("warmup_request")
+
+    async def _warm_up(self) -> None:
+        """Readiness means a request has really run through the engine, not just /health. It asks
+        for logprobs: vLLM's first logprobs request costs ~2 s of lazy set-up on the CPU build,
+        which no user's first request should pay."""
+        async with httpx.AsyncClient(timeout=httpx.Timeout(60.0)) as client:
+            response = await client.post(
+                f"{self.url}/v1/completions",
+                json={"model": self.config.served_model_name, "prompt": "warm up",
+                      "max_tokens": 1, "temperature": 0, "logprobs": 1},
+            )  # fmt: skip
+            response.raise_for_status()
+
+    async def _worker_call(self, method: str, request: dict, timeout_s: float) -> dict:
+        """Call a WeightPlaneExtension method on the engine's worker (one per engine here)."""
+        async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s + 5)) as client:
+            response = await client.post(
+                f"{self.url}/collective_rpc",
+                json={"method": method, "args": [json.dumps(request)], "timeout": timeout_s},
+            )
+        if response.status_code != 200:
+            raise EngineStartError(f"{method} failed: HTTP {response.status_code} {response.text[:500]}")
+        return response.json()["results"][0]
 
     def _follow_log(self, process: subprocess.Popen[str]) -> None:
         assert process.stdout is not None
@@ -177,24 +271,14 @@ class EngineHost:
                     if "s" in match.groupdict():
                         self.timeline.details[f"{stage}_reported_s"] = float(match["s"])
 
-    async def _wait_until_ready(self) -> None:
+    async def _wait_until_healthy(self) -> None:
         async with httpx.AsyncClient(timeout=httpx.Timeout(5.0)) as client:
             while not await self._healthy(client):
                 if self._process is None or self._process.poll() is not None:
                     code = self._process.returncode if self._process else None
                     raise EngineStartError(f"the vLLM server exited with code {code}")
-                await asyncio.sleep(0.1)
-            self.timeline.mark("api_server")
-            self.state = InstanceState.WARMING
-            # Readiness means a request has really run through the engine, not just /health.
-            response = await client.post(
-                f"{self.url}/v1/completions",
-                json={"model": self.config.served_model_name, "prompt": "warm up",
-                      "max_tokens": 1, "temperature": 0},
-                timeout=httpx.Timeout(60.0),
-            )  # fmt: skip
-            response.raise_for_status()
-            self.timeline.mark("warmup_request")
+                await asyncio.sleep(0.05)
+        self.timeline.mark("api_server")
 
     async def _healthy(self, client: httpx.AsyncClient) -> bool:
         try:
@@ -204,7 +288,7 @@ class EngineHost:
 
     async def health(self) -> dict:
         """The instance's state, re-checked against its process and /health."""
-        if self.state == InstanceState.READY:
+        if self.state in (InstanceState.READY, InstanceState.STANDBY):
             alive = self._process is not None and self._process.poll() is None
             async with httpx.AsyncClient(timeout=httpx.Timeout(2.0)) as client:
                 if not alive or not await self._healthy(client):
@@ -235,6 +319,8 @@ class EngineHost:
         except ProcessLookupError:
             pass
         process.wait()
+        if self.shm_path:
+            Path(self.shm_path).unlink(missing_ok=True)
 
 
 def node_address() -> str:

@@ -23,7 +23,7 @@ from router.config import RouterConfig
 from router.disagg import RemotePrefill
 from router.errors import BadRequest, ModelNotFound, PayloadTooLarge, RouterError, error_body
 from router.hashing import PromptHasher
-from router.instances import HealthMonitor, InstanceRegistry
+from router.instances import CapacityQueue, HealthMonitor, InstanceRegistry
 from router.kv_events import KVEventListener
 from router.kv_index import KVIndex
 from router.policies import PolicyContext, RoutingRequest, make_policy
@@ -126,7 +126,8 @@ def build_app(config: RouterConfig, registry: InstanceRegistry) -> FastAPI:
             index=index, prefill_tokens_per_s=config.prefill_tokens_per_s, fetch_cost=config.fetch_cost
         ),
     )
-    forwarder = Forwarder(config, registry, policy)
+    queue = CapacityQueue(config.queue_max_waiting, config.queue_timeout_s)
+    forwarder = Forwarder(config, registry, policy, queue)
     forwarder.prepare = RemotePrefill(config, registry, prefill_policy, lambda: forwarder.session).prepare
     monitor = HealthMonitor(
         registry, config.health_interval_s, config.health_timeout_s, config.health_failure_threshold
@@ -152,6 +153,7 @@ def build_app(config: RouterConfig, registry: InstanceRegistry) -> FastAPI:
 
     app = FastAPI(title="pdcluster router", lifespan=lifespan)
     app.state.registry = registry
+    app.state.queue = queue
     app.state.config = config
     app.state.index = index
     app.state.listener = listener

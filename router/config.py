@@ -50,6 +50,10 @@ class RouterConfig(BaseModel):
     """P/D: a request whose uncached prompt part is shorter is prefilled by its decode instance."""
     prefill_timeout_s: float = Field(60.0, gt=0)
     """P/D: longest wait for a prefill instance; past it the decode instance prefills locally."""
+    queue_max_waiting: int = Field(256, ge=0)
+    """Requests that may wait for an instance to become ready (scale-up); beyond: 503."""
+    queue_timeout_s: float = Field(30.0, ge=0)
+    """Longest a request waits for an instance to become ready; 0 answers 503 at once."""
     api_keys: dict[str, str] = Field(default_factory=dict)
     """API key -> tenant. Empty: the endpoint is open to anyone who can reach it."""
     rate_limit_per_s: float | None = Field(None, gt=0)

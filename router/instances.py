@@ -10,11 +10,15 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
+from collections.abc import Callable
 
 import httpx
 
 from engine.config import Role
 from engine.lifecycle import InstanceState
+from router import metrics
+from router.errors import NoInstance
 
 log = logging.getLogger(__name__)
 
@@ -128,3 +132,40 @@ class HealthMonitor:
         instance.failed_checks += 1
         if instance.failed_checks >= self.failure_threshold:
             self.registry.mark_failed(instance, f"{instance.failed_checks} failed health checks")
+
+
+class CapacityQueue:
+    """Where requests wait while no instance can take them (a pool scaling up from zero, every
+    instance busy failing over): at most `max_waiting` at once, each at most `timeout_s`; past
+    either bound the caller gets a 503 with Retry-After. Its depth is the pool controller's
+    scale-up signal."""
+
+    def __init__(self, max_waiting: int, timeout_s: float, poll_s: float = 0.05) -> None:
+        self.max_waiting = max_waiting
+        self.timeout_s = timeout_s
+        self.poll_s = poll_s
+        self.waiting = 0
+
+    async def wait(self, candidates: Callable[[], list[Instance]]) -> list[Instance]:
+        """The candidates once there are any; raises NoInstance when full or timed out."""
+        found = candidates()
+        if found:
+            return found
+        if self.waiting >= self.max_waiting or self.timeout_s == 0:
+            raise NoInstance("no ready instance and the wait queue is full; retry shortly", retry_after_s=2)
+        self.waiting += 1
+        metrics.QUEUED.set(self.waiting)
+        started = time.monotonic()
+        try:
+            while time.monotonic() - started < self.timeout_s:
+                await asyncio.sleep(self.poll_s)
+                found = candidates()
+                if found:
+                    return found
+        finally:
+            self.waiting -= 1
+            metrics.QUEUED.set(self.waiting)
+            metrics.QUEUE_WAIT.observe(time.monotonic() - started)
+        raise NoInstance(
+            f"no instance became ready within {self.timeout_s:g} s; retry shortly", retry_after_s=5
+        )

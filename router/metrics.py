@@ -34,3 +34,9 @@ PREFILLS = Counter(
     "fallback_local (the remote prefill failed).",
     ["where"],
 )
+QUEUED = Gauge("pdcluster_router_queued_requests", "Requests waiting for an instance to become ready.")
+QUEUE_WAIT = Histogram(
+    "pdcluster_router_queue_wait_seconds",
+    "How long requests waited for an instance to become ready.",
+    buckets=LATENCY_BUCKETS,
+)

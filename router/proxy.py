@@ -21,8 +21,8 @@ from fastapi.responses import Response, StreamingResponse
 
 from router import metrics
 from router.config import RouterConfig
-from router.errors import EngineFailed, NoInstance, error_body
-from router.instances import Instance, InstanceRegistry, PendingPrefill
+from router.errors import EngineFailed, error_body
+from router.instances import CapacityQueue, Instance, InstanceRegistry, PendingPrefill
 from router.policies import RoutingDecision, RoutingPolicy, RoutingRequest
 
 log = logging.getLogger(__name__)
@@ -42,11 +42,13 @@ class Forwarder:
         config: RouterConfig,
         registry: InstanceRegistry,
         policy: RoutingPolicy,
+        queue: CapacityQueue,
         prepare: Prepare | None = None,
     ):
         self.config = config
         self.registry = registry
         self.policy = policy
+        self.queue = queue
         self.prepare = prepare
         self.timeout = aiohttp.ClientTimeout(
             total=config.max_request_s,
@@ -74,7 +76,12 @@ class Forwarder:
         tried: set[str] = set()
         last_error: str = "no instance tried"
         for attempt in range(self.config.max_attempts):
-            ready = [i for i in candidates() if i.instance_id not in tried]
+
+            def untried() -> list[Instance]:
+                return [i for i in candidates() if i.instance_id not in tried]
+
+            # Only a request no instance has failed yet waits for capacity.
+            ready = await self.queue.wait(untried) if not tried else untried()
             if not ready:
                 break
             decision = self.policy.choose(ready, request)
@@ -91,8 +98,6 @@ class Forwarder:
             except _RetryableEngineError as exc:
                 last_error = str(exc)
                 log.warning("instance %s failed a request: %s", instance.instance_id, exc)
-        if not tried:
-            raise NoInstance("no ready instance can serve this request; retry shortly", retry_after_s=2)
         raise EngineFailed(f"every instance tried failed; last error: {last_error}")
 
     async def _send(

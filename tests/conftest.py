@@ -17,6 +17,12 @@ os.environ.update(RAY_LOOPBACK_ENV)
 
 
 @pytest.fixture(scope="session")
+def artifacts() -> Path:
+    """Where end-to-end tests keep server logs (kept after the run, for reading failures)."""
+    return ARTIFACTS
+
+
+@pytest.fixture(scope="session")
 def tiny_model() -> Path:
     """The tiny random-weight model, built once (in a child process, as torch must not load here)."""
     import subprocess

@@ -16,7 +16,8 @@ BODY = {"model": "m", "prompt": "x"}
 
 
 def client(**config) -> TestClient:
-    settings = RouterConfig(served_model_name="m", max_model_len=64, health_interval_s=60, **config)
+    settings = RouterConfig(served_model_name="m", max_model_len=64, health_interval_s=60,
+                            queue_timeout_s=0, **config)  # fmt: skip
     return TestClient(build_app(settings, InstanceRegistry()))
 
 

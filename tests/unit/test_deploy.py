@@ -10,6 +10,7 @@ import yaml
 from deploy.cli import Topology
 from deploy.cluster import ClusterConfigError, validate_cluster_yaml
 from deploy.launcher import placement_options
+from deploy.pool import PoolSpec
 from engine.config import Role
 
 CLUSTERS = sorted((Path(__file__).resolve().parents[2] / "deploy" / "clusters").glob("*.yaml"))
@@ -61,3 +62,18 @@ def test_topology_from_flags():
     assert [r for _, r in Topology.from_args(1, 1, 2).roles()] == [Role.PREFILL, Role.DECODE, Role.DECODE]
     with pytest.raises(ValueError, match="prefill"):
         Topology.from_args(1, 1, 0)
+
+
+def test_topology_pools_scale_to_zero_only_with_a_standby():
+    pools = Topology.from_args(0, 0, 0, standby=1, max_instances=2).pools()
+    assert [(p.role, p.min_ready, p.max_ready, p.standby) for p in pools] == [(Role.COLOCATED, 0, 2, 1)]
+    with pytest.raises(ValueError, match="--standby"):
+        Topology.from_args(0, 0, 0)
+    pd = Topology.from_args(1, 1, 0, standby=1)
+    assert [(p.role, p.min_ready, p.max_ready) for p in pd.pools()] == [
+        (Role.PREFILL, 1, 1),
+        (Role.DECODE, 0, 1),
+    ]
+    assert pd.ray_resources() == {"prefill": 2.0, "decode": 2.0}  # ready at most + standby, per pool
+    with pytest.raises(ValueError, match="max_ready"):
+        PoolSpec(role=Role.DECODE, min_ready=3, max_ready=2)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
@@ -12,7 +13,8 @@ from engine.host import free_port
 from engine.lifecycle import InstanceState
 from router.app import build_app
 from router.config import RouterConfig
-from router.instances import Instance, InstanceRegistry
+from router.errors import NoInstance
+from router.instances import CapacityQueue, Instance, InstanceRegistry
 from router.policies import PolicyContext, RoutingRequest, make_policy
 
 
@@ -21,8 +23,9 @@ def make_client(instances: list[Instance]) -> TestClient:
     for instance in instances:
         registry.add(instance)
     config = RouterConfig(
-        served_model_name="m", max_model_len=128, health_interval_s=60, policy="round_robin"
-    )
+        served_model_name="m", max_model_len=128, health_interval_s=60, policy="round_robin",
+        queue_timeout_s=0,
+    )  # fmt: skip
     return TestClient(build_app(config, registry))
 
 
@@ -112,3 +115,43 @@ def test_router_refuses_a_non_loopback_bind_unless_allowed():
     with pytest.raises(ValueError, match="not loopback"):
         RouterConfig(host="0.0.0.0", served_model_name="m", max_model_len=1)
     assert RouterConfig(host="0.0.0.0", served_model_name="m", max_model_len=1, allow_remote=True)
+
+
+async def test_capacity_queue_hands_over_the_instance_that_becomes_ready():
+    queue = CapacityQueue(max_waiting=2, timeout_s=5, poll_s=0.01)
+    ready: list[Instance] = []
+
+    async def scale_up():
+        await asyncio.sleep(0.2)
+        ready.append(dead_instance("new-0"))
+
+    waiter = asyncio.create_task(queue.wait(lambda: list(ready)))
+    await asyncio.sleep(0.05)
+    assert queue.waiting == 1  # the pool controller's scale-up signal
+    await scale_up()
+    assert [i.instance_id for i in await waiter] == ["new-0"]
+    assert queue.waiting == 0
+
+
+async def test_capacity_queue_is_bounded_in_size_and_time():
+    queue = CapacityQueue(max_waiting=1, timeout_s=0.3, poll_s=0.01)
+    first = asyncio.create_task(queue.wait(list))
+    await asyncio.sleep(0.05)
+    with pytest.raises(NoInstance, match="queue is full"):
+        await queue.wait(list)
+    started = time.monotonic()
+    with pytest.raises(NoInstance, match="within 0.3 s") as raised:
+        await first
+    assert time.monotonic() - started < 1 and raised.value.retry_after_s == 5
+    assert queue.waiting == 0
+
+
+def test_a_request_waits_in_the_queue_then_gets_a_clean_503():
+    registry = InstanceRegistry()
+    config = RouterConfig(served_model_name="m", max_model_len=128, queue_timeout_s=0.5)
+    with TestClient(build_app(config, registry)) as client:
+        started = time.monotonic()
+        response = client.post("/v1/completions", json={"model": "m", "prompt": "x"})
+        waited = time.monotonic() - started
+    assert response.status_code == 503 and response.headers["retry-after"] == "5"
+    assert 0.5 <= waited < 3

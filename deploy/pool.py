@@ -1,0 +1,183 @@
+"""The pool controller: keeps each role's pool between its bounds and adds capacity fast.
+
+Per role it watches the router's wait queue and the in-flight requests per ready instance, and
+grows the pool by the fastest path available:
+
+  1. standby  - an instance started ahead with everything but weights; activated with a ready
+                peer's weights (or from disk) in well under a second on the CPU build;
+  2. peer     - a new instance whose weights come from a ready peer instead of disk;
+  3. disk     - a new instance that reads the checkpoint itself.
+
+Used standbys are replaced in the background. A pool shrinks to `min_ready` after `idle_s`
+without traffic; `min_ready=0` with a standby is scale-to-zero with a sub-second way back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from engine.config import EngineConfig, Role
+from engine.lifecycle import InstanceState
+from router.instances import CapacityQueue, InstanceRegistry
+
+if TYPE_CHECKING:  # deploy.launcher imports ray, which must not happen before use_loopback_ray()
+    from deploy.launcher import Launcher
+
+log = logging.getLogger(__name__)
+
+
+class PoolSpec(BaseModel):
+    """Bounds and triggers of one role's pool."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    role: Role
+    min_ready: int = Field(1, ge=0)
+    max_ready: int = Field(1, ge=1)
+    standby: int = Field(0, ge=0)
+    """Standby instances kept ready to activate."""
+    target_inflight: float = Field(8.0, gt=0)
+    """Mean requests in flight per ready instance above which the pool grows."""
+    idle_s: float = Field(120.0, gt=0)
+    """A pool above min_ready with no request in flight this long loses an instance."""
+
+    @model_validator(mode="after")
+    def _bounds(self) -> PoolSpec:
+        if self.max_ready < self.min_ready:
+            raise ValueError(
+                f"{self.role.value} pool: max_ready {self.max_ready} < min_ready {self.min_ready}"
+            )
+        return self
+
+
+@dataclasses.dataclass
+class ScaleEvent:
+    role: str
+    instance_id: str
+    path: str  # standby | peer | disk
+    seconds: float  # from the decision to READY
+    timeline: dict
+
+
+class PoolController:
+    """Owns the scaling task; every instance it starts is owned by the launcher."""
+
+    def __init__(
+        self,
+        launcher: Launcher,
+        registry: InstanceRegistry,
+        queue: CapacityQueue,
+        specs: list[PoolSpec],
+        config: EngineConfig,
+        core_sets: list[str] | None = None,
+        interval_s: float = 0.05,
+    ) -> None:
+        self.launcher = launcher
+        self.registry = registry
+        self.queue = queue
+        self.specs = {spec.role: spec for spec in specs}
+        self.config = config
+        self.interval_s = interval_s
+        self._cores = itertools.cycle(core_sets or [None])
+        self.events: list[ScaleEvent] = []
+        self._ids = itertools.count()
+        self._growing: dict[Role, int] = {role: 0 for role in self.specs}
+        self._standby_starting: dict[Role, int] = {role: 0 for role in self.specs}
+        self._last_busy: dict[Role, float] = {role: time.monotonic() for role in self.specs}
+        self._tasks: set[asyncio.Task] = set()
+        self._loop: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._loop = asyncio.create_task(self._run(), name="pool-controller")
+
+    async def stop(self) -> None:
+        for task in [self._loop, *self._tasks]:
+            if task is not None:
+                task.cancel()
+        await asyncio.gather(*(t for t in [self._loop, *self._tasks] if t), return_exceptions=True)
+
+    def _spawn(self, work, name: str) -> None:
+        task = asyncio.create_task(work, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _run(self) -> None:
+        while True:
+            for spec in self.specs.values():
+                try:
+                    self._step(spec)
+                except Exception:  # one bad step must not stop scaling
+                    log.exception("pool controller step for %s failed", spec.role.value)
+            await asyncio.sleep(self.interval_s)
+
+    def _instances(self, role: Role, state: InstanceState) -> list:
+        return [i for i in self.registry.all() if i.role == role and i.state == state]
+
+    def _step(self, spec: PoolSpec) -> None:
+        role = spec.role
+        ready = self._instances(role, InstanceState.READY)
+        inflight = sum(i.inflight for i in ready)
+        # Requests wait for serving instances; without prefill instances decode prefills locally.
+        queued = self.queue.waiting if role != Role.PREFILL else 0
+        if inflight or queued:
+            self._last_busy[role] = time.monotonic()
+        capacity = len(ready) + self._growing[role]
+        wants_more = (
+            len(ready) < spec.min_ready
+            or (queued > 0 and self._growing[role] == 0)
+            or (ready and inflight / len(ready) > spec.target_inflight and self._growing[role] == 0)
+        )
+        if wants_more and capacity < spec.max_ready:
+            self._growing[role] += 1
+            self._spawn(self._grow(spec), f"grow-{role.value}")
+        standbys = len(self._instances(role, InstanceState.STANDBY)) + self._standby_starting[role]
+        if standbys < spec.standby:
+            self._standby_starting[role] += 1
+            self._spawn(self._add_standby(spec), f"standby-{role.value}")
+        idle = time.monotonic() - self._last_busy[role]
+        if len(ready) > spec.min_ready and idle > spec.idle_s and not self._growing[role]:
+            self._last_busy[role] = time.monotonic()
+            self._spawn(self.launcher.stop_instance(ready[-1].instance_id), f"shrink-{role.value}")
+
+    def _new_id(self, role: Role) -> str:
+        return f"{role.value}-{int(time.time())}-{next(self._ids)}"
+
+    def _config(self, role: Role) -> EngineConfig:
+        return self.config.model_copy(update={"role": role, "cpu_cores": next(self._cores)})
+
+    async def _grow(self, spec: PoolSpec) -> None:
+        decided = time.monotonic()
+        try:
+            peer = await self.launcher.peer_weights()
+            standbys = self._instances(spec.role, InstanceState.STANDBY)
+            if standbys:
+                instance_id, path = standbys[0].instance_id, "standby"
+                timeline = await self.launcher.activate(instance_id, peer)
+            else:
+                instance_id, path = self._new_id(spec.role), "peer" if peer else "disk"
+                started = await self.launcher.start_instances(
+                    [(instance_id, self._config(spec.role))], peer=peer, progress=False
+                )
+                timeline = started[0].timeline
+            event = ScaleEvent(spec.role.value, instance_id, path, time.monotonic() - decided, timeline)
+            self.events.append(event)
+            log.info("%s pool grew by %s via %s in %.3f s", spec.role.value, instance_id, path, event.seconds)
+        except Exception:
+            log.exception("growing the %s pool failed", spec.role.value)
+        finally:
+            self._growing[spec.role] -= 1
+
+    async def _add_standby(self, spec: PoolSpec) -> None:
+        try:
+            await self.launcher.start_standby(self._new_id(spec.role), self._config(spec.role))
+        except Exception:
+            log.exception("starting a %s standby failed", spec.role.value)
+        finally:
+            self._standby_starting[spec.role] -= 1

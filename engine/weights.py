@@ -1,0 +1,424 @@
+"""The weight plane: a model's checkpoint tensors as one flat host buffer with a manifest.
+
+A buffer is filled from disk (parallel reads of the safetensors files, `read_from_disk`) or from
+a warm peer that holds the same model (`fetch_from_peer`): mapped read-only from the peer's shared
+memory file when both run on one node, read one-sided over NIXL/UCX otherwise (RDMA on clusters,
+TCP here). Every buffer carries per-tensor digests; a received buffer is checked tensor by tensor,
+and when a cluster key is set the manifest (digests included) is signed by the peer with HMAC, so
+a transfer can neither be corrupted nor forged unnoticed. The engine then takes the tensors through
+vLLM's own in-place `reload_weights` (engine/worker_extension.py).
+
+The buffer keeps the checkpoint layout, not the engine's kernel layout: on the CPU build vLLM
+repacks linear weights outside the module's parameters, so only checkpoint tensors can be handed
+from one engine to another and re-processed by the receiver.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import hashlib
+import hmac
+import importlib.util
+import json
+import mmap
+import os
+import struct
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+
+ALIGNMENT = 4096
+READ_CHUNK_BYTES = 16 * 1024**2
+# safetensors dtype names -> torch dtype attribute names
+_DTYPES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+}  # fmt: skip
+
+
+class WeightTransferError(RuntimeError):
+    """A peer could not deliver the weights (unreachable, timed out, wrong model, bad signature)."""
+
+
+class WeightIntegrityError(WeightTransferError):
+    """Received bytes do not match the manifest's digests."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    dtype: str  # torch dtype name
+    shape: tuple[int, ...]
+    offset: int  # in the flat buffer
+    nbytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightManifest:
+    """What a flat buffer holds: the model it belongs to, each tensor's place, each one's digest."""
+
+    model_id: str
+    tensors: tuple[TensorEntry, ...]
+    total_bytes: int
+    digests: tuple[str, ...] = ()
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> WeightManifest:
+        raw = json.loads(text)
+        tensors = tuple(
+            TensorEntry(t["name"], t["dtype"], tuple(t["shape"]), t["offset"], t["nbytes"])
+            for t in raw["tensors"]
+        )
+        return cls(raw["model_id"], tensors, raw["total_bytes"], tuple(raw["digests"]))
+
+    def sign(self, key: str) -> str:
+        """HMAC-SHA256 over the canonical manifest, digests included."""
+        return hmac.new(key.encode(), self.to_json().encode(), hashlib.sha256).hexdigest()
+
+
+def model_id(model_dir: Path) -> str:
+    """Identifies a checkpoint by its config and the names and sizes of its weight files."""
+    digest = hashlib.sha256((model_dir / "config.json").read_bytes())
+    for path in sorted(model_dir.glob("*.safetensors")):
+        digest.update(f"{path.name}:{path.stat().st_size}".encode())
+    return digest.hexdigest()[:24]
+
+
+def _tensor_digest(view: memoryview) -> str:
+    return hashlib.blake2b(view, digest_size=16).hexdigest()
+
+
+class WeightSet:
+    """A flat uint8 buffer of checkpoint tensors and its manifest. Owns its shared-memory file when
+    it made one (`close()` removes it); a mapped peer file is only unmapped."""
+
+    def __init__(self, manifest: WeightManifest, buffer: np.ndarray, shm_path: Path | None = None,
+                 owns_file: bool = False):  # fmt: skip
+        self.manifest = manifest
+        self.buffer = buffer
+        self.shm_path = shm_path
+        self.owns_file = owns_file
+
+    def tensors(self) -> Iterator[tuple[str, object]]:
+        """(name, torch.Tensor) views into the buffer, no copies."""
+        import torch
+
+        for entry in self.manifest.tensors:
+            dtype = getattr(torch, entry.dtype)
+            count = entry.nbytes // torch.empty((), dtype=dtype).element_size()
+            flat = torch.frombuffer(self.buffer, dtype=dtype, count=count, offset=entry.offset)
+            yield entry.name, flat.view(entry.shape)
+
+    def compute_digests(self, threads: int = 8) -> tuple[str, ...]:
+        view = memoryview(self.buffer)
+        with concurrent.futures.ThreadPoolExecutor(threads) as pool:  # hashlib drops the GIL
+            return tuple(
+                pool.map(lambda e: _tensor_digest(view[e.offset : e.offset + e.nbytes]),
+                         self.manifest.tensors)
+            )  # fmt: skip
+
+    def verify(self, threads: int = 8) -> None:
+        """Raise WeightIntegrityError naming the tensors whose bytes differ from the manifest."""
+        actual = self.compute_digests(threads)
+        bad = [e.name for e, want, got in zip(self.manifest.tensors, self.manifest.digests, actual,
+                                              strict=True) if want != got]  # fmt: skip
+        if bad:
+            raise WeightIntegrityError(f"{len(bad)} tensors fail their digest: {bad[:5]}")
+
+    def close(self) -> None:
+        self.buffer = np.empty(0, np.uint8)
+        if self.owns_file and self.shm_path is not None:
+            self.shm_path.unlink(missing_ok=True)
+
+
+def _allocate(nbytes: int, shm_path: Path | None) -> np.ndarray:
+    if shm_path is None:
+        return np.empty(nbytes, np.uint8)
+    with open(shm_path, "w+b") as handle:
+        handle.truncate(max(nbytes, 1))
+        return np.frombuffer(mmap.mmap(handle.fileno(), max(nbytes, 1)), np.uint8)[:nbytes]
+
+
+def _safetensors_layout(model_dir: Path) -> tuple[list[TensorEntry], list[tuple[Path, int, int, int]]]:
+    """Tensor entries in a flat buffer holding each file's data section at an aligned offset,
+    and per file (path, file offset of its data, bytes, buffer offset)."""
+    entries: list[TensorEntry] = []
+    files: list[tuple[Path, int, int, int]] = []
+    cursor = 0
+    paths = sorted(model_dir.glob("*.safetensors"))
+    if not paths:
+        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+    for path in paths:
+        with open(path, "rb") as handle:
+            (header_len,) = struct.unpack("<Q", handle.read(8))
+            header = json.loads(handle.read(header_len))
+        header.pop("__metadata__", None)
+        data_start = 8 + header_len
+        data_bytes = max((t["data_offsets"][1] for t in header.values()), default=0)
+        for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+            begin, end = info["data_offsets"]
+            entries.append(TensorEntry(name, _DTYPES[info["dtype"]], tuple(info["shape"]),
+                                       cursor + begin, end - begin))  # fmt: skip
+        files.append((path, data_start, data_bytes, cursor))
+        cursor += -(-data_bytes // ALIGNMENT) * ALIGNMENT
+    return entries, files
+
+
+@dataclasses.dataclass(frozen=True)
+class _Chunk:
+    path: Path
+    file_offset: int
+    buffer_offset: int
+    nbytes: int
+
+
+def _read_chunks(
+    files: list[tuple[Path, int, int, int]],
+    threads: int,
+    land: Callable[[_Chunk, Callable[[memoryview], None]], None],
+) -> None:
+    """Read every file's data section in READ_CHUNK_BYTES chunks on `threads` threads; for each
+    chunk `land(chunk, read_into)` picks the memory and calls `read_into(view)` to fill it."""
+    chunks = [
+        _Chunk(path, file_offset + pos, buffer_offset + pos, min(READ_CHUNK_BYTES, nbytes - pos))
+        for path, file_offset, nbytes, buffer_offset in files
+        for pos in range(0, nbytes, READ_CHUNK_BYTES)
+    ]
+    descriptors = {path: os.open(path, os.O_RDONLY) for path, *_ in files}
+
+    def read(chunk: _Chunk) -> None:
+        def read_into(view: memoryview) -> None:
+            done = 0
+            while done < chunk.nbytes:
+                got = os.preadv(
+                    descriptors[chunk.path], [view[done : chunk.nbytes]], chunk.file_offset + done
+                )
+                if got <= 0:
+                    raise OSError(f"short read of {chunk.path} at {chunk.file_offset + done}")
+                done += got
+
+        land(chunk, read_into)
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+            list(pool.map(read, chunks))
+    finally:
+        for fd in descriptors.values():
+            os.close(fd)
+
+
+def read_from_disk(model_dir: Path, shm_path: Path | None = None, threads: int = 8) -> WeightSet:
+    """Read every safetensors file of `model_dir` into one flat host buffer (a shared-memory file
+    at `shm_path`, if given) with `threads` parallel positional reads; digests are computed
+    on the way out, for serving peers."""
+    entries, files = _safetensors_layout(model_dir)
+    total = (files[-1][3] + files[-1][2]) if files else 0
+    buffer = _allocate(total, shm_path)
+    view = memoryview(buffer)
+    _read_chunks(
+        files, threads, lambda c, read_into: read_into(view[c.buffer_offset : c.buffer_offset + c.nbytes])
+    )
+    weights = WeightSet(WeightManifest(model_id(model_dir), tuple(entries), total), buffer,
+                        shm_path, owns_file=shm_path is not None)  # fmt: skip
+    weights.manifest = dataclasses.replace(weights.manifest, digests=weights.compute_digests(threads))
+    return weights
+
+
+def stream_to_device(model_dir: Path, device, threads: int = 8):
+    """Disk -> pinned staging slots -> one device buffer: each slot's host-to-device copy runs on
+    its reading thread's CUDA stream while other threads read on, so the disk and the PCIe link
+    work at once and no pageable or whole-model host buffer is touched.
+    Returns (name, device tensor) pairs, views of that buffer."""
+    import queue
+    import threading
+
+    import torch
+
+    entries, files = _safetensors_layout(model_dir)
+    total = (files[-1][3] + files[-1][2]) if files else 0
+    target = torch.empty(total, dtype=torch.uint8, device=device)
+    slots: queue.Queue = queue.Queue()
+    for _ in range(2 * threads):
+        slots.put((torch.empty(READ_CHUNK_BYTES, dtype=torch.uint8, pin_memory=True), torch.cuda.Event()))
+    local = threading.local()
+
+    def land(chunk: _Chunk, read_into: Callable[[memoryview], None]) -> None:
+        if not hasattr(local, "stream"):
+            local.stream = torch.cuda.Stream(device)
+        slot, copied = slots.get()
+        copied.synchronize()  # this slot's previous copy has left it
+        read_into(memoryview(slot.numpy()))
+        with torch.cuda.stream(local.stream):
+            target[chunk.buffer_offset : chunk.buffer_offset + chunk.nbytes].copy_(
+                slot[: chunk.nbytes], non_blocking=True
+            )
+            copied.record(local.stream)
+        slots.put((slot, copied))
+
+    _read_chunks(files, threads, land)
+    torch.cuda.synchronize(device)
+    tensors = []
+    for entry in entries:
+        dtype = getattr(torch, entry.dtype)
+        view = target[entry.offset : entry.offset + entry.nbytes].view(dtype)
+        tensors.append((entry.name, view.view(entry.shape)))
+    return tensors
+
+
+# --- serving weights to peers, and fetching them ---------------------------------------------
+
+
+class WeightExporter:
+    """Offers a WeightSet to peers: its shared-memory file (same node) and a NIXL agent that has
+    the buffer registered for one-sided reads (any node). Owned by the serving worker."""
+
+    def __init__(self, weights: WeightSet, host: str, key: str | None):
+        self.weights = weights
+        self.host = host
+        self.key = key
+        self._agent = None
+        self._registration = None
+
+    def descriptor(self, use_nixl: bool = True) -> dict:
+        """For `fetch_from_peer`; NIXL is offered where it is installed (not needed on one node)."""
+        manifest = self.weights.manifest
+        described: dict = {
+            "host": self.host,
+            "manifest": manifest.to_json(),
+            "signature": manifest.sign(self.key) if self.key else None,
+            "shm_path": str(self.weights.shm_path) if self.weights.owns_file else None,
+            "nixl": None,
+        }
+        if use_nixl and importlib.util.find_spec("nixl") is not None:
+            described["nixl"] = self._nixl_descriptor()
+        return described
+
+    def _nixl_descriptor(self) -> dict:
+        import base64
+
+        if self._agent is None:
+            from nixl._api import nixl_agent, nixl_agent_config
+
+            self._agent = nixl_agent(f"pdc-weights-{uuid.uuid4().hex[:8]}",
+                                     nixl_agent_config(backends=["UCX"]))  # fmt: skip
+            address = self.weights.buffer.ctypes.data
+            self._registration = self._agent.register_memory(
+                [(address, self.weights.buffer.nbytes, 0, "")], "DRAM"
+            )
+        return {
+            "agent": self._agent.name,
+            "metadata": base64.b64encode(self._agent.get_agent_metadata()).decode(),
+            "address": self.weights.buffer.ctypes.data,
+            "nbytes": self.weights.buffer.nbytes,
+        }
+
+    def close(self) -> None:
+        if self._agent is not None and self._registration is not None:
+            self._agent.deregister_memory(self._registration)
+        self._agent = self._registration = None
+        self.weights.close()
+
+
+@dataclasses.dataclass
+class FetchRecord:
+    transport: str  # "shm" or "nixl"
+    nbytes: int
+    transfer_s: float
+    verify_s: float
+
+
+def fetch_from_peer(
+    descriptor: dict,
+    expected_model_id: str,
+    key: str | None,
+    local_host: str,
+    timeout_s: float = 60.0,
+    threads: int = 8,
+    shm_path: Path | None = None,
+) -> tuple[WeightSet, FetchRecord]:
+    """Get a peer's weights and check them: signature (when this side has a key), model, digests.
+    Same host and a readable shared-memory file: map it; otherwise read it over NIXL (into this
+    side's own shared-memory file at `shm_path`, when given, so it can serve peers in turn)."""
+    manifest = WeightManifest.from_json(descriptor["manifest"])
+    if key is not None:
+        signature = descriptor.get("signature") or ""
+        if not hmac.compare_digest(signature, manifest.sign(key)):
+            raise WeightTransferError("the peer's weight manifest is not signed with the cluster key")
+    if manifest.model_id != expected_model_id:
+        raise WeightTransferError(
+            f"the peer holds model {manifest.model_id}, this instance needs {expected_model_id}"
+        )
+    started = time.perf_counter()
+    shm_path = descriptor.get("shm_path")
+    if shm_path and descriptor["host"] == local_host and Path(shm_path).exists():
+        with open(shm_path, "rb") as handle:
+            # Copy-on-write: pages stay shared with the peer unless someone writes to them.
+            mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+        buffer = np.frombuffer(mapped, np.uint8)[: manifest.total_bytes]
+        weights, transport = WeightSet(manifest, buffer, Path(shm_path)), "shm"
+    elif descriptor.get("nixl"):
+        buffer = _nixl_read(descriptor["nixl"], _allocate(manifest.total_bytes, shm_path), timeout_s)
+        weights = WeightSet(manifest, buffer, shm_path, owns_file=shm_path is not None)
+        transport = "nixl"
+    else:
+        raise WeightTransferError("the peer offers neither a local shared-memory file nor NIXL")
+    transferred = time.perf_counter()
+    weights.verify(threads)
+    return weights, FetchRecord(transport, manifest.total_bytes, transferred - started,
+                                time.perf_counter() - transferred)  # fmt: skip
+
+
+def _nixl_read(remote: dict, buffer: np.ndarray, timeout_s: float) -> np.ndarray:
+    """One-sided READ of the peer's registered buffer into `buffer`, bounded by `timeout_s`."""
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    if buffer.nbytes != remote["nbytes"]:
+        raise WeightTransferError(
+            f"the peer offers {remote['nbytes']} bytes, the manifest says {buffer.nbytes}"
+        )
+    agent = nixl_agent(f"pdc-fetch-{uuid.uuid4().hex[:8]}", nixl_agent_config(backends=["UCX"]))
+    registration = agent.register_memory([(buffer.ctypes.data, buffer.nbytes, 0, "")], "DRAM")
+    try:
+        return _nixl_read_into(agent, remote, buffer, timeout_s)
+    except WeightTransferError:
+        raise
+    except Exception as exc:  # NIXL's own errors: an unreachable or vanished peer
+        raise WeightTransferError(f"NIXL read failed: {exc}") from exc
+    finally:
+        agent.deregister_memory(registration)
+
+
+def _nixl_read_into(agent, remote: dict, buffer: np.ndarray, timeout_s: float) -> np.ndarray:
+    import base64
+
+    handle = None
+    try:
+        peer = agent.add_remote_agent(base64.b64decode(remote["metadata"]))
+        pieces = range(0, buffer.nbytes, 64 * 1024**2)  # several requests in flight on UCX lanes
+        sizes = [min(64 * 1024**2, buffer.nbytes - p) for p in pieces]
+        local = agent.get_xfer_descs([(buffer.ctypes.data + p, n, 0) for p, n in zip(pieces, sizes,
+                                      strict=True)], "DRAM")  # fmt: skip
+        far = agent.get_xfer_descs([(remote["address"] + p, n, 0) for p, n in zip(pieces, sizes,
+                                    strict=True)], "DRAM")  # fmt: skip
+        handle = agent.initialize_xfer("READ", local, far, peer)
+        state = agent.transfer(handle)
+        deadline = time.monotonic() + timeout_s
+        while state == "PROC":
+            if time.monotonic() > deadline:
+                raise WeightTransferError(f"NIXL read of {buffer.nbytes} bytes timed out after {timeout_s} s")
+            time.sleep(0.0005)
+            state = agent.check_xfer_state(handle)
+        if state != "DONE":
+            raise WeightTransferError(f"NIXL read failed ({state})")
+        agent.remove_remote_agent(peer)
+        return buffer
+    finally:
+        if handle is not None:
+            agent.release_xfer_handle(handle)

@@ -1,0 +1,189 @@
+"""Methods pdcluster adds to every vLLM worker (`--worker-extension-cls`), called through vLLM's
+`/collective_rpc` endpoint: load weights into a running engine from disk or from a warm peer, and
+offer this worker's weights to peers.
+
+An engine of ours starts with `load_format=dummy` (everything but the weights is built: runtime,
+KV cache, graphs) and then gets its weights here, through vLLM's in-place `reload_weights`, which
+keeps every tensor's address (captured CUDA graphs stay valid). Two planes:
+
+- CPU build: checkpoint tensors in a host buffer (engine/weights.py): shared memory on the node,
+  NIXL across nodes; vLLM re-runs its weight processing (the CPU build repacks linear weights
+  outside the parameters, so only checkpoint tensors can travel).
+- CUDA: the peer's live parameters, opened by CUDA IPC and copied device to device (same GPU or
+  over NVLink) into ours in kernel format, checked with on-device checksums; the disk path streams
+  safetensors through pinned slots to the device.
+
+Arguments and results are JSON, as the endpoint passes only strings.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import json
+import os
+import pickle
+import time
+from pathlib import Path
+
+from engine.weights import (
+    WeightExporter,
+    WeightIntegrityError,
+    WeightSet,
+    WeightTransferError,
+    fetch_from_peer,
+    model_id,
+    read_from_disk,
+    stream_to_device,
+)
+
+WEIGHTS_KEY_ENV = "PDCLUSTER_WEIGHTS_KEY"
+
+
+def _key() -> str | None:
+    return os.environ.get(WEIGHTS_KEY_ENV) or None
+
+
+def _sign(key: str, *parts: str) -> str:
+    return hmac.new(key.encode(), "\n".join(parts).encode(), hashlib.sha256).hexdigest()
+
+
+class WeightPlaneExtension:
+    """Mixed into vLLM's worker class by vLLM itself; `self` is the worker."""
+
+    _pdc_weights: WeightSet | None = None
+    _pdc_exporter: WeightExporter | None = None
+
+    def pdc_load_weights(self, request_json: str) -> dict:
+        """Load weights from `peer` (a descriptor of a peer's `pdc_export_weights`) or, when there
+        is none or it fails, from disk. Returns where they came from and what each step took."""
+        request = json.loads(request_json)
+        record: dict = {"source": "disk", "fallback_reason": None}
+        started = time.perf_counter()
+        import torch
+
+        with torch.no_grad():  # vLLM's in-place reload copies into parameters
+            if request.get("peer"):
+                try:
+                    record.update(self._pdc_load_from_peer(request))
+                except Exception as exc:  # any failure of the peer path: disk rewrites every weight
+                    record["fallback_reason"] = f"{type(exc).__name__}: {exc}"
+            if record["source"] == "disk":
+                record.update(self._pdc_load_from_disk(request))
+        record["total_s"] = time.perf_counter() - started
+        return record
+
+    def pdc_export_weights(self, request_json: str) -> dict:
+        """A descriptor peers pass to `pdc_load_weights`: CUDA IPC handles of the parameters on a
+        GPU, this worker's host copy on the CPU build."""
+        request = json.loads(request_json)
+        if self._pdc_on_cuda():
+            return self._pdc_ipc_descriptor(request["host"])
+        if self._pdc_weights is None:
+            raise RuntimeError("this worker keeps no host copy of its weights to offer")
+        if self._pdc_exporter is None:
+            self._pdc_exporter = WeightExporter(self._pdc_weights, request["host"], _key())
+        return self._pdc_exporter.descriptor(use_nixl=request.get("use_nixl", True))
+
+    def pdc_release_weights(self) -> None:
+        """Drop the host copy (and stop offering it)."""
+        if self._pdc_exporter is not None:
+            self._pdc_exporter.close()
+        elif self._pdc_weights is not None:
+            self._pdc_weights.close()
+        self._pdc_exporter = self._pdc_weights = None
+
+    # --- the two planes ---------------------------------------------------------------------
+
+    def _pdc_on_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def _pdc_model_dir(self) -> Path:
+        return Path(self.vllm_config.model_config.model)
+
+    def _pdc_load_from_disk(self, request: dict) -> dict:
+        started = time.perf_counter()
+        if self._pdc_on_cuda():
+            tensors = stream_to_device(self._pdc_model_dir(), self.device)
+            read = time.perf_counter()
+            self.reload_weights(weights_iterator=iter(tensors), is_checkpoint_format=True)
+            nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
+            del tensors  # the staging device buffer
+        else:
+            shm_path = Path(request["shm_path"]) if request.get("shm_path") else None
+            weights = read_from_disk(self._pdc_model_dir(), shm_path)
+            read = time.perf_counter()
+            self.reload_weights(weights_iterator=weights.tensors(), is_checkpoint_format=True)
+            nbytes = weights.manifest.total_bytes
+            self._pdc_keep(weights if shm_path is not None else None)
+        return {"source": "disk", "read_s": read - started, "reload_s": time.perf_counter() - read,
+                "bytes": nbytes}  # fmt: skip
+
+    def _pdc_load_from_peer(self, request: dict) -> dict:
+        peer = request["peer"]
+        if peer.get("kind") == "cuda_ipc":
+            return self._pdc_load_ipc(peer, request["host"])
+        shm_path = Path(request["shm_path"]) if request.get("shm_path") else None
+        weights, fetched = fetch_from_peer(
+            peer, model_id(self._pdc_model_dir()), _key(), request["host"],
+            timeout_s=request.get("timeout_s", 60.0), shm_path=shm_path,
+        )  # fmt: skip
+        started = time.perf_counter()
+        self.reload_weights(weights_iterator=weights.tensors(), is_checkpoint_format=True)
+        reloaded = time.perf_counter() - started
+        self._pdc_keep(weights)
+        return {"source": "peer", "transport": fetched.transport, "transfer_s": fetched.transfer_s,
+                "verify_s": fetched.verify_s, "reload_s": reloaded, "bytes": fetched.nbytes}  # fmt: skip
+
+    def _pdc_keep(self, weights: WeightSet | None) -> None:
+        self.pdc_release_weights()
+        self._pdc_weights = weights
+
+    def _pdc_parameters(self) -> dict:
+        return {name: p.data for name, p in self.model_runner.get_model().named_parameters()}
+
+    def _pdc_ipc_descriptor(self, host: str) -> dict:
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        from engine.device_weights import region_checksum
+
+        params = self._pdc_parameters()
+        blob = base64.b64encode(pickle.dumps({n: reduce_tensor(t) for n, t in params.items()})).decode()
+        sums = json.dumps({n: region_checksum(t) for n, t in params.items()}, sort_keys=True)
+        ident = model_id(self._pdc_model_dir())
+        key = _key()
+        return {"kind": "cuda_ipc", "host": host, "model_id": ident, "handles": blob, "checksums": sums,
+                "signature": _sign(key, ident, blob, sums) if key else None}  # fmt: skip
+
+    def _pdc_load_ipc(self, peer: dict, host: str) -> dict:
+        import torch
+
+        from engine.device_weights import region_checksum
+
+        key = _key()
+        if key is not None and not hmac.compare_digest(
+            peer.get("signature") or "", _sign(key, peer["model_id"], peer["handles"], peer["checksums"])
+        ):
+            raise WeightTransferError("the peer's weight handles are not signed with the cluster key")
+        if peer["host"] != host:
+            raise WeightTransferError("CUDA IPC reaches only peers on this node")
+        if peer["model_id"] != model_id(self._pdc_model_dir()):
+            raise WeightTransferError("the peer holds another model")
+        started = time.perf_counter()
+        # Unpickled only from a signed descriptor when a key is set: an unkeyed cluster trusts its node.
+        handles = pickle.loads(base64.b64decode(peer["handles"]))
+        opened = [(name, rebuild(*args)) for name, (rebuild, args) in handles.items()]
+        self.reload_weights(weights_iterator=iter(opened), is_checkpoint_format=False)
+        torch.cuda.synchronize(self.device)
+        copied = time.perf_counter()
+        expected = {n: tuple(v) for n, v in json.loads(peer["checksums"]).items()}
+        mine = {n: region_checksum(t) for n, t in self._pdc_parameters().items()}
+        bad = [n for n in expected if mine.get(n) != expected[n]]
+        if bad or mine.keys() != expected.keys():
+            raise WeightIntegrityError(
+                f"{len(bad)} parameters differ from the peer's after the copy: {bad[:3]}"
+            )
+        nbytes = sum(t.numel() * t.element_size() for _, t in opened)
+        return {"source": "peer", "transport": "cuda_ipc", "transfer_s": copied - started,
+                "verify_s": time.perf_counter() - copied, "bytes": nbytes}  # fmt: skip

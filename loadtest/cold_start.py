@@ -1,0 +1,242 @@
+"""Cold start, stage by stage: from the call that adds capacity to the new instance's first token.
+
+    python -m loadtest.cold_start --model .cache/models/tiny [--runs 3] [--no-eager]
+
+Three paths, each run `--runs` times, in one process (same machine state for all):
+  (a) plain   - `python -m vllm.entrypoints.openai.api_server` as a user would start it;
+  (b) disk    - our EngineHost start: the engine built with dummy weights, then our parallel
+                safetensors loader, warm-up request;
+  (c) standby - a STANDBY instance (started beforehand, untimed) activated with the weights of a
+                ready peer (shared memory on one node), then the warm-up request.
+The clock starts at the call and stops at the first streamed token of a request to the new
+instance. Path (c) also checks that the activated instance's greedy tokens equal the peer's.
+Prints a table, writes JSON and a PNG of the stages. Needs only `engine.*` and httpx, so it runs
+on the CUDA machines too (the table is plain text; the PNG needs matplotlib).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from engine.config import EngineConfig
+from engine.environment import engine_env
+from engine.host import EngineHost, free_port
+
+PROMPT = "The first token after a cold start"
+PATHS = ("plain", "disk", "standby")
+
+
+async def first_token(url: str, model: str, max_tokens: int = 1, prompt: str = PROMPT) -> list[str]:
+    """Stream a greedy completion; return its text piece by piece (one piece per token)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    tokens: list[str] = []
+    async with httpx.AsyncClient(timeout=120) as client:
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+            response.raise_for_status()
+            async for line in response.aiter_lines():
+                if line.startswith("data: {"):
+                    tokens.append(json.loads(line[6:])["choices"][0]["text"])
+    return tokens
+
+
+async def plain_start(config: EngineConfig, cores: str) -> dict:
+    """(a): vLLM's own server, the way its docs start it; stages: healthy, first token."""
+    port = free_port("127.0.0.1")
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(config.model),
+               "--served-model-name", config.served_model_name, "--host", "127.0.0.1", "--port", str(port),
+               "--max-model-len", str(config.max_model_len), "--block-size", str(config.block_size),
+               "--gpu-memory-utilization", str(config.gpu_memory_utilization)]  # fmt: skip
+    if config.enforce_eager:
+        command.append("--enforce-eager")
+    env = {**os.environ, **engine_env("127.0.0.1", config.kv_cache_gib, cores)}
+    asked = time.perf_counter()
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               start_new_session=True)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        async with httpx.AsyncClient(timeout=2) as client:
+            deadline = time.monotonic() + config.start_timeout_s
+            while True:
+                if process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"plain vLLM server did not come up (exit {process.returncode})")
+                try:
+                    if (await client.get(f"{url}/health")).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                await asyncio.sleep(0.05)
+        healthy = time.perf_counter() - asked
+        await first_token(url, config.served_model_name)
+        total = time.perf_counter() - asked
+        return {"stages_s": {"server_up": healthy, "first_token": total - healthy}, "first_token_s": total}
+    finally:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
+async def disk_start(config: EngineConfig, run: int) -> dict:
+    """(b): our EngineHost from nothing; weights from disk through the weight plane."""
+    host = EngineHost(config, f"cold-disk-{run}", host="127.0.0.1")
+    asked = time.perf_counter()
+    try:
+        record = await host.start()
+        before_token = time.perf_counter() - asked
+        await first_token(host.url, config.served_model_name)
+        total = time.perf_counter() - asked
+        record["stages_s"]["first_token"] = total - before_token
+        return {**record, "first_token_s": total}
+    finally:
+        await host.stop()
+
+
+async def standby_start(config: EngineConfig, peer: EngineHost, run: int, check_tokens: int) -> dict:
+    """(c): activate a standby with the peer's weights; the standby's own start is not counted."""
+    standby = EngineHost(config, f"cold-standby-{run}", host="127.0.0.1")
+    try:
+        untimed = await standby.start(standby=True)
+        descriptor = await peer.export_weights(use_nixl=False)
+        asked = time.perf_counter()
+        record = await standby.activate(descriptor)
+        before_token = time.perf_counter() - asked
+        await first_token(standby.url, config.served_model_name)
+        total = time.perf_counter() - asked
+        record["stages_s"]["first_token"] = total - before_token
+        # A prompt neither has seen: a prefix-cache hit on one side only changes the numerics
+        # enough to flip near-ties of greedy decoding (random weights are full of them).
+        check = f"{run} and its tokens must match the peer's"
+        ours = await first_token(standby.url, config.served_model_name, check_tokens, check)
+        theirs = await first_token(peer.url, config.served_model_name, check_tokens, check)
+        theirs_again = await first_token(peer.url, config.served_model_name, check_tokens, check)
+        # Joined: where a stream cuts its text pieces depends on detokenizer timing, not the tokens.
+        return {**record, "first_token_s": total, "tokens_match_peer": "".join(ours) == "".join(theirs),
+                "peer_repeats_itself": "".join(theirs) == "".join(theirs_again), "tokens": [ours, theirs],
+                "standby_start_s": untimed["total_s"], "weights": standby.weights_record}  # fmt: skip
+    finally:
+        await standby.stop()
+
+
+async def bench(
+    config: EngineConfig, runs: int, cores: tuple[str, str], paths: tuple[str, ...] = PATHS
+) -> dict[str, list[dict]]:
+    peer_config = config.model_copy(update={"cpu_cores": cores[0]})
+    new_config = config.model_copy(update={"cpu_cores": cores[1]})
+    peer = EngineHost(peer_config, "cold-peer", host="127.0.0.1")
+    await peer.start()
+    results: dict[str, list[dict]] = {path: [] for path in paths}
+    try:
+        for run in range(runs):
+            for path in paths:
+                if path == "plain":
+                    record = await plain_start(new_config, cores[1])
+                elif path == "disk":
+                    record = await disk_start(new_config, run)
+                else:
+                    record = await standby_start(new_config, peer, run, check_tokens=8)
+                results[path].append(record)
+                stages = " ".join(f"{k}={v:.3f}" for k, v in record["stages_s"].items())
+                details = record.get("details", {})
+                source = details.get("weights_source", "")
+                if "weights_fallback_reason" in details:
+                    source += f" (fallback: {details['weights_fallback_reason']})"
+                print(f"run {run} {path:8s} first token after {record['first_token_s']:.3f} s: {stages} {source}",
+                      flush=True)  # fmt: skip
+    finally:
+        await peer.stop()
+    return results
+
+
+def summarize(results: dict[str, list[dict]]) -> dict[str, dict]:
+    summary = {}
+    for path, records in results.items():
+        stages = list(dict.fromkeys(name for r in records for name in r["stages_s"]))
+        summary[path] = {
+            "first_token_s": statistics.median(r["first_token_s"] for r in records),
+            "stages_s": {n: statistics.median(r["stages_s"].get(n, 0.0) for r in records) for n in stages},
+        }
+    if "plain" in summary:
+        baseline = summary["plain"]["first_token_s"]
+        for path in summary:
+            summary[path]["speedup_vs_plain"] = baseline / summary[path]["first_token_s"]
+    return summary
+
+
+def print_table(model: str, summary: dict[str, dict], runs: int) -> None:
+    print(f"\ncold start, {model}, medians of {runs} runs (seconds from the call to the first token)")
+    print(f"{'path':10s} {'first token':>12s} {'vs plain':>9s}  stages")
+    for path, row in summary.items():
+        stages = " ".join(f"{k}={v:.3f}" for k, v in row["stages_s"].items())
+        speedup = f"{row['speedup_vs_plain']:8.1f}x" if "speedup_vs_plain" in row else " " * 9
+        print(f"{path:10s} {row['first_token_s']:12.3f} {speedup}  {stages}")
+
+
+def plot(summary: dict[str, dict], title: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 3.2))
+    for row_index, row in enumerate(summary.values()):
+        left = 0.0
+        for stage, seconds in row["stages_s"].items():
+            ax.barh(row_index, seconds, left=left, label=stage)
+            left += seconds
+        ax.text(left, row_index, f" {row['first_token_s']:.2f} s", va="center")
+    ax.set_yticks(range(len(summary)), list(summary))
+    ax.set_xscale("symlog", linthresh=0.1)
+    ax.set_xlabel("seconds from the call to the first token (symlog)")
+    ax.set_title(title)
+    handles, labels = ax.get_legend_handles_labels()
+    unique = dict(zip(labels, handles, strict=True))
+    ax.legend(unique.values(), unique.keys(), fontsize=6, loc="lower right", ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", type=Path, required=True)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--no-eager", action="store_true", help="compile and capture CUDA graphs")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.25)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--cores", default="0,1", help="CPU cores of the peer and of the new instance")
+    parser.add_argument("--paths", default=",".join(PATHS), help="which of plain,disk,standby to run")
+    parser.add_argument("--out", type=Path, default=None, help="JSON path (PNG beside it)")
+    args = parser.parse_args(argv)
+    config = EngineConfig(model=args.model, served_model_name=args.model.name, enforce_eager=not args.no_eager,
+                          gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len)  # fmt: skip
+    cores = tuple(args.cores.split(","))
+    paths = tuple(args.paths.split(","))
+    if not set(paths) <= set(PATHS):
+        parser.error(f"--paths takes some of {','.join(PATHS)}")
+    results = asyncio.run(bench(config, args.runs, (cores[0], cores[1]), paths))
+    summary = summarize(results)
+    print_table(args.model.name, summary, args.runs)
+    out = args.out or Path("results") / f"cold_start-{args.model.name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"model": str(args.model), "eager": not args.no_eager, "runs": args.runs,
+                               "summary": summary, "records": results}, indent=2))  # fmt: skip
+    try:
+        plot(summary, f"cold start, {args.model.name}", out.with_suffix(".png"))
+    except ImportError:
+        print("matplotlib not installed: no PNG")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
