@@ -107,6 +107,8 @@ class Launcher:
         self.start_log = start_log
         self.instances: dict[str, StartedInstance] = {}
         self._actors: dict[str, ray.actor.ActorHandle] = {}
+        self._descriptors: dict[str, dict] = {}
+        """Weight descriptors of ready instances, by instance id (see peer_weights)."""
 
     def _create_actor(self, config: EngineConfig, instance_id: str) -> ray.actor.ActorHandle:
         options = placement_options(config.role, gpus=0 if is_cpu_build() else 1)
@@ -195,15 +197,22 @@ class Launcher:
         return timeline
 
     async def peer_weights(self) -> dict | None:
-        """A weight descriptor of some ready instance (None if no instance can offer one)."""
+        """A weight descriptor of some ready instance (None if no instance can offer one). A
+        descriptor does not change while its instance lives, so each is asked for once; the
+        first ask sets up the peer's side (a NIXL agent: ~0.5 s on the CPU build)."""
         for instance in self.registry.all():
             record = self.instances.get(instance.instance_id)
             if record is None or instance.state != InstanceState.READY:
                 continue
+            if instance.instance_id in self._descriptors:
+                return self._descriptors[instance.instance_id]
             try:
-                return await asyncio.wait_for(record.actor.export_weights.remote(), 30)
+                descriptor = await asyncio.wait_for(record.actor.export_weights.remote(), 30)
             except Exception as exc:  # try the next peer; disk is the last resort
                 log.warning("peer %s cannot offer its weights: %s", instance.instance_id, exc)
+                continue
+            self._descriptors[instance.instance_id] = descriptor
+            return descriptor
         return None
 
     async def stop_instance(self, instance_id: str) -> None:
@@ -213,6 +222,7 @@ class Launcher:
             instance.state = InstanceState.DRAINING
         actor = self._actors.pop(instance_id, None)
         self.instances.pop(instance_id, None)
+        self._descriptors.pop(instance_id, None)
         if actor is not None:
             await asyncio.gather(asyncio.wait_for(actor.stop.remote(), 30), return_exceptions=True)
             ray.kill(actor)
@@ -262,3 +272,4 @@ class Launcher:
             ray.kill(actor)
         self._actors.clear()
         self.instances.clear()
+        self._descriptors.clear()

@@ -54,6 +54,13 @@ class LocalServer:
         self.stop()
         raise TimeoutError(f"pdcluster serve not ready in {self.start_timeout_s} s; see {self.log_path}")
 
+    @property
+    def pid(self) -> int:
+        """The `pdcluster serve` process (router, launcher and pool controller)."""
+        if self._process is None:
+            raise RuntimeError("not started")
+        return self._process.pid
+
     def instances(self) -> list[dict]:
         return httpx.get(f"{self.url}/admin/instances", timeout=5).json()["instances"]
 

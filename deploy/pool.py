@@ -96,6 +96,9 @@ class PoolController:
 
     def start(self) -> None:
         self._loop = asyncio.create_task(self._run(), name="pool-controller")
+        if any(spec.standby or spec.max_ready > spec.min_ready for spec in self.specs.values()):
+            # Ask a peer for its weights now, not on the first scale-up's critical path.
+            self._spawn(self.launcher.peer_weights(), "peer-weights")
 
     async def stop(self) -> None:
         for task in [self._loop, *self._tasks]:

@@ -17,6 +17,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.config import Role
+from engine.lifecycle import InstanceState
 from router import metrics
 from router.admission import Admission, release_after
 from router.config import RouterConfig
@@ -247,9 +248,16 @@ def build_app(config: RouterConfig, registry: InstanceRegistry) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
+        """200 while requests can be served: by a ready instance, or by a standby the pool
+        controller activates for them (a scaled-to-zero pool is not down)."""
         ready = len(serving_instances())
-        status = 200 if ready else 503
-        return JSONResponse({"status": "ok" if ready else "unavailable", "ready_instances": ready}, status)
+        standby = sum(
+            1 for i in registry.all() if i.state == InstanceState.STANDBY and i.role in SERVING_ROLES
+        )
+        status = 200 if ready or standby else 503
+        body = {"status": "ok" if status == 200 else "unavailable", "ready_instances": ready,
+                "standby_instances": standby}  # fmt: skip
+        return JSONResponse(body, status)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

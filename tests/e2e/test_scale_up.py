@@ -48,6 +48,8 @@ def test_a_burst_on_an_empty_pool_is_queued_and_served_by_the_activated_standby(
             "--queue-timeout", str(QUEUE_TIMEOUT_S), "--start-log", str(start_log)]  # fmt: skip
     with LocalServer(args, artifacts / "serve-scale-up.log", ready=has_standby) as server:
         assert not [i for i in server.instances() if i["state"] == "ready"]
+        health = httpx.get(f"{server.url}/health", timeout=5)
+        assert health.status_code == 200 and health.json()["standby_instances"] == 1  # not down
         results = asyncio.run(burst(server.url))
         states = [i["state"] for i in server.instances()]
         # The activated instance answers like the session's ordinary engine (same model, greedy),
