@@ -9,6 +9,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import jinja2
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -84,10 +85,14 @@ class RequestAnalyzer:
         text = _prompt_text(request)
         if self.hasher is None:
             return RoutingRequest((), 0, self.block_size, text)
-        if len(text) > self.INLINE_CHARS:
-            tokens = await asyncio.to_thread(self.token_ids, request)
-        else:
-            tokens = self.token_ids(request)
+        try:
+            if len(text) > self.INLINE_CHARS:
+                tokens = await asyncio.to_thread(self.token_ids, request)
+            else:
+                tokens = self.token_ids(request)
+        except (TypeError, ValueError, jinja2.TemplateError) as exc:  # e.g. a message with no content
+            param = "messages" if isinstance(request, ChatCompletionRequest) else "prompt"
+            raise BadRequest(f"the {param} cannot be tokenized for this model: {exc}", param=param) from None
         hashes = self.hasher.block_hashes(tokens, getattr(request, "cache_salt", None))
         return RoutingRequest(hashes, len(tokens), self.block_size, text)
 

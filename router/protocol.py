@@ -36,10 +36,15 @@ class SamplingRequest(BaseModel):
         return self.model_dump(exclude_unset=True)
 
 
+TokenId = Annotated[int, Field(ge=0)]
+
+
 class CompletionRequest(SamplingRequest):
     """`POST /v1/completions`."""
 
-    prompt: str | list[int] | list[str] | list[list[int]] = Field(min_length=1)
+    prompt: str | list[TokenId] | list[str] | list[Annotated[list[TokenId], Field(min_length=1)]] = Field(
+        min_length=1
+    )
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
 

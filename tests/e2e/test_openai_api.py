@@ -143,3 +143,11 @@ def test_health_and_metrics(served, client):
     text = httpx.get(f"{served.url}/metrics", timeout=5).text
     assert 'pdcluster_router_requests_total{endpoint="/v1/completions",status="200"}' in text
     assert 'pdcluster_router_instances{role="colocated",state="ready"} 1.0' in text
+
+
+def test_a_message_the_chat_template_cannot_render_is_a_400(served):
+    # Found by the fuzzer (test_fuzz.py): the template failed inside the router, a 500.
+    body = {"model": MODEL, "messages": [{"role": "tool"}]}
+    response = httpx.post(f"{served.url}/v1/chat/completions", json=body, timeout=30)
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "messages"

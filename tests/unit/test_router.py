@@ -62,6 +62,8 @@ def test_dead_instances_fail_fast_with_a_clean_error():
     [
         ({"model": "m"}, "prompt"),
         ({"model": "m", "prompt": []}, "prompt"),
+        ({"model": "m", "prompt": [[]]}, "prompt"),  # found by the fuzzer: was a 500
+        ({"model": "m", "prompt": [1, -2]}, "prompt"),
         ({"model": "m", "prompt": "x", "n": 0}, "n"),
         ({"model": "m", "prompt": "x", "top_p": 0}, "top_p"),
         ({"model": "m", "prompt": "x", "stream": "yes"}, "stream"),
