@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -344,6 +345,7 @@ async def _serve(
             f'-d \'{{"model": "{router_config.served_model_name}", '
             f'"messages": [{{"role": "user", "content": "Hello!"}}]}}\''
         )
+        _keep_cleanup_on_signals()
         await server.serve()
         return 0
     except Exception as exc:  # a failed start: say why, stop what started, exit non-zero
@@ -358,6 +360,21 @@ async def _serve(
             import ray
 
             ray.shutdown()
+
+
+def _keep_cleanup_on_signals() -> None:
+    """uvicorn handles Ctrl-C / SIGTERM, then re-raises the signal once it has stopped: under the
+    default handlers that cancels (SIGINT) or kills (SIGTERM) this process before it stops its
+    engines. Swallow that first re-raise; a further signal interrupts the clean-up."""
+    raised = {"count": 0}
+
+    def on_signal(signum, frame) -> None:
+        raised["count"] += 1
+        if raised["count"] > 1:
+            raise KeyboardInterrupt
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, on_signal)
 
 
 def main(argv: list[str] | None = None) -> int:

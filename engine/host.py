@@ -49,6 +49,21 @@ LOG_TAIL_LINES = 200
 _PR_SET_PDEATHSIG = 1
 
 
+# The server runs under a shell that leads its process group, with a watcher in the background
+# that kills the whole group once the actor process is gone. Needed because Ray SIGKILLs a dead
+# actor's direct children (the shell, or before it the server), and vLLM's engine core and worker
+# outlive their server (seen: orphans holding 2 GB each). The watcher, orphaned, survives that.
+_GROUP_GUARD = """
+actor=$1; shift
+"$@" & server=$!
+( trap "" TERM
+  while kill -0 "$actor" 2>/dev/null && kill -0 "$server" 2>/dev/null; do sleep 1; done
+  kill -KILL 0 ) &
+trap 'kill -TERM "$server" 2>/dev/null' TERM
+while kill -0 "$server" 2>/dev/null; do wait "$server"; done
+"""
+
+
 def _die_with_parent() -> None:
     """Runs in the child before exec: SIGTERM it when the actor process dies."""
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
@@ -163,7 +178,7 @@ class EngineHost:
         if self.config.role != Role.COLOCATED:
             env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port(self.host))
         self._process = subprocess.Popen(
-            self.server_command(),
+            ["bash", "-c", _GROUP_GUARD, "pdcluster-engine", str(os.getpid()), *self.server_command()],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

@@ -112,7 +112,7 @@ async def run_scenario(server: LocalServer, scenario: Scenario, requests: int) -
     load = asyncio.create_task(burst(server.url, requests, scenario, seed=1))
     await asyncio.sleep(scenario.kill_after_s)
     killed_at = time.monotonic()
-    os.killpg(pid, signal.SIGKILL)  # its own group: server, engine core, worker
+    os.killpg(os.getpgid(pid), signal.SIGKILL)  # its group: server, engine core, worker
     outcomes = await load
     drained_s = time.monotonic() - killed_at
     # Give the health checks their few seconds, then see the rest of the service serve.
