@@ -56,7 +56,7 @@ SCENARIOS = {
         "decode", 3.0, 40, 128,
     ),
     "colocated-killed-mid-stream": Scenario(
-        "colocated-killed-mid-stream", ("--instances", "2"), "colocated", 3.0, 40, 128,
+        "colocated-killed-mid-stream", ("--instances", "2"), "colocated", 1.0, 40, 512,
     ),
 }  # fmt: skip
 
