@@ -67,7 +67,7 @@ def test_decode_counts_the_transferred_kv_as_external_prefix_hits(served_pd):
 def kill_engine_listening_on(url: str) -> None:
     port = int(url.rsplit(":", 1)[1])
     (pid,) = {c.pid for c in psutil.net_connections("tcp") if c.status == "LISTEN" and c.laddr.port == port}
-    os.killpg(pid, signal.SIGKILL)  # the server, its engine core and its worker: a lost machine
+    os.killpg(os.getpgid(pid), signal.SIGKILL)  # the server, its engine core and worker: a lost machine
 
 
 def test_a_killed_prefill_costs_no_request(served, served_pd):
