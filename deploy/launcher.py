@@ -149,9 +149,8 @@ class Launcher:
                     waiting = sorted(iid for iid, task in starts.items() if not task.done())
                     raise TimeoutError(f"engines not started in time (no node for their role?): {waiting}; "
                                        "raise --placement-timeout")  # fmt: skip
-                states = await self._describe_all(actors)
                 if live is not None:
-                    live.update(self._progress_table(actors, states))
+                    live.update(self._progress_table(actors, await self._describe_all(actors)))
                 await asyncio.wait(list(starts.values()), timeout=0.5)
         failed = {iid: task.exception() for iid, task in starts.items() if task.exception()}
         for instance_id in failed:  # their engines are stopped already; end the actors too

@@ -40,11 +40,7 @@ class FlatLayout:
 
     @property
     def nbytes(self) -> int:
-        return sum(n * _itemsize(d) for d, n in self.region_numel.items())
-
-
-def _itemsize(dtype: str) -> int:
-    return torch.empty((), dtype=getattr(torch, dtype)).element_size()
+        return sum(n * getattr(torch, d).itemsize for d, n in self.region_numel.items())
 
 
 def pack(tensors: Iterable[tuple[str, torch.Tensor]]) -> tuple[FlatLayout, dict[str, torch.Tensor]]:
@@ -56,7 +52,7 @@ def pack(tensors: Iterable[tuple[str, torch.Tensor]]) -> tuple[FlatLayout, dict[
         dtype = str(tensor.dtype).removeprefix("torch.")
         entries.append(Entry(name, dtype, tuple(tensor.shape), sizes.get(dtype, 0), tensor.numel()))
         sizes[dtype] = sizes.get(dtype, 0) + tensor.numel()
-    per_word = {d: max(1, 4 // _itemsize(d)) for d in sizes}
+    per_word = {d: max(1, 4 // getattr(torch, d).itemsize) for d in sizes}
     sizes = {d: -(-n // per_word[d]) * per_word[d] for d, n in sizes.items()}
     device = items[0][1].device if items else torch.device("cpu")
     regions = {d: torch.zeros(n, dtype=getattr(torch, d), device=device) for d, n in sizes.items()}

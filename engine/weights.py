@@ -112,7 +112,7 @@ class WeightSet:
 
         for entry in self.manifest.tensors:
             dtype = getattr(torch, entry.dtype)
-            count = entry.nbytes // torch.empty((), dtype=dtype).element_size()
+            count = entry.nbytes // dtype.itemsize
             flat = torch.frombuffer(self.buffer, dtype=dtype, count=count, offset=entry.offset)
             yield entry.name, flat.view(entry.shape)
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import aiohttp
+import psutil
 from rich.console import Console
 from rich.table import Table
 
@@ -61,20 +62,12 @@ SCENARIOS = {
 }  # fmt: skip
 
 
-def engine_pid(url: str) -> int:
-    """The vLLM server process listening on `url`'s port (found by its command line)."""
-    port = str(urlparse(url).port)
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            args = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"vllm.entrypoints.openai.api_server" in args and b"--port" in args:
-            if args[args.index(b"--port") + 1].decode() == port:
-                return int(entry.name)
-    raise LookupError(f"no vLLM server on port {port}")
+def kill_engine(url: str) -> None:
+    """SIGKILL the engine serving `url` as a lost machine would: the process listening on its
+    port and the whole process group around it (server, engine core, worker, guard)."""
+    port = urlparse(url).port
+    (pid,) = {c.pid for c in psutil.net_connections("tcp") if c.status == "LISTEN" and c.laddr.port == port}
+    os.killpg(os.getpgid(pid), signal.SIGKILL)
 
 
 def classify(result, max_tokens: int) -> str:
@@ -108,11 +101,10 @@ async def burst(url: str, count: int, scenario: Scenario, seed: int) -> list[str
 async def run_scenario(server: LocalServer, scenario: Scenario, requests: int) -> dict:
     victims = [i for i in server.instances() if i["role"] == scenario.victim_role]
     victim = victims[0]
-    pid = engine_pid(victim["url"])
     load = asyncio.create_task(burst(server.url, requests, scenario, seed=1))
     await asyncio.sleep(scenario.kill_after_s)
     killed_at = time.monotonic()
-    os.killpg(os.getpgid(pid), signal.SIGKILL)  # its group: server, engine core, worker
+    kill_engine(victim["url"])
     outcomes = await load
     drained_s = time.monotonic() - killed_at
     # Give the health checks their few seconds, then see the rest of the service serve.

@@ -4,14 +4,12 @@ a killed prefill costs no request."""
 from __future__ import annotations
 
 import concurrent.futures
-import os
-import signal
 import time
 
 import httpx
-import psutil
 import pytest
 
+from loadtest.faults import kill_engine
 from loadtest.scrape import scrape
 
 pytestmark = pytest.mark.slow
@@ -64,12 +62,6 @@ def test_decode_counts_the_transferred_kv_as_external_prefix_hits(served_pd):
     assert router['pdcluster_router_prefills_total{where="remote"}'.split("{")[0]] > 0
 
 
-def kill_engine_listening_on(url: str) -> None:
-    port = int(url.rsplit(":", 1)[1])
-    (pid,) = {c.pid for c in psutil.net_connections("tcp") if c.status == "LISTEN" and c.laddr.port == port}
-    os.killpg(os.getpgid(pid), signal.SIGKILL)  # the server, its engine core and worker: a lost machine
-
-
 def test_a_killed_prefill_costs_no_request(served, served_pd):
     """Runs last in this module: it takes the prefill instance away for good."""
     bodies = [{"prompt": f"Killed prefill {k}. " + LONG * 2} for k in range(4)]
@@ -77,7 +69,7 @@ def test_a_killed_prefill_costs_no_request(served, served_pd):
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         futures = [pool.submit(generate, served_pd.url, b) for b in bodies]
         time.sleep(0.05)
-        kill_engine_listening_on(engine_url(served_pd, "prefill"))
+        kill_engine(engine_url(served_pd, "prefill"))
         results = [f.result(timeout=120) for f in futures]  # none hangs, none fails
     assert results == expected
     after = [generate(served_pd.url, b) for b in bodies[:1]]  # and the next one prefills locally

@@ -22,6 +22,7 @@ from engine.weights import (
 )
 
 HOST = "127.0.0.1"
+OTHER_MODEL_ID = "0" * 24  # no checkpoint has it
 
 
 @pytest.fixture(autouse=True)
@@ -82,7 +83,7 @@ def test_a_corrupted_peer_buffer_is_detected(tiny_model, served_weights):
             fetch_from_peer(descriptor, model_id(tiny_model), "cluster-key", HOST, timeout_s=30)
 
 
-def test_signatures_and_model_identity_are_enforced(tiny_model, smollm2_free_model_id, served_weights):
+def test_signatures_and_model_identity_are_enforced(tiny_model, served_weights):
     _, exporter = served_weights
     descriptor = exporter.descriptor(use_nixl=False)
     with pytest.raises(WeightTransferError, match="not signed with the cluster key"):
@@ -91,15 +92,10 @@ def test_signatures_and_model_identity_are_enforced(tiny_model, smollm2_free_mod
     with pytest.raises(WeightTransferError, match="not signed"):
         fetch_from_peer(unsigned, model_id(tiny_model), "cluster-key", HOST)
     with pytest.raises(WeightTransferError, match="needs"):
-        fetch_from_peer(descriptor, smollm2_free_model_id, "cluster-key", HOST)
+        fetch_from_peer(descriptor, OTHER_MODEL_ID, "cluster-key", HOST)
     # Without a key on the receiving side the digests still guard the bytes.
     received, _ = fetch_from_peer(unsigned, model_id(tiny_model), None, HOST)
     received.close()
-
-
-@pytest.fixture
-def smollm2_free_model_id() -> str:
-    return "0" * 24
 
 
 PEER_SCRIPT = """
