@@ -12,6 +12,7 @@ device) and hands out views (`unpack`).
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from collections.abc import Iterable
 
 import torch
@@ -68,16 +69,26 @@ def unpack(layout: FlatLayout, regions: dict[str, torch.Tensor]) -> dict[str, to
 
 def region_checksum(region: torch.Tensor) -> tuple[int, int]:
     """Sum of the region's 32-bit words and their position-weighted sum (a Fletcher-style pair:
-    catches flipped, lost and reordered words), on the region's device: three passes over the
-    bytes in 32-bit arithmetic (products wrap identically on every device)."""
+    catches flipped, lost and reordered words), on the region's device, in 32-bit products and
+    64-bit sums that wrap identically on every device and in any order. On CUDA one Triton
+    kernel reads the bytes once (`engine.checksum_cuda`); elsewhere torch does it in passes."""
     raw = region.reshape(-1).view(torch.uint8)
     if raw.numel() % 4:  # only whole words: pad a copy (regions from `pack` never need it)
         raw = torch.cat([raw, raw.new_zeros(4 - raw.numel() % 4)])
     words = raw.view(_WORD)
+    if words.is_cuda and importlib.util.find_spec("triton") is not None:
+        from engine.checksum_cuda import checksum
+
+        return checksum(words, _CHECKSUM_CHUNK_WORDS, _MODULUS)
+    return checksum_torch(words)
+
+
+def checksum_torch(words: torch.Tensor) -> tuple[int, int]:
+    """`region_checksum` of int32 words with torch operations: the definition the kernel matches."""
     size = min(_CHECKSUM_CHUNK_WORDS, max(words.numel(), 1))
-    weights = (torch.arange(size, dtype=_WORD, device=region.device) % _MODULUS) + 1
+    weights = (torch.arange(size, dtype=_WORD, device=words.device) % _MODULUS) + 1
     plain = words.sum(dtype=torch.int64)
-    weighted = torch.zeros((), dtype=torch.int64, device=region.device)
+    weighted = torch.zeros((), dtype=torch.int64, device=words.device)
     for index, start in enumerate(range(0, words.numel(), size)):
         chunk = words[start : start + size]
         weighted += (index + 1) * (chunk * weights[: chunk.numel()]).sum(dtype=torch.int64)
@@ -141,10 +152,12 @@ def ipc_handles(regions: dict[str, torch.Tensor]) -> dict:
 def fetch_ipc(
     handles: dict, expected: dict[str, tuple[int, int]], device: torch.device
 ) -> dict[str, torch.Tensor]:
-    """Copy a same-node peer's regions to `device` (peer-to-peer over NVLink) and verify them."""
+    """Copy a same-node peer's regions to `device` (peer to peer over NVLink, or within the peer's
+    own GPU) and verify them."""
     regions = {}
     for dtype, (rebuild, args) in handles.items():
-        regions[dtype] = rebuild(*args).to(device, non_blocking=True)
+        source = rebuild(*args)  # a copy even on the peer's own GPU: the peer keeps its memory
+        regions[dtype] = torch.empty_like(source, device=device).copy_(source, non_blocking=True)
     verify(regions, expected)
     return regions
 

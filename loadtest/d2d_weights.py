@@ -8,7 +8,11 @@ In one run, for a model-sized set of bf16 tensors (shapes like a Llama's layers)
                   process over NCCL; the receiver verifies checksums on the device;
   ours_ipc      - the same node's fast path: GPU 1's process opens GPU 0's regions by CUDA IPC
                   and copies them peer to peer, then verifies;
-  verify        - the receiver's checksum pass alone (inside both of the above);
+  verify        - the receiver's checksum pass alone (inside both of the above): one Triton
+                  kernel on CUDA; verify_torch is the same sums in torch passes (must agree);
+  device_copy   - a plain copy of the flat buffer within GPU 0 (the same-GPU ceiling);
+  ipc_same_gpu  - the same-GPU hand-over: another process copies GPU 0's regions by CUDA IPC
+                  into new memory on GPU 0, then verifies (a standby taking a warm peer's weights);
   pinned_h2d    - the bytes from pinned host memory to GPU 1 (one copy, the host path's ceiling);
   disk_to_gpu   - engine.weights.read_from_disk of the same tensors saved as safetensors (page
                   cache warm), then host-to-device.
@@ -32,6 +36,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from engine.device_weights import (
+    checksum_torch,
     checksums,
     fetch_ipc,
     ipc_handles,
@@ -41,6 +46,8 @@ from engine.device_weights import (
     send_weights,
     unpack,
 )
+
+SAME_GPU = ("device_copy", "ipc_same_gpu")
 
 
 def model_like_shapes(total_bytes: int, tensors: int) -> list[tuple[str, tuple[int, ...]]]:
@@ -62,6 +69,17 @@ def make_tensors(shapes, device) -> list[tuple[str, torch.Tensor]]:
     generator = torch.Generator(device=device).manual_seed(0)
     return [(n, torch.randn(s, generator=generator, device=device, dtype=torch.float32).to(torch.bfloat16))
             for n, s in shapes]  # fmt: skip
+
+
+def write_checkpoint(folder: Path, gib: float, tensors: int) -> None:
+    """A model-like checkpoint in four safetensors shards, as real ones are."""
+    from safetensors.torch import save_file
+
+    named = dict(make_tensors(model_like_shapes(int(gib * 1024**3), tensors), torch.device("cpu")))
+    (folder / "config.json").write_text("{}")
+    names = list(named)
+    for part in range(4):
+        save_file({n: named[n] for n in names[part::4]}, str(folder / f"model-{part}.safetensors"))
 
 
 def sync(device: torch.device) -> None:
@@ -117,6 +135,12 @@ def worker(rank: int, world: int, port: int, args, queue) -> None:
         receive()
         result = {"ours_nccl_s": timed(receive, device, args.runs)}
         result["verify_s"] = timed(lambda: checksums(received["regions"]), device, args.runs)
+        words = {d: r.view(torch.int32) for d, r in received["regions"].items()}
+        result["verify_torch_s"] = timed(
+            lambda: [checksum_torch(w) for w in words.values()], device, args.runs
+        )
+        checksum_agrees = checksums(received["regions"]) == {d: checksum_torch(w) for d, w in words.items()}
+        del words
         tensors = unpack(received["layout"], received["regions"])
         identical = all(region_checksum(t.contiguous()) == reference[n] for n, t in tensors.items())
         if cuda:
@@ -129,11 +153,17 @@ def worker(rank: int, world: int, port: int, args, queue) -> None:
             identical = identical and all(
                 region_checksum(t.contiguous()) == reference[n] for n, t in unpack(layout, copied).items()
             )
-            del handles, copied
+            del copied
+            peer_gpu = torch.device("cuda:0")
+            fetch_ipc(handles, expected, peer_gpu)
+            result["ipc_same_gpu_s"] = timed(
+                lambda: fetch_ipc(handles, expected, peer_gpu), peer_gpu, args.runs
+            )
+            del handles
             torch.cuda.synchronize(device)
             torch.cuda.ipc_collect()
         queue.put({**result, "bytes": received["layout"].nbytes, "tensors": len(tensors),
-                   "bit_identical": identical})  # fmt: skip
+                   "bit_identical": identical, "checksum_agrees": checksum_agrees})  # fmt: skip
         dist.barrier()
     dist.destroy_process_group()
     if cuda:  # skip interpreter teardown: freeing IPC-shared blocks then aborts with "driver shutting down"
@@ -147,20 +177,13 @@ def single_process_paths(args, nbytes: int) -> dict:
     dst = torch.device("cuda:1") if cuda else torch.device("cpu")
     flat = torch.empty(nbytes, dtype=torch.uint8, device=src)
     results = {"link_copy_s": timed(lambda: flat.to(dst), dst, args.runs)}
+    results["device_copy_s"] = timed(lambda: flat.clone(), src, args.runs)
     pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
     results["pinned_h2d_s"] = timed(lambda: pinned.to(dst, non_blocking=True), dst, args.runs)
-    from safetensors.torch import save_file
-
     from engine.weights import read_from_disk
 
-    shapes = model_like_shapes(int(args.gib * 1024**3), args.tensors)
     with tempfile.TemporaryDirectory(dir=args.scratch) as folder:
-        tensors = dict(make_tensors(shapes, torch.device("cpu")))
-        (Path(folder) / "config.json").write_text("{}")
-        names = list(tensors)
-        for part in range(4):  # a sharded checkpoint, as real ones are
-            save_file({n: tensors[n] for n in names[part::4]}, f"{folder}/model-{part}.safetensors")
-        del tensors
+        write_checkpoint(Path(folder), args.gib, args.tensors)
 
         def disk_to_gpu() -> None:
             weights = read_from_disk(Path(folder), threads=args.threads)
@@ -191,15 +214,18 @@ def main(argv: list[str] | None = None) -> int:
     paths.update({k: v for k, v in transfer.items() if k.endswith("_s")})
     gib = transfer["bytes"] / 1024**3
     rows = {name.removesuffix("_s"): statistics.median(v) for name, v in paths.items()}
-    link = rows["link_copy"]
+    ceilings = {name: "device_copy" if name in SAME_GPU else "link_copy" for name in rows}
     print(f"\n{transfer['tensors']} tensors, {gib:.2f} GiB, medians of {args.runs} runs, "
-          f"bit-identical: {transfer['bit_identical']}")  # fmt: skip
-    print(f"{'path':12s} {'seconds':>9s} {'GiB/s':>8s} {'vs link':>8s}")
+          f"bit-identical: {transfer['bit_identical']}, kernel checksum = torch checksum: "
+          f"{transfer['checksum_agrees']}")  # fmt: skip
+    print(f"{'path':14s} {'seconds':>9s} {'GiB/s':>8s} {'vs ceiling':>11s}  ceiling")
     for name, seconds in rows.items():
-        print(f"{name:12s} {seconds:9.4f} {gib / seconds:8.1f} {link / seconds:8.2f}")
+        ratio = rows[ceilings[name]] / seconds
+        print(f"{name:14s} {seconds:9.4f} {gib / seconds:8.1f} {ratio:11.2f}  {ceilings[name]}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"gib": gib, "tensors": transfer["tensors"], "runs": args.runs,
                                     "bit_identical": transfer["bit_identical"], "median_s": rows,
+                                    "checksum_agrees": transfer["checksum_agrees"], "ceilings": ceilings,
                                     "samples_s": paths, "cuda_devices": torch.cuda.device_count()}, indent=2))  # fmt: skip
     print(f"wrote {args.out}")
     return 0

@@ -67,3 +67,15 @@ def test_the_checksum_catches_flipped_and_reordered_words(damage):
     assert after != before
     if damage == "swap":
         assert after[0] == before[0]  # the plain sum misses a swap; the weighted one does not
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton checksum kernel needs a GPU")
+def test_the_cuda_kernel_equals_the_torch_definition():
+    from engine.device_weights import checksum_torch
+
+    generator = torch.Generator(device="cuda").manual_seed(3)
+    # more than one 2^24-word chunk and a ragged last block; extreme words make products wrap
+    words = torch.randint(-(2**31), 2**31 - 1, ((1 << 24) + 12345,), generator=generator,
+                          device="cuda", dtype=torch.int32)  # fmt: skip
+    words[:4] = torch.tensor([-(2**31), 2**31 - 1, -1, 0], dtype=torch.int32)
+    assert region_checksum(words) == checksum_torch(words)
