@@ -30,7 +30,8 @@ def checksum(words: torch.Tensor, chunk_words: int, modulus: int) -> tuple[int, 
     assert chunk_words % _BLOCK_WORDS == 0 and chunk_words & (chunk_words - 1) == 0
     blocks = max(1, -(-words.numel() // _BLOCK_WORDS))
     partials = torch.empty((2, blocks), dtype=torch.int64, device=words.device)
-    _partial_sums[(blocks,)](words, words.numel(), partials[0], partials[1], BLOCK=_BLOCK_WORDS,
-                             CHUNK=chunk_words, MODULUS=modulus, num_warps=8)  # fmt: skip
+    with torch.cuda.device(words.device):  # Triton launches on the current device
+        _partial_sums[(blocks,)](words, words.numel(), partials[0], partials[1], BLOCK=_BLOCK_WORDS,
+                                 CHUNK=chunk_words, MODULUS=modulus, num_warps=8)  # fmt: skip
     plain, weighted = partials.sum(dim=1).tolist()
     return plain, weighted
