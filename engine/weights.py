@@ -267,55 +267,6 @@ def stream_to_device(model_dir: Path, device, threads: int = 8):
     return _device_views(entries, target)
 
 
-def register_to_device(model_dir: Path, device, threads: int = 8, piece_bytes: int = 64 * 1024**2):
-    """Page cache -> device with no host-side copy: each file is mapped read-only and, piece by
-    piece on `threads` threads, page-locked in place (cudaHostRegister, read-only) so the GPU
-    reads the page cache by DMA; a piece is unlocked once its copy is done. Pieces not yet in
-    the page cache are faulted in by the locking. Returns what `stream_to_device` returns."""
-    import torch
-
-    cudart = torch.cuda.cudart()
-    read_only = 8  # cudaHostRegisterReadOnly
-    entries, files = _safetensors_layout(model_dir)
-    total = (files[-1][3] + files[-1][2]) if files else 0
-    target = torch.empty(total, dtype=torch.uint8, device=device)
-    mapped = {}
-    pieces = []
-    for path, file_offset, nbytes, buffer_offset in files:
-        with open(path, "rb") as handle:
-            mapped[path] = mmap.mmap(handle.fileno(), 0, prot=mmap.PROT_READ)
-        for start in range(file_offset // piece_bytes * piece_bytes, file_offset + nbytes, piece_bytes):
-            begin, end = max(start, file_offset), min(start + piece_bytes, file_offset + nbytes)
-            pieces.append((path, start, begin, end, buffer_offset + begin - file_offset))
-    with torch.cuda.device(device):
-        source = {path: torch.frombuffer(m, dtype=torch.uint8) for path, m in mapped.items()}
-
-    def land(piece) -> None:
-        path, start, begin, end, buffer_offset = piece
-        region = source[path][start : min(start + piece_bytes, len(mapped[path]))]
-        mapped[path].madvise(mmap.MADV_WILLNEED, start, region.numel())
-        if cudart.cudaHostRegister(region.data_ptr(), region.numel(), read_only) != 0:
-            raise RuntimeError(f"cudaHostRegister failed for {path} at {start}")
-        try:
-            stream = torch.cuda.Stream(device)
-            with torch.cuda.stream(stream):
-                target[buffer_offset : buffer_offset + end - begin].copy_(
-                    source[path][begin:end], non_blocking=True
-                )
-            stream.synchronize()
-        finally:
-            cudart.cudaHostUnregister(region.data_ptr())
-
-    try:
-        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-            list(pool.map(land, pieces))
-    finally:
-        source.clear()  # the tensors must go before their mappings close
-        for m in mapped.values():
-            m.close()
-    return _device_views(entries, target)
-
-
 def _device_views(entries: list[TensorEntry], target) -> list[tuple[str, object]]:
     import torch
 

@@ -13,7 +13,6 @@ Rows, medians of --runs, for a model-like checkpoint of four safetensors shards 
   stream_cold_N         - stream_to_device on N threads, page cache emptied (vs disk ceiling)
   pinned_h2d            - one copy of the same bytes from pinned host memory (the H2D ceiling)
   stream_warm_N         - stream_to_device from the page cache (vs pinned_h2d)
-  register_*_N          - register_to_device: the page cache page-locked in place, no host copy
 The page cache is emptied per file with posix_fadvise(DONTNEED) and checked with mincore: each
 cold row reports the fraction of the files still resident before it ran.
 """
@@ -33,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from engine.weights import _read_chunks, _safetensors_layout, register_to_device, stream_to_device
+from engine.weights import _read_chunks, _safetensors_layout, stream_to_device
 from loadtest.d2d_weights import write_checkpoint
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
@@ -121,12 +120,6 @@ def timed(fn, runs: int, before=None) -> tuple[list[float], list[float]]:
     return seconds, prepared
 
 
-def same_bytes(a: list[tuple[str, torch.Tensor]], b: list[tuple[str, torch.Tensor]]) -> bool:
-    return [n for n, _ in a] == [n for n, _ in b] and all(
-        torch.equal(x, y) for (_, x), (_, y) in zip(a, b, strict=True)
-    )
-
-
 def pinned_h2d(nbytes: int, device: torch.device, runs: int) -> list[float]:
     pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     return timed(lambda: pinned.to(device, non_blocking=True), runs)[0]
@@ -164,17 +157,12 @@ def main(argv: list[str] | None = None) -> int:
         for n in thread_counts:
             cold(f"disk_cold_parallel_{n}", lambda n=n: read_parallel(model_dir, n))
             cold(f"stream_cold_{n}", lambda n=n: stream_to_device(model_dir, device, n))
-            cold(f"register_cold_{n}", lambda n=n: register_to_device(model_dir, device, n))
         samples["pinned_h2d"] = pinned_h2d(nbytes, device, args.runs)
         read_parallel(model_dir, thread_counts[-1])  # into the page cache
         for n in thread_counts:
             samples[f"stream_warm_{n}"], _ = timed(
                 lambda n=n: stream_to_device(model_dir, device, n), args.runs
             )
-            samples[f"register_warm_{n}"], _ = timed(
-                lambda n=n: register_to_device(model_dir, device, n), args.runs
-            )
-        identical = same_bytes(stream_to_device(model_dir, device), register_to_device(model_dir, device))
         resident_warm = resident_fraction(paths)
 
     gib = nbytes / 1024**3
@@ -186,7 +174,6 @@ def main(argv: list[str] | None = None) -> int:
         f"\n{gib:.2f} GiB in {len(paths)} files, medians of {args.runs} runs; page cache resident "
         f"before cold rows <= {max(resident_before.values()):.1%}, before warm rows {resident_warm:.1%}"
     )
-    print(f"register_to_device's bytes equal stream_to_device's: {identical}")
     print(f"{'path':24s} {'seconds':>8s} {'GiB/s':>7s} {'vs ceiling':>10s}  ceiling")
     for name, seconds in median.items():
         print(f"{name:24s} {seconds:8.3f} {gib / seconds:7.2f} {ratio[name]:10.2f}  {ceiling[name]}")
@@ -194,7 +181,6 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps({"gib": gib, "files": len(paths), "runs": args.runs, "median_s": median,
                                     "vs_ceiling": ratio, "ceiling": ceiling, "samples_s": samples,
                                     "resident_before_cold": resident_before, "resident_warm": resident_warm,
-                                    "register_equals_stream": identical,
                                     "gpu": torch.cuda.get_device_name(device)}, indent=2))  # fmt: skip
     print(f"wrote {args.out}")
     return 0
