@@ -24,6 +24,8 @@ from engine.environment import use_loopback_ray
 from engine.models import BUILDERS, default_model_root
 
 console = Console(stderr=True)
+# Tests only: store shards then honour the "corrupt" op (fault injection into stored chunks).
+STORE_FAULT_INJECTION_ENV = "PDCLUSTER_STORE_FAULT_INJECTION"
 
 
 def _env(name: str, default: str) -> str:
@@ -82,6 +84,15 @@ def _add_serve_parser(subparsers, name: str = "serve", help: str = "serve a mode
         type=int,
         default=256,
         help="below this many uncached prompt tokens, decode prefills locally",
+    )
+    parser.add_argument(
+        "--kv-transfer",
+        choices=("store", "direct"),
+        default=_env("KV_TRANSFER", "store"),
+        help="P/D: hand KV over through the LMCache-backed store shards, or directly prefill -> decode (NIXL)",
+    )
+    parser.add_argument(
+        "--store-gib", type=float, default=2.0, help="host memory of each node's KV store shard"
     )
     parser.add_argument("--host", default=_env("HOST", "127.0.0.1"))
     parser.add_argument("--port", type=int, default=int(_env("PORT", "8000")))
@@ -292,14 +303,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return 2
     if args.address is None:
         use_loopback_ray()
-    return asyncio.run(
-        _serve(engine_config, router_config, topology, args.address, args.placement_timeout, args.start_log)
-    )
+    store_bytes = int(args.store_gib * 1024**3) if topology.prefill and args.kv_transfer == "store" else 0
+    return asyncio.run(_serve(engine_config, router_config, topology, args.address, args.placement_timeout,
+                              args.start_log, store_bytes))  # fmt: skip
 
 
-async def _serve(
-    engine_config, router_config, topology, address: str | None, placement_timeout_s: float, start_log: Path
-) -> int:
+async def _serve(engine_config, router_config, topology, address: str | None, placement_timeout_s: float,
+                 start_log: Path, store_bytes: int = 0) -> int:  # fmt: skip
     import uvicorn
 
     from deploy.launcher import Launcher, cpu_core_sets, start_ray
@@ -329,8 +339,13 @@ async def _serve(
     ]
     controller = None
     try:
+        if store_bytes:
+            fault_injection = os.environ.get(STORE_FAULT_INJECTION_ENV) == "1"
+            shards = await launcher.start_store_shards(store_bytes, fault_injection)
+            engine_config = engine_config.model_copy(update={"kv_store_endpoints": shards})
+            configs = [(i, c.model_copy(update={"kv_store_endpoints": shards})) for i, c in configs]
         await launcher.start_instances(configs, placement_timeout_s)
-        app = build_app(router_config, registry)
+        app = build_app(router_config, registry, store_endpoints=engine_config.kv_store_endpoints)
         # Instances the controller adds get the core sets the initial ones left (all, if none).
         controller = PoolController(launcher, registry, app.state.queue, topology.pools(), engine_config,
                                     core_sets=cores[len(roles):] or cores or None)  # fmt: skip

@@ -23,13 +23,15 @@ from rich.live import Live
 from rich.table import Table
 
 from engine.config import EngineConfig, Role
-from engine.environment import RAY_ENV, RAY_LOOPBACK_ENV, is_cpu_build
+from engine.environment import RAY_ENV, RAY_LOOPBACK_ENV, UCX_LOOPBACK_ENV, is_cpu_build
 from engine.host import EngineHost
 from engine.lifecycle import InstanceState
+from kvstore.shard import StoreShardActor
 from router.instances import Instance, InstanceRegistry
 
 log = logging.getLogger(__name__)
 EngineActor = ray.remote(EngineHost)
+StoreShard = ray.remote(StoreShardActor)
 START_SECONDS = Histogram(
     "pdcluster_engine_start_stage_seconds",
     "Engine start stages by path (disk, peer, standby_start, standby); stage 'total' is the sum.",
@@ -57,7 +59,7 @@ def start_ray(address: str | None, resources: dict[str, float] | None = None) ->
         resources=resources or {},
         object_store_memory=256 * 1024**2,
         log_to_driver=False,
-        runtime_env={"env_vars": RAY_LOOPBACK_ENV},
+        runtime_env={"env_vars": {**RAY_LOOPBACK_ENV, **UCX_LOOPBACK_ENV}},
     )
     return True
 
@@ -109,6 +111,23 @@ class Launcher:
         self._actors: dict[str, ray.actor.ActorHandle] = {}
         self._descriptors: dict[str, dict] = {}
         """Weight descriptors of ready instances, by instance id (see peer_weights)."""
+        self._shards: list[ray.actor.ActorHandle] = []
+
+    async def start_store_shards(self, capacity_bytes: int, fault_injection: bool = False,
+                                 timeout_s: float = 120.0) -> tuple[str, ...]:  # fmt: skip
+        """One KV store shard on every node of the cluster; returns their endpoints."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        for node in (n for n in ray.nodes() if n["Alive"]):
+            strategy = NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)
+            self._shards.append(StoreShard.options(num_cpus=0, scheduling_strategy=strategy).remote(
+                capacity_bytes, fault_injection=fault_injection))  # fmt: skip
+        endpoints = await asyncio.wait_for(
+            asyncio.gather(*(s.endpoint.remote() for s in self._shards)), timeout_s
+        )
+        self.console.print(f"KV store: {len(endpoints)} shard(s) of {capacity_bytes / 1024**3:.1f} GiB: "
+                           f"{', '.join(endpoints)}")  # fmt: skip
+        return tuple(endpoints)
 
     def _create_actor(self, config: EngineConfig, instance_id: str) -> ray.actor.ActorHandle:
         options = placement_options(config.role, gpus=0 if is_cpu_build() else 1)
@@ -272,3 +291,9 @@ class Launcher:
         self._actors.clear()
         self.instances.clear()
         self._descriptors.clear()
+        await asyncio.gather(
+            *(asyncio.wait_for(s.close.remote(), 10) for s in self._shards), return_exceptions=True
+        )
+        for shard in self._shards:
+            ray.kill(shard)
+        self._shards.clear()

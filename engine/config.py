@@ -41,6 +41,13 @@ class EngineConfig(BaseModel):
     kv_events_endpoint: str | None = None
     """Where the engine publishes its KV events (the router's SUB socket, tcp://host:port);
     None publishes none."""
+    kv_store_endpoints: tuple[str, ...] = ()
+    """The KV store's shards (their control sockets, tcp://host:port; one per node): prefill and
+    decode instances then hand KV over through the LMCache-backed store (kvstore/), each chunk
+    on the shard its key hashes to. Empty hands KV directly from prefill to decode with vLLM's
+    NixlConnector."""
+    kv_store_timeout_s: float = Field(5.0, gt=0)
+    """Longest one store call (lookup, read, write) may take before it counts as a miss."""
     start_timeout_s: float = Field(300.0, gt=0)
     """Longest a start may take before the instance is declared failed."""
     keep_host_weights: bool = True

@@ -38,6 +38,10 @@ def is_cpu_build() -> bool:
         return False
 
 
+# Without these UCX (NIXL's backend) also sends over the machine's routable interface.
+UCX_LOOPBACK_ENV = {"UCX_NET_DEVICES": "lo", "UCX_TLS": "tcp,self,sm"}
+
+
 def is_loopback(host: str) -> bool:
     try:
         return ipaddress.ip_address(host).is_loopback
@@ -62,7 +66,5 @@ def engine_env(host: str, kv_cache_gib: float, cpu_cores: str | None) -> dict[st
     if cpu_cores is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_cores
     if is_loopback(host):
-        # Without this UCX also sends over the routable interface.
-        env["UCX_NET_DEVICES"] = "lo"
-        env["UCX_TLS"] = "tcp,self,sm"
+        env.update(UCX_LOOPBACK_ENV)
     return env

@@ -147,14 +147,17 @@ class EngineHost:
         return command + list(c.extra_args)
 
     def kv_transfer_config(self) -> dict:
-        """vLLM's NixlConnector: the decode instance reads the prefill's KV blocks one-sided over
-        UCX (RDMA on clusters, TCP here); a failed read is recomputed, never an error."""
-        return {
-            "kv_connector": "NixlConnector",
-            "kv_role": "kv_both",
-            "kv_buffer_device": "cpu" if is_cpu_build() else "cuda",
-            "kv_load_failure_policy": "recompute",
-        }
+        """With a store: our StoreConnector (kvstore/), every instance saving the prompts it
+        computes and loading what the store holds. Without: vLLM's NixlConnector, the decode
+        instance reading the prefill's blocks one-sided over UCX. Either way a failed load is
+        recomputed, never an error."""
+        shared = {"kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
+        if self.config.kv_store_endpoints:
+            return {**shared, "kv_connector": "StoreConnector", "kv_connector_module_path": "kvstore.connector",
+                    "kv_connector_extra_config": {"endpoints": list(self.config.kv_store_endpoints),
+                                                  "timeout_s": self.config.kv_store_timeout_s}}  # fmt: skip
+        return {**shared, "kv_connector": "NixlConnector",
+                "kv_buffer_device": "cpu" if is_cpu_build() else "cuda"}  # fmt: skip
 
     @property
     def shm_path(self) -> str | None:

@@ -15,6 +15,7 @@ from one engine to another and re-processed by the receiver.
 
 from __future__ import annotations
 
+import base64
 import concurrent.futures
 import dataclasses
 import hashlib
@@ -25,11 +26,12 @@ import mmap
 import os
 import struct
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
+
+from engine.nixl_transfer import new_agent, transfer
 
 ALIGNMENT = 4096
 READ_CHUNK_BYTES = 16 * 1024**2
@@ -307,13 +309,8 @@ class WeightExporter:
         return described
 
     def _nixl_descriptor(self) -> dict:
-        import base64
-
         if self._agent is None:
-            from nixl._api import nixl_agent, nixl_agent_config
-
-            self._agent = nixl_agent(f"pdc-weights-{uuid.uuid4().hex[:8]}",
-                                     nixl_agent_config(backends=["UCX"]))  # fmt: skip
+            self._agent = new_agent("pdc-weights")
             address = self.weights.buffer.ctypes.data
             self._registration = self._agent.register_memory(
                 [(address, self.weights.buffer.nbytes, 0, "")], "DRAM"
@@ -383,48 +380,19 @@ def fetch_from_peer(
 
 def _nixl_read(remote: dict, buffer: np.ndarray, timeout_s: float) -> np.ndarray:
     """One-sided READ of the peer's registered buffer into `buffer`, bounded by `timeout_s`."""
-    from nixl._api import nixl_agent, nixl_agent_config
-
     if buffer.nbytes != remote["nbytes"]:
         raise WeightTransferError(
             f"the peer offers {remote['nbytes']} bytes, the manifest says {buffer.nbytes}"
         )
-    agent = nixl_agent(f"pdc-fetch-{uuid.uuid4().hex[:8]}", nixl_agent_config(backends=["UCX"]))
+    agent = new_agent("pdc-fetch")
     registration = agent.register_memory([(buffer.ctypes.data, buffer.nbytes, 0, "")], "DRAM")
     try:
-        return _nixl_read_into(agent, remote, buffer, timeout_s)
-    except WeightTransferError:
-        raise
-    except Exception as exc:  # NIXL's own errors: an unreachable or vanished peer
+        peer = agent.add_remote_agent(base64.b64decode(remote["metadata"]))
+        transfer(agent, "READ", [(buffer.ctypes.data, buffer.nbytes)], [(remote["address"], buffer.nbytes)],
+                 peer, timeout_s)  # fmt: skip
+        agent.remove_remote_agent(peer)
+        return buffer
+    except Exception as exc:  # NixlTransferError, or NIXL's own: an unreachable or vanished peer
         raise WeightTransferError(f"NIXL read failed: {exc}") from exc
     finally:
         agent.deregister_memory(registration)
-
-
-def _nixl_read_into(agent, remote: dict, buffer: np.ndarray, timeout_s: float) -> np.ndarray:
-    import base64
-
-    handle = None
-    try:
-        peer = agent.add_remote_agent(base64.b64decode(remote["metadata"]))
-        pieces = range(0, buffer.nbytes, 64 * 1024**2)  # several requests in flight on UCX lanes
-        sizes = [min(64 * 1024**2, buffer.nbytes - p) for p in pieces]
-        local = agent.get_xfer_descs([(buffer.ctypes.data + p, n, 0) for p, n in zip(pieces, sizes,
-                                      strict=True)], "DRAM")  # fmt: skip
-        far = agent.get_xfer_descs([(remote["address"] + p, n, 0) for p, n in zip(pieces, sizes,
-                                    strict=True)], "DRAM")  # fmt: skip
-        handle = agent.initialize_xfer("READ", local, far, peer)
-        state = agent.transfer(handle)
-        deadline = time.monotonic() + timeout_s
-        while state == "PROC":
-            if time.monotonic() > deadline:
-                raise WeightTransferError(f"NIXL read of {buffer.nbytes} bytes timed out after {timeout_s} s")
-            time.sleep(0.0005)
-            state = agent.check_xfer_state(handle)
-        if state != "DONE":
-            raise WeightTransferError(f"NIXL read failed ({state})")
-        agent.remove_remote_agent(peer)
-        return buffer
-    finally:
-        if handle is not None:
-            agent.release_xfer_handle(handle)

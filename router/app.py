@@ -112,7 +112,9 @@ def _prompt_text(request: SamplingRequest) -> str:
     return prompt if isinstance(prompt, str) else ""
 
 
-def build_app(config: RouterConfig, registry: InstanceRegistry) -> FastAPI:
+def build_app(
+    config: RouterConfig, registry: InstanceRegistry, store_endpoints: tuple[str, ...] = ()
+) -> FastAPI:
     """The router's FastAPI app; its lifespan owns the HTTP client, the health monitor and the
     KV event listener."""
     index = KVIndex(config.max_index_blocks_per_instance, config.speculative_ttl_s)
@@ -281,6 +283,20 @@ def build_app(config: RouterConfig, registry: InstanceRegistry) -> FastAPI:
                 for i in registry.all()
             ]
         }  # fmt: skip
+
+    @app.get("/admin/store")
+    async def store() -> dict:
+        """The KV store's shards and their memory (used, stored, in flight, leased)."""
+        from kvstore.client import StoreUnavailable, request_once
+
+        shards = []
+        for endpoint in store_endpoints:
+            try:
+                stats = await asyncio.to_thread(request_once, endpoint, {"op": "stats"}, 5.0)
+            except StoreUnavailable as exc:
+                stats = {"error": str(exc)}
+            shards.append({"endpoint": endpoint, **stats})
+        return {"shards": shards}
 
     @app.post("/admin/explain")
     async def explain(request: Request) -> dict:

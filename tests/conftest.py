@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
-from engine.environment import RAY_LOOPBACK_ENV
+from engine.environment import RAY_LOOPBACK_ENV, UCX_LOOPBACK_ENV
 
 REPO = Path(__file__).resolve().parent.parent
 ARTIFACTS = REPO / ".cache" / "test-artifacts"
 os.environ.setdefault("PDCLUSTER_MODEL_ROOT", str(REPO / ".cache" / "models"))
 # Any Ray this test process starts stays on loopback (read when ray is first imported).
 os.environ.update(RAY_LOOPBACK_ENV)
+os.environ.update(UCX_LOOPBACK_ENV)  # NIXL agents of the tests themselves
 
 
 @pytest.fixture(scope="session")
@@ -47,11 +49,17 @@ def served(tiny_model):
 
 @pytest.fixture(scope="module")
 def served_pd(tiny_model):
-    """One prefill and one decode instance (tiny model) behind the router; every request is
-    prefilled remotely (threshold 0). Module-scoped: it stops once test_pd.py is done, so at most
-    three engines run at once."""
+    """One prefill and one decode instance (tiny model) behind the router, KV handed over through
+    the store shard; every request is prefilled remotely (threshold 0). The shard honours fault
+    injection (tests damage stored chunks). Module-scoped: it stops once test_pd.py is done, so
+    at most three engines run at once."""
+    from deploy.cli import STORE_FAULT_INJECTION_ENV
     from deploy.local import LocalServer
 
     args = ["--model", "tiny", "--prefill", "1", "--decode", "1", "--remote-prefill-min-tokens", "0"]
-    with LocalServer(args, ARTIFACTS / "serve-pd.log") as server:
+    with mock.patch.dict(os.environ, {STORE_FAULT_INJECTION_ENV: "1"}):
+        server = LocalServer(args, ARTIFACTS / "serve-pd.log").start()
+    try:
         yield server
+    finally:
+        server.stop()

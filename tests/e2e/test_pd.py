@@ -1,14 +1,17 @@
-"""Prefill/decode disaggregation on real CPU engines: same tokens as one engine, KV really moved,
-a killed prefill costs no request."""
+"""Prefill/decode disaggregation on real CPU engines, KV handed over through the LMCache-backed
+store shard: same tokens as one engine, KV really moved (vLLM counts it), damaged chunks rejected,
+aborted streams strand no store memory, a killed prefill costs no request."""
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import time
 
 import httpx
 import pytest
 
+from kvstore.client import request_once
 from loadtest.faults import kill_engine
 from loadtest.scrape import scrape
 
@@ -60,6 +63,53 @@ def test_decode_counts_the_transferred_kv_as_external_prefix_hits(served_pd):
     assert hits >= prompt_tokens - 32  # all full blocks came from the prefill instance
     router = scrape(served_pd.url)
     assert router['pdcluster_router_prefills_total{where="remote"}'.split("{")[0]] > 0
+
+
+def store_shard(server) -> dict:
+    (shard,) = httpx.get(f"{server.url}/admin/store", timeout=10).json()["shards"]
+    return shard
+
+
+def test_damaged_chunks_are_rejected_by_checksum_and_recomputed(served, served_pd):
+    prompt = "Damaged in the store. " + LONG
+    generate(engine_url(served_pd, "prefill"), {"prompt": prompt}, max_tokens=1)  # stores its KV
+    before = store_shard(served_pd)
+    assert before["chunks"] > 0
+    damaged = request_once(before["endpoint"], {"op": "corrupt", "count": before["chunks"]}, 5.0)
+    assert damaged == {"damaged": before["chunks"]}
+    # Straight to the decode instance: its connector finds the prompt in the store and reads it.
+    got = generate(engine_url(served_pd, "decode"), {"prompt": prompt})
+    after = store_shard(served_pd)
+    assert after["rejected"] > before["rejected"]  # the checksum caught it, the shard dropped it
+    assert got == generate(served.url, {"prompt": prompt})  # vLLM recomputed: no damaged KV used
+
+
+async def test_aborted_streams_strand_no_store_memory(served_pd):
+    baseline = store_shard(served_pd)
+
+    async def one(client: httpx.AsyncClient, k: int) -> None:
+        body = {"model": "tiny", "prompt": f"Burst {k}. " + LONG[: 300 + 97 * k], "max_tokens": 48,
+                "temperature": 0, "stream": True}  # fmt: skip
+        async with client.stream("POST", f"{served_pd.url}/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            async for _ in response.aiter_lines():
+                if k % 2:  # every other client walks away after the first chunk
+                    break
+
+    async with httpx.AsyncClient(timeout=120) as client:
+        await asyncio.gather(*(one(client, k) for k in range(10)))
+    deadline = time.monotonic() + 15
+    while (now := store_shard(served_pd))["leases"] or now["reserved_bytes"]:
+        assert time.monotonic() < deadline, f"store memory still in flight: {now}"
+        await asyncio.sleep(0.5)
+    assert (
+        (now["leases"], now["reserved_bytes"]) == (baseline["leases"], baseline["reserved_bytes"]) == (0, 0)
+    )
+    assert now["chunks"] > baseline["chunks"]  # the burst's prompts were stored...
+    assert (
+        now["used_bytes"] - baseline["used_bytes"]
+        < (now["stored_bytes"] - baseline["stored_bytes"]) + (now["chunks"] - baseline["chunks"]) * 64 * 1024
+    )  # ...and hold no pages beyond their own (at most one partial page each)
 
 
 def test_a_killed_prefill_costs_no_request(served, served_pd):

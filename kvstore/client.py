@@ -1,0 +1,242 @@
+"""The client side of a store shard: batched put, get and contains of KV chunks.
+
+Control messages go over the shard's ZMQ socket, bounded by `timeout_s`; the bytes move
+one-sided over NIXL/UCX between a registered staging buffer of ours and the shard's arena (one
+transfer per batch). Every chunk carries an xxh3 checksum computed by the writer and checked by
+the reader: a chunk damaged in the store, a failed or timed-out transfer, an unreachable shard
+are each reported as a miss (`StoreUnavailable` for the whole call, None for a chunk), never as
+wrong KV.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+
+import msgpack
+import numpy as np
+import xxhash
+
+from engine.nixl_transfer import NixlTransferError, new_agent, transfer
+
+log = logging.getLogger(__name__)
+
+
+class StoreUnavailable(RuntimeError):
+    """The shard did not answer in time, or refused the request."""
+
+
+def checksum(data: np.ndarray) -> int:
+    return xxhash.xxh3_64_intdigest(memoryview(data))
+
+
+def request_once(endpoint: str, request: dict, timeout_s: float) -> dict:
+    """One control message to a shard, with no transfer agent (stats, fault injection)."""
+    import zmq
+
+    context = zmq.Context()
+    socket = context.socket(zmq.REQ)
+    socket.setsockopt(zmq.LINGER, 0)
+    try:
+        socket.connect(endpoint)
+        socket.send(msgpack.packb(request))
+        if not socket.poll(int(timeout_s * 1000)):
+            raise StoreUnavailable(f"store shard {endpoint} did not answer within {timeout_s} s")
+        return msgpack.unpackb(socket.recv())
+    finally:
+        socket.close(0)
+        context.term()
+
+
+class ShardClient:
+    def __init__(self, endpoint: str, timeout_s: float = 5.0, staging_bytes: int = 64 * 1024**2):
+        import zmq
+
+        self.endpoint = endpoint
+        self.timeout_s = timeout_s
+        self._zmq = zmq
+        self._context = zmq.Context()
+        self._socket = None
+        self._lock = threading.Lock()  # one request and one staging buffer at a time
+        self.staging = np.zeros(staging_bytes, dtype=np.uint8)
+        self.agent = new_agent("pdc-kv")
+        self._registration = self.agent.register_memory(
+            [(self.staging.ctypes.data, self.staging.nbytes, 0, "")], "DRAM"
+        )
+        self.peer = self.agent.add_remote_agent(self._call({"op": "hello"})["agent"])
+        self.rejected = 0  # chunks whose checksum did not match
+
+    def contains(self, keys: Sequence[str]) -> int:
+        with self._lock:
+            return self._call({"op": "contains", "keys": list(keys)})["count"]
+
+    def stats(self) -> dict:
+        with self._lock:
+            return self._call({"op": "stats"})
+
+    def put(self, keys: Sequence[str], payloads: Sequence[np.ndarray]) -> int:
+        """Store chunks (uint8 arrays); returns how many were written (keys already stored, or
+        that found no room, are skipped)."""
+        written = 0
+        with self._lock:
+            for batch in self._batches([p.nbytes for p in payloads]):
+                written += self._put_batch([keys[i] for i in batch], [payloads[i] for i in batch])
+        return written
+
+    def get(self, keys: Sequence[str]) -> list[np.ndarray]:
+        """The stored prefix of `keys`, each chunk verified; stops at the first miss or damaged
+        chunk (what follows it is useless to a prefix cache)."""
+        with self._lock:
+            reply = self._call({"op": "lease", "keys": list(keys)})
+            damaged: list[str] = []
+            try:
+                found, bad = self._read(reply["chunks"])
+                if bad:  # the shard drops it: the next writer stores it afresh
+                    damaged.append(keys[len(found)])
+                return found
+            finally:
+                self._call({"op": "release", "lease": reply["lease"], "damaged": damaged})
+
+    def close(self) -> None:
+        with self._lock:
+            self.agent.remove_remote_agent(self.peer)
+            self.agent.deregister_memory(self._registration)
+            if self._socket is not None:
+                self._socket.close(0)
+            self._context.term()
+
+    def _put_batch(self, keys: list[str], payloads: list[np.ndarray]) -> int:
+        sums = [checksum(p) for p in payloads]
+        reply = self._call({"op": "reserve", "keys": keys, "nbytes": [p.nbytes for p in payloads],
+                            "checksums": sums})  # fmt: skip
+        granted = [(k, p, e) for k, p, e in zip(keys, payloads, reply["extents"], strict=True) if e]
+        if not granted:
+            return 0
+        local, remote, offset = [], [], 0
+        for _, payload, extents in granted:
+            self.staging[offset : offset + payload.nbytes] = payload
+            local.append((self.staging.ctypes.data + offset, payload.nbytes))
+            remote.extend((address, length) for address, length in extents)
+            offset += payload.nbytes
+        names = [k for k, _, _ in granted]
+        try:
+            transfer(self.agent, "WRITE", local, remote, self.peer, self.timeout_s)
+        except NixlTransferError:
+            self._call({"op": "abort", "keys": names})
+            raise
+        return self._call({"op": "commit", "keys": names})["committed"]
+
+    def _read(self, chunks: list[dict]) -> tuple[list[np.ndarray], bool]:
+        """The leased chunks that arrived intact, up to the first damaged one; and whether one was."""
+        found: list[np.ndarray] = []
+        for batch in self._batches([c["nbytes"] for c in chunks]):
+            local, remote, offset = [], [], 0
+            for index in batch:
+                local.append((self.staging.ctypes.data + offset, chunks[index]["nbytes"]))
+                remote.extend((a, n) for a, n in chunks[index]["extents"])
+                offset += chunks[index]["nbytes"]
+            transfer(self.agent, "READ", local, remote, self.peer, self.timeout_s)
+            offset = 0
+            for index in batch:
+                data = self.staging[offset : offset + chunks[index]["nbytes"]]
+                offset += data.nbytes
+                if checksum(data) != chunks[index]["checksum"]:
+                    self.rejected += 1
+                    log.warning("a stored KV chunk failed its checksum: treated as a miss and dropped")
+                    return found, True
+                found.append(data.copy())
+        return found, False
+
+    def _batches(self, sizes: list[int]) -> list[list[int]]:
+        """Indices grouped so each group fits the staging buffer."""
+        groups: list[list[int]] = [[]]
+        used = 0
+        for index, size in enumerate(sizes):
+            if size > self.staging.nbytes:
+                raise ValueError(f"a {size}-byte chunk exceeds the {self.staging.nbytes}-byte staging buffer")
+            if used + size > self.staging.nbytes:
+                groups.append([])
+                used = 0
+            groups[-1].append(index)
+            used += size
+        return [g for g in groups if g]
+
+    def _call(self, request: dict) -> dict:
+        zmq = self._zmq
+        if self._socket is None:
+            self._socket = self._context.socket(zmq.REQ)
+            self._socket.setsockopt(zmq.LINGER, 0)
+            self._socket.connect(self.endpoint)
+        started = time.monotonic()
+        self._socket.send(msgpack.packb(request))
+        if not self._socket.poll(int(self.timeout_s * 1000)):
+            self._socket.close(0)  # a REQ socket that missed its reply cannot be reused
+            self._socket = None
+            raise StoreUnavailable(f"store shard {self.endpoint} did not answer {request['op']!r} "
+                                   f"within {self.timeout_s} s")  # fmt: skip
+        reply = msgpack.unpackb(self._socket.recv())
+        if "error" in reply:
+            raise StoreUnavailable(f"store shard refused {request['op']!r}: {reply['error']}")
+        log.debug("%s took %.2f ms", request["op"], (time.monotonic() - started) * 1e3)
+        return reply
+
+
+class ShardedStore:
+    """All shards of the store as one: each key lives on the shard it hashes highest with
+    (rendezvous hashing, so adding a shard moves only its share of the keys). Prefix semantics
+    as in ShardClient: a lookup or read stops at the first key that is missing."""
+
+    def __init__(self, endpoints: Sequence[str], timeout_s: float = 5.0, staging_bytes: int = 64 * 1024**2):
+        if not endpoints:
+            raise ValueError("a store needs at least one shard")
+        self.shards = {e: ShardClient(e, timeout_s, staging_bytes) for e in endpoints}
+
+    @property
+    def rejected(self) -> int:
+        return sum(c.rejected for c in self.shards.values())
+
+    def owner(self, key: str) -> ShardClient:
+        return self.shards[max(self.shards, key=lambda e: xxhash.xxh3_64_intdigest(f"{e}|{key}".encode()))]
+
+    def contains(self, keys: Sequence[str]) -> int:
+        count = 0
+        for shard, run in self._runs(keys):
+            found = shard.contains(run)
+            count += found
+            if found < len(run):
+                break
+        return count
+
+    def get(self, keys: Sequence[str]) -> list[np.ndarray]:
+        found: list[np.ndarray] = []
+        for shard, run in self._runs(keys):
+            got = shard.get(run)
+            found.extend(got)
+            if len(got) < len(run):
+                break
+        return found
+
+    def put(self, keys: Sequence[str], payloads: Sequence[np.ndarray]) -> int:
+        by_shard: dict[str, tuple[list[str], list[np.ndarray]]] = {}
+        for key, payload in zip(keys, payloads, strict=True):
+            mine = by_shard.setdefault(self.owner(key).endpoint, ([], []))
+            mine[0].append(key)
+            mine[1].append(payload)
+        return sum(self.shards[e].put(k, p) for e, (k, p) in by_shard.items())
+
+    def close(self) -> None:
+        for shard in self.shards.values():
+            shard.close()
+
+    def _runs(self, keys: Sequence[str]) -> list[tuple[ShardClient, list[str]]]:
+        """Consecutive keys grouped by owning shard, in order."""
+        runs: list[tuple[ShardClient, list[str]]] = []
+        for key in keys:
+            shard = self.owner(key)
+            if runs and runs[-1][0] is shard:
+                runs[-1][1].append(key)
+            else:
+                runs.append((shard, [key]))
+        return runs

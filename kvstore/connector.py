@@ -1,0 +1,211 @@
+"""`StoreConnector`: vLLM's KV connector onto the LMCache-backed store.
+
+Loaded by vLLM with `kv_connector: StoreConnector`, `kv_connector_module_path:
+kvstore.connector` (engine/host.py sets it). vLLM builds it twice:
+- scheduler half: asks the store (through a lookup-only LMCache engine) how much of a new
+  prompt it holds, tells vLLM to count those tokens as external prefix-cache hits, and plans each
+  step's loads and saves as `StorePlan` metadata;
+- worker half: before the forward pass loads the planned chunks into the request's KV blocks;
+  after it stores the prompts whose KV this step completed, and waits until the store has them,
+  so a prefill's answer means its KV is in the store.
+
+Only whole blocks move, up to `usable_tokens` of a prompt: vLLM recomputes the last token, and a
+stored chunk must end where a later reader's lookup will. A load that comes back short (a chunk
+evicted, damaged or unreachable since the lookup) reports its blocks to vLLM, which recomputes
+them (`kv_load_failure_policy: recompute`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvstore.lmcache_engine import KVLayout, StoreSettings, build_engine
+from kvstore.lmcache_plugin import flush_all
+from kvstore.paged_cpu import PagedBlockConnector
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+
+def usable_tokens(prompt_len: int, block_size: int) -> int:
+    """Prompt tokens whose KV may come from the store: whole blocks, never the last token."""
+    return max(0, (prompt_len - 1) // block_size * block_size)
+
+
+@dataclasses.dataclass
+class BlockTransfer:
+    request_id: str
+    token_ids: list[int]  # the prefix that moves
+    block_ids: list[int]  # the request's blocks, from its first token
+    skip_tokens: int = 0  # a load leaves the blocks vLLM already computed alone
+
+
+@dataclasses.dataclass
+class StorePlan(KVConnectorMetadata):
+    loads: list[BlockTransfer] = dataclasses.field(default_factory=list)
+    saves: list[BlockTransfer] = dataclasses.field(default_factory=list)
+
+
+class StoreConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        transfer = self._kv_transfer_config
+        self._settings = StoreSettings.from_extra(transfer.kv_connector_extra_config or {})
+        self._block_size = vllm_config.cache_config.block_size
+        if self._settings.chunk_tokens % self._block_size:
+            raise ValueError(f"store chunks of {self._settings.chunk_tokens} tokens are not whole "
+                             f"blocks of {self._block_size}")  # fmt: skip
+        self._saves = transfer.is_kv_producer
+        self._loads = transfer.is_kv_consumer
+        model = vllm_config.model_config
+        self._model = model.served_model_name if isinstance(model.served_model_name, str) else model.model
+        self._model_config = model
+        self._engine = None
+        # scheduler state
+        self._planned_loads: dict[str, tuple[int, int]] = {}  # request -> (tokens after load, computed here)
+        self._blocks: dict[str, list[int]] = {}
+        self._prompts: dict[str, list[int]] = {}
+        self._saved: dict[str, int] = {}  # request -> prompt tokens stored
+        # worker state
+        self._kv_caches: list[torch.Tensor] = []
+        self._failed_blocks: set[int] = set()
+
+    # --- scheduler half ----------------------------------------------------------------------
+    def _lookup_engine(self):
+        if self._engine is None:
+            self._engine = build_engine(self._settings, self._layout(block_shape=()), self._model, None)
+        return self._engine
+
+    def _layout(self, block_shape: tuple[int, ...]) -> KVLayout:
+        config = self._model_config.hf_text_config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        dtype = self._model_config.dtype
+        if not block_shape:  # the scheduler never sees a KV tensor: the shape vLLM gives one layer
+            block_shape = (config.num_key_value_heads, self._block_size, 2 * head_dim)
+        return KVLayout(config.num_hidden_layers, config.num_key_value_heads, head_dim, dtype, block_shape)
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        if not self._loads:
+            return 0, False
+        prompt = list(request.prompt_token_ids or [])
+        usable = usable_tokens(len(prompt), self._block_size)
+        if usable <= num_computed_tokens:
+            return 0, False
+        held = self._lookup_engine().lookup(prompt[:usable]) // self._block_size * self._block_size
+        if held <= num_computed_tokens:
+            return 0, False
+        self._planned_loads[request.request_id] = (held, num_computed_tokens)
+        return held - num_computed_tokens, False
+
+    def update_state_after_alloc(self, request: Request, blocks, num_external_tokens: int) -> None:
+        if num_external_tokens == 0:
+            self._planned_loads.pop(request.request_id, None)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> StorePlan:
+        plan = StorePlan()
+        for new in scheduler_output.scheduled_new_reqs:
+            self._blocks[new.req_id] = list(new.block_ids[0])
+            self._prompts[new.req_id] = list(new.prompt_token_ids or [])
+            held, computed_here = self._planned_loads.pop(new.req_id, (0, 0))
+            if held:
+                plan.loads.append(BlockTransfer(new.req_id, self._prompts[new.req_id][:held],
+                                                self._blocks[new.req_id], computed_here))  # fmt: skip
+            self._plan_save(plan, new.req_id, new.num_computed_tokens, scheduler_output)
+        cached = scheduler_output.scheduled_cached_reqs
+        for index, req_id in enumerate(cached.req_ids):
+            new_blocks = cached.new_block_ids[index]
+            if req_id in self._blocks and new_blocks is not None:
+                self._blocks[req_id].extend(new_blocks[0])
+            self._plan_save(plan, req_id, cached.num_computed_tokens[index], scheduler_output)
+        return plan
+
+    def _plan_save(self, plan: StorePlan, req_id: str, computed: int, scheduler_output) -> None:
+        """Save a prompt in the step that completes its usable part (chunked prefill may take
+        several steps)."""
+        if not self._saves or req_id in self._saved or req_id not in self._prompts:
+            return
+        usable = usable_tokens(len(self._prompts[req_id]), self._block_size)
+        if usable and computed + scheduler_output.num_scheduled_tokens.get(req_id, 0) >= usable:
+            plan.saves.append(BlockTransfer(req_id, self._prompts[req_id][:usable], self._blocks[req_id]))
+            self._saved[req_id] = usable
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """The router passes these params to the decode instance; it finds the KV by lookup."""
+        for state in (self._blocks, self._prompts, self._planned_loads):
+            state.pop(request.request_id, None)
+        stored = self._saved.pop(request.request_id, 0)
+        return False, ({"kv_in_store": True, "stored_tokens": stored} if stored else None)
+
+    # --- worker half -------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        caches = list(kv_caches.values())
+        layout = self._layout(block_shape=tuple(caches[0].shape[1:]))
+        if caches[0].is_cuda:  # LMCache's own vLLM connector copies by slot on GPUs
+            from lmcache.integration.vllm.utils import vllm_layout_hints
+            from lmcache.utils import EngineType
+            from lmcache.v1.gpu_connector import CreateGPUConnector
+
+            def copier(config, metadata):
+                return CreateGPUConnector(
+                    config, metadata, EngineType.VLLM, vllm_layout_hints(self._vllm_config)
+                )
+        else:
+            blocks = PagedBlockConnector(
+                layout.num_layers, self._block_size, layout.kv_heads * layout.head_dim
+            )
+            blocks.bind(caches)
+
+            def copier(config, metadata):
+                return blocks
+
+        self._engine = build_engine(self._settings, layout, self._model, copier)
+        self._kv_caches = caches
+        log.info("store connector: %d layers, block %s, store shards %s", len(caches), tuple(caches[0].shape[1:]),
+                 self._settings.endpoints)  # fmt: skip
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        plan = self._get_connector_metadata()
+        for load in plan.loads:
+            slots = self._slots(load.block_ids, len(load.token_ids))
+            got = int(self._engine.retrieve(load.token_ids, slot_mapping=slots, kvcaches=self._kv_caches,
+                                            skip_tokens=load.skip_tokens).sum())  # fmt: skip
+            if got < len(load.token_ids):
+                first_missing = max(got, load.skip_tokens) // self._block_size
+                last = len(load.token_ids) // self._block_size
+                self._failed_blocks.update(load.block_ids[first_missing:last])
+                log.warning("request %s: %d of %d tokens came from the store; vLLM recomputes the rest",
+                            load.request_id, got, len(load.token_ids))  # fmt: skip
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
+        return None  # whole prompts are saved once the step's forward pass is done
+
+    def wait_for_save(self) -> None:
+        plan = self._get_connector_metadata()
+        for save in plan.saves:
+            self._engine.store(save.token_ids, slot_mapping=self._slots(save.block_ids, len(save.token_ids)),
+                               kvcaches=self._kv_caches)  # fmt: skip
+        if plan.saves and not flush_all(self._settings.timeout_s):
+            log.warning("the store did not confirm this step's KV within %.1f s", self._settings.timeout_s)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self._failed_blocks = self._failed_blocks, set()
+        return failed
+
+    def _slots(self, block_ids: list[int], tokens: int) -> torch.Tensor:
+        blocks = torch.tensor(block_ids[: -(-tokens // self._block_size)], dtype=torch.long)
+        return (blocks[:, None] * self._block_size + torch.arange(self._block_size)).reshape(-1)[:tokens]

@@ -1,0 +1,92 @@
+"""LMCache engines for the two halves of the KV connector, configured in one place.
+
+Both halves key chunks the same way: LMCache's chunk hashes over the token ids (sha256_cbor, so
+no process's random hash seed matters), prefixed by a model tag that also names the KV layout
+(block shape, dtype, CPU ISA): a chunk is only ever loaded by an engine that lays KV out the way
+its writer did. The worker half copies blocks with `PagedBlockConnector` on the CPU build and
+LMCache's own vLLM GPU connector on CUDA; the scheduler half only looks up (no KV memory).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from collections.abc import Callable
+
+import torch
+from lmcache.v1.cache_engine import LMCacheEngine, LMCacheEngineBuilder
+from lmcache.v1.config import LMCacheEngineConfig
+from lmcache.v1.metadata import LMCacheMetadata
+
+from kvstore.lmcache_plugin import PLUGIN_NAME
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreSettings:
+    """What `kv_connector_extra_config` carries (set by engine/host.py)."""
+
+    endpoints: tuple[str, ...]  # the store's shards (ZMQ control sockets)
+    timeout_s: float = 5.0
+    chunk_tokens: int = 256
+    transfer_buffer_gib: float = 0.25  # LMCache's per-engine memory for chunks in flight
+
+    @classmethod
+    def from_extra(cls, extra: dict) -> StoreSettings:
+        if not extra.get("endpoints"):
+            raise ValueError("kv_connector_extra_config needs the store shards' 'endpoints'")
+        return cls(endpoints=tuple(extra["endpoints"]), timeout_s=float(extra.get("timeout_s", cls.timeout_s)),
+                   chunk_tokens=int(extra.get("chunk_tokens", cls.chunk_tokens)),
+                   transfer_buffer_gib=float(extra.get("transfer_buffer_gib", cls.transfer_buffer_gib)))  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class KVLayout:
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    block_shape: tuple[int, ...]  # one layer's block, as vLLM allocates it
+
+    def tag(self, model: str) -> str:
+        isa = torch.backends.cpu.get_cpu_capability() if not torch.cuda.is_available() else "cuda"
+        shape = "x".join(map(str, self.block_shape))
+        return f"{model.replace('@', '_')}|{str(self.dtype).removeprefix('torch.')}|{shape}|{isa}"
+
+
+def build_engine(
+    settings: StoreSettings,
+    layout: KVLayout,
+    model: str,
+    gpu_connector: Callable[[LMCacheEngineConfig, LMCacheMetadata], object] | None,
+) -> LMCacheEngine:
+    """A worker's engine, whose `gpu_connector(config, metadata)` builds the KV copier, or without
+    one the scheduler's lookup-only engine (LMCache's own scheduler role builds no storage, so it
+    too is a worker to LMCache, with a token-sized buffer)."""
+    config = LMCacheEngineConfig.from_dict({
+        "chunk_size": settings.chunk_tokens,
+        "local_cpu": False,  # the store shard is the host-memory tier
+        "max_local_cpu_size": settings.transfer_buffer_gib if gpu_connector else 0.01,
+        "save_unfull_chunk": True,
+        "pre_caching_hash_algorithm": "sha256_cbor",
+        "blocking_timeout_secs": max(1, int(settings.timeout_s)),
+        "remote_storage_plugins": [PLUGIN_NAME],
+        "extra_config": {
+            f"remote_storage_plugin.{PLUGIN_NAME}.module_path": "kvstore.lmcache_plugin",
+            f"remote_storage_plugin.{PLUGIN_NAME}.class_name": "ShardConnectorAdapter",
+            "pdc_store.endpoints": list(settings.endpoints),
+            "pdc_store.timeout_s": settings.timeout_s,
+            "save_chunk_meta": False,
+        },
+    })  # fmt: skip
+    metadata = LMCacheMetadata(
+        model_name=layout.tag(model), world_size=1, local_world_size=1, worker_id=0, local_worker_id=0,
+        kv_dtype=layout.dtype, kv_shape=(layout.num_layers, 2, settings.chunk_tokens, layout.kv_heads,
+                                         layout.head_dim),
+        role="worker", chunk_size=settings.chunk_tokens,
+    )  # fmt: skip
+    engine = LMCacheEngineBuilder.get_or_create(
+        f"pdc-{uuid.uuid4().hex[:8]}", config, metadata, gpu_connector(config, metadata) if gpu_connector else None,
+        lambda tensor, src: tensor, lambda obj, src: obj,
+    )  # fmt: skip
+    engine.post_init()
+    return engine

@@ -1,0 +1,145 @@
+"""The store shards as an LMCache remote storage plugin.
+
+LMCache loads `ShardConnectorAdapter` from `extra_config` (`remote_storage_plugin.pdc_store.*`,
+set by kvstore/lmcache_engine.py) and asks it for a `RemoteConnector`; LMCache keeps doing the
+chunking, the prefix hashing, the lookups and its local CPU tier, and calls this connector for
+the remote tier. Every failure of the store is a miss for LMCache (its own contract: a remote
+that cannot answer returns None), counted in `misses_from_errors`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+
+import numpy as np
+from lmcache.v1.storage_backend.connector import ConnectorAdapter, ConnectorContext
+from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
+
+from engine.nixl_transfer import NixlTransferError
+from kvstore.client import ShardedStore, StoreUnavailable
+
+log = logging.getLogger(__name__)
+PLUGIN_NAME = "pdc_store"
+_STORE_ERRORS = (StoreUnavailable, NixlTransferError)
+
+
+class ShardConnectorAdapter(ConnectorAdapter):
+    def __init__(self) -> None:
+        super().__init__(f"plugin://{PLUGIN_NAME}")
+
+    def create_connector(self, context: ConnectorContext) -> RemoteConnector:
+        return ShardRemoteConnector(context)
+
+
+class ShardRemoteConnector(RemoteConnector):
+    """LMCache's remote tier on a store shard. Puts run on LMCache's event loop; `flush` lets the
+    KV connector wait for them before it reports a prefill's KV as ready."""
+
+    live: list[ShardRemoteConnector] = []  # this process's connectors, for `flush_all`
+
+    def __init__(self, context: ConnectorContext):
+        super().__init__(context.config, context.metadata)
+        extra = context.config.extra_config or {}
+        self.loop = context.loop
+        self.local_cpu_backend = context.local_cpu_backend
+        self.client = ShardedStore(
+            extra["pdc_store.endpoints"], timeout_s=float(extra.get("pdc_store.timeout_s", 5.0))
+        )
+        self.misses_from_errors = 0
+        self._pending = 0
+        self._idle = threading.Condition()
+        ShardRemoteConnector.live.append(self)
+
+    # --- lookups ---------------------------------------------------------------------------
+    async def exists(self, key) -> bool:
+        return await asyncio.to_thread(self.exists_sync, key)
+
+    def exists_sync(self, key) -> bool:
+        return self.batched_contains([key]) == 1
+
+    def support_batched_contains(self) -> bool:
+        return True
+
+    def batched_contains(self, keys) -> int:
+        try:
+            return self.client.contains([k.to_string() for k in keys])
+        except _STORE_ERRORS as exc:
+            self.misses_from_errors += 1
+            log.warning("store lookup failed, treated as a miss: %s", exc)
+            return 0
+
+    async def batched_async_contains(self, lookup_id: str, keys, pin: bool = False) -> int:
+        return await asyncio.to_thread(self.batched_contains, keys)
+
+    # --- reads -----------------------------------------------------------------------------
+    async def get(self, key):
+        return (await self.batched_get([key]))[0]
+
+    def support_batched_get(self) -> bool:
+        return True
+
+    async def batched_get(self, keys):
+        try:
+            payloads = await asyncio.to_thread(self.client.get, [k.to_string() for k in keys])
+        except _STORE_ERRORS as exc:
+            self.misses_from_errors += 1
+            log.warning("store read failed, treated as a miss: %s", exc)
+            payloads = []
+        objects = [self._memory_object(p) for p in payloads]
+        return objects + [None] * (len(keys) - len(objects))
+
+    def _memory_object(self, payload: np.ndarray):
+        obj = self.local_cpu_backend.allocate(self.meta_shapes, self.meta_dtypes, self.meta_fmt)
+        if obj is None:
+            return None
+        np.frombuffer(obj.byte_array, dtype=np.uint8)[: payload.nbytes] = payload
+        return self.reshape_partial_chunk(obj, payload.nbytes)
+
+    # --- writes ----------------------------------------------------------------------------
+    async def put(self, key, memory_obj) -> None:
+        await self.batched_put([key], [memory_obj])
+
+    def support_batched_put(self) -> bool:
+        return True
+
+    async def batched_put(self, keys, memory_objs) -> None:
+        with self._idle:
+            self._pending += 1
+        try:
+            payloads = [np.frombuffer(o.byte_array, dtype=np.uint8) for o in memory_objs]
+            await asyncio.to_thread(self.client.put, [k.to_string() for k in keys], payloads)
+        except _STORE_ERRORS as exc:
+            log.warning("store write failed; the chunks stay uncached: %s", exc)
+        finally:
+            with self._idle:
+                self._pending -= 1
+                self._idle.notify_all()
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait until no put is in flight; False if `timeout_s` passed first. Puts are started on
+        LMCache's loop in submission order: once a no-op queued now has run, every put submitted
+        before it has registered itself as pending."""
+
+        async def barrier() -> None:
+            return None
+
+        try:
+            asyncio.run_coroutine_threadsafe(barrier(), self.loop).result(timeout_s)
+        except TimeoutError:
+            return False
+        with self._idle:
+            return self._idle.wait_for(lambda: self._pending == 0, timeout=timeout_s)
+
+    async def list(self):
+        return []
+
+    async def close(self) -> None:
+        if self in ShardRemoteConnector.live:
+            ShardRemoteConnector.live.remove(self)
+        self.client.close()
+
+
+def flush_all(timeout_s: float) -> bool:
+    return all(connector.flush(timeout_s) for connector in list(ShardRemoteConnector.live))

@@ -1,0 +1,295 @@
+"""A store shard: KV chunks in one registered host-memory arena, one shard per node.
+
+`ChunkStore` is the bookkeeping (pages of the arena, LRU over stored chunks, leases that pin
+chunks while a reader copies them, reservations that hold pages while a writer fills them; both
+expire, so a client that dies strands nothing). `ShardServer` owns the arena, registers it with
+a NIXL agent so clients read and write it one-sided over UCX (RDMA on clusters, TCP or shared
+memory here), and answers the small control messages (reserve, commit, lease, release,
+contains, stats) on a ZMQ socket. `StoreShardActor` is the Ray actor that owns a server:
+placement, lifetime and the handle the launcher and tests hold.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import threading
+import time
+from collections.abc import Sequence
+
+import msgpack
+import numpy as np
+
+from engine.nixl_transfer import Extent, new_agent
+
+PAGE_BYTES = 64 * 1024
+
+
+@dataclasses.dataclass
+class _Chunk:
+    nbytes: int
+    checksum: int
+    pages: list[int]
+    committed: bool = False
+    readers: int = 0
+    reserved_until: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardStats:
+    capacity_bytes: int
+    used_bytes: int  # pages held by stored or reserved chunks
+    stored_bytes: int  # payload of committed chunks
+    reserved_bytes: int  # pages held by writes in flight
+    chunks: int
+    leases: int
+    evictions: int
+    expired: int
+    rejected: int  # chunks a reader found damaged (checksum), dropped
+
+
+class ChunkStore:
+    """Pages of an arena of `capacity_bytes`, handed out per chunk (a chunk's pages need not be
+    contiguous: NIXL transfers lists of extents). Not thread-safe: the server serialises calls."""
+
+    def __init__(self, capacity_bytes: int, page_bytes: int = PAGE_BYTES):
+        self.page_bytes = page_bytes
+        self.capacity_bytes = capacity_bytes // page_bytes * page_bytes
+        self._free = list(range(self.capacity_bytes // page_bytes))
+        self._chunks: collections.OrderedDict[str, _Chunk] = collections.OrderedDict()  # LRU first
+        self._leases: dict[int, tuple[list[str], float]] = {}
+        self._lease_ids = itertools.count(1)
+        self.evictions = self.expired = self.rejected = 0
+
+    def reserve(self, key: str, nbytes: int, checksum: int, now: float, ttl_s: float) -> list[Extent] | None:
+        """Pages for a chunk a client is about to write, as (offset, length) extents; None when
+        the key is already stored or being written, or no unleased chunk is left to evict."""
+        if key in self._chunks:
+            return None
+        pages_needed = max(1, -(-nbytes // self.page_bytes))
+        while len(self._free) < pages_needed and self._evict_one():
+            pass
+        if len(self._free) < pages_needed:
+            return None
+        pages = [self._free.pop() for _ in range(pages_needed)]
+        self._chunks[key] = _Chunk(nbytes, checksum, pages, reserved_until=now + ttl_s)
+        return self.extents(key)
+
+    def commit(self, key: str) -> bool:
+        chunk = self._chunks.get(key)
+        if chunk is None or chunk.committed:
+            return False
+        chunk.committed = True
+        self._chunks.move_to_end(key)
+        return True
+
+    def abort(self, key: str) -> None:
+        chunk = self._chunks.get(key)
+        if chunk is not None and not chunk.committed:
+            self._drop(key)
+
+    def contains(self, keys: Sequence[str]) -> int:
+        """How many of `keys`, from the first, are stored."""
+        count = 0
+        for key in keys:
+            chunk = self._chunks.get(key)
+            if chunk is None or not chunk.committed:
+                break
+            count += 1
+        return count
+
+    def lease(self, keys: Sequence[str], now: float, ttl_s: float) -> tuple[int, list[dict]]:
+        """Pin the stored prefix of `keys` for a reader until `release` (or the lease expires)."""
+        granted = [key for key in keys[: self.contains(keys)]]
+        lease_id = next(self._lease_ids)
+        for key in granted:
+            self._chunks[key].readers += 1
+            self._chunks.move_to_end(key)
+        self._leases[lease_id] = (granted, now + ttl_s)
+        chunks = [{"nbytes": self._chunks[k].nbytes, "checksum": self._chunks[k].checksum,
+                   "extents": self.extents(k)} for k in granted]  # fmt: skip
+        return lease_id, chunks
+
+    def release(self, lease_id: int) -> None:
+        keys, _ = self._leases.pop(lease_id, ([], 0.0))
+        for key in keys:
+            if key in self._chunks:
+                self._chunks[key].readers -= 1
+
+    def reject(self, key: str) -> None:
+        """A reader found the chunk damaged: drop it (once no one else reads it) so that the next
+        writer stores it afresh."""
+        chunk = self._chunks.get(key)
+        if chunk is not None and chunk.committed and chunk.readers == 0:
+            self._drop(key)
+            self.rejected += 1
+
+    def expire(self, now: float) -> None:
+        """Drop writes and leases whose client vanished before finishing."""
+        for lease_id in [i for i, (_, until) in self._leases.items() if until < now]:
+            self.release(lease_id)
+            self.expired += 1
+        for key in [k for k, c in self._chunks.items() if not c.committed and c.reserved_until < now]:
+            self._drop(key)
+            self.expired += 1
+
+    def corrupt(self, arena: np.ndarray, count: int) -> int:
+        """Fault injection for tests: flip one byte in each of the first `count` stored chunks."""
+        damaged = 0
+        for chunk in itertools.islice((c for c in self._chunks.values() if c.committed), count):
+            arena[chunk.pages[0] * self.page_bytes] ^= 0xFF
+            damaged += 1
+        return damaged
+
+    def extents(self, key: str) -> list[Extent]:
+        chunk = self._chunks[key]
+        left, extents = chunk.nbytes, []
+        for page in chunk.pages:
+            length = min(self.page_bytes, left)
+            if extents and extents[-1][0] + extents[-1][1] == page * self.page_bytes:
+                extents[-1] = (extents[-1][0], extents[-1][1] + length)
+            else:
+                extents.append((page * self.page_bytes, length))
+            left -= length
+        return extents
+
+    def stats(self) -> ShardStats:
+        held = sum(len(c.pages) for c in self._chunks.values())
+        reserved = sum(len(c.pages) for c in self._chunks.values() if not c.committed)
+        return ShardStats(
+            capacity_bytes=self.capacity_bytes,
+            used_bytes=held * self.page_bytes,
+            stored_bytes=sum(c.nbytes for c in self._chunks.values() if c.committed),
+            reserved_bytes=reserved * self.page_bytes,
+            chunks=sum(1 for c in self._chunks.values() if c.committed),
+            leases=len(self._leases),
+            evictions=self.evictions,
+            expired=self.expired,
+            rejected=self.rejected,
+        )
+
+    def _evict_one(self) -> bool:
+        victim = next((k for k, c in self._chunks.items() if c.committed and c.readers == 0), None)
+        if victim is None:
+            return False
+        self._drop(victim)
+        self.evictions += 1
+        return True
+
+    def _drop(self, key: str) -> None:
+        self._free.extend(self._chunks.pop(key).pages)
+
+
+class ShardServer:
+    """The arena, its NIXL registration and the control socket, served on a thread."""
+
+    def __init__(self, capacity_bytes: int, host: str = "127.0.0.1", ttl_s: float = 30.0,
+                 page_bytes: int = PAGE_BYTES, fault_injection: bool = False):  # fmt: skip
+        import zmq
+
+        self.fault_injection = fault_injection  # tests only: honours the "corrupt" op
+        self.store = ChunkStore(capacity_bytes, page_bytes)
+        self.ttl_s = ttl_s
+        self.arena = np.zeros(self.store.capacity_bytes, dtype=np.uint8)  # touched now, not mid-request
+        self.base = self.arena.ctypes.data
+        self.agent = new_agent("pdc-store")
+        self._registration = self.agent.register_memory([(self.base, self.arena.nbytes, 0, "")], "DRAM")
+        self._context = zmq.Context()
+        self._socket = self._context.socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        port = self._socket.bind_to_random_port(f"tcp://{host}")
+        self.endpoint = f"tcp://{host}:{port}"
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="pdc-store-shard", daemon=True)
+        self._thread.start()
+
+    def handle(self, request: dict) -> dict:
+        now = time.monotonic()
+        with self._lock:
+            self.store.expire(now)
+            op = request["op"]
+            if op == "hello":
+                return {"agent": self.agent.get_agent_metadata(), "page_bytes": self.store.page_bytes}
+            if op == "reserve":
+                granted = [self.store.reserve(k, n, c, now, self.ttl_s)
+                           for k, n, c in zip(request["keys"], request["nbytes"], request["checksums"],
+                                              strict=True)]  # fmt: skip
+                return {"extents": [self._absolute(e) if e else None for e in granted]}
+            if op == "commit":
+                return {"committed": sum(self.store.commit(k) for k in request["keys"])}
+            if op == "abort":
+                for key in request["keys"]:
+                    self.store.abort(key)
+                return {}
+            if op == "contains":
+                return {"count": self.store.contains(request["keys"])}
+            if op == "lease":
+                lease_id, chunks = self.store.lease(request["keys"], now, self.ttl_s)
+                for chunk in chunks:
+                    chunk["extents"] = self._absolute(chunk["extents"])
+                return {"lease": lease_id, "chunks": chunks}
+            if op == "release":
+                self.store.release(request["lease"])
+                for key in request.get("damaged", ()):
+                    self.store.reject(key)
+                return {}
+            if op == "stats":
+                return dataclasses.asdict(self.store.stats())
+            if op == "corrupt" and self.fault_injection:
+                return {"damaged": self.store.corrupt(self.arena, request["count"])}
+            return {"error": f"unknown op {op!r}"}
+
+    def stats(self) -> ShardStats:
+        with self._lock:
+            self.store.expire(time.monotonic())
+            return self.store.stats()
+
+    def corrupt(self, count: int) -> int:
+        with self._lock:
+            return self.store.corrupt(self.arena, count)
+
+    def close(self) -> None:
+        self._stopped.set()
+        self._thread.join(timeout=5)
+        self._socket.close(0)
+        self._context.term()
+        self.agent.deregister_memory(self._registration)
+
+    def _absolute(self, extents: list[Extent]) -> list[Extent]:
+        return [(self.base + offset, length) for offset, length in extents]
+
+    def _serve(self) -> None:
+        import zmq
+
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        while not self._stopped.is_set():
+            if not poller.poll(200):
+                continue
+            identity, _, payload = self._socket.recv_multipart()
+            try:
+                reply = self.handle(msgpack.unpackb(payload))
+            except Exception as exc:  # a malformed request must not stop the shard
+                reply = {"error": f"{type(exc).__name__}: {exc}"}
+            self._socket.send_multipart([identity, b"", msgpack.packb(reply)])
+
+
+class StoreShardActor:
+    """Ray actor body (deploy/launcher.py wraps it with `ray.remote`): one shard on this node,
+    owned by this actor, serving on the node's address."""
+
+    def __init__(self, capacity_bytes: int, ttl_s: float = 30.0, fault_injection: bool = False):
+        from engine.host import node_address
+
+        self.server = ShardServer(capacity_bytes, node_address(), ttl_s, fault_injection=fault_injection)
+
+    def endpoint(self) -> str:
+        return self.server.endpoint
+
+    def stats(self) -> dict:
+        return dataclasses.asdict(self.server.stats())
+
+    def close(self) -> None:
+        self.server.close()

@@ -1,0 +1,104 @@
+"""The store shard's bookkeeping (pages, LRU, leases, expiry) and a real round trip through its
+control socket and NIXL/UCX on loopback."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvstore.client import ShardClient
+from kvstore.shard import ChunkStore, ShardServer
+
+PAGE = 1024
+
+
+def test_lru_evicts_the_oldest_unleased_chunk_and_never_a_leased_one():
+    store = ChunkStore(4 * PAGE, PAGE)
+    for key in "abcd":
+        assert store.reserve(key, PAGE, 0, now=0, ttl_s=10) is not None
+        assert store.commit(key)
+    lease, chunks = store.lease(["a"], now=0, ttl_s=10)  # a is read: pinned and most recent
+    assert len(chunks) == 1
+    assert store.reserve("e", 2 * PAGE, 0, now=0, ttl_s=10) is not None  # evicts b and c
+    assert store.commit("e")
+    assert [store.contains([k]) for k in "abcde"] == [1, 0, 0, 1, 1]
+    assert store.reserve("f", 4 * PAGE, 0, now=0, ttl_s=10) is None  # a is leased: no room
+    store.release(lease)
+    assert store.reserve("f", 4 * PAGE, 0, now=0, ttl_s=10) is not None
+
+
+def test_a_vanished_writer_or_reader_strands_nothing():
+    store = ChunkStore(8 * PAGE, PAGE)
+    baseline = store.stats()
+    store.reserve("written", 3 * PAGE, 0, now=0, ttl_s=5)
+    store.commit("written")
+    store.reserve("never-committed", 2 * PAGE + 1, 0, now=0, ttl_s=5)
+    store.lease(["written"], now=0, ttl_s=5)  # a reader that never releases
+    assert store.stats().reserved_bytes == 3 * PAGE and store.stats().leases == 1
+    store.expire(now=6)
+    after = store.stats()
+    assert (after.reserved_bytes, after.leases, after.chunks) == (0, 0, 1)
+    assert after.used_bytes == baseline.used_bytes + 3 * PAGE  # only the stored chunk's pages
+    assert store.reserve("big", 5 * PAGE, 0, now=7, ttl_s=5) is not None  # all other pages are free
+
+
+def test_contains_counts_the_stored_prefix_only():
+    store = ChunkStore(8 * PAGE, PAGE)
+    for key in ["k0", "k1", "k3"]:
+        store.reserve(key, 10, 0, now=0, ttl_s=5)
+        store.commit(key)
+    store.reserve("k2", 10, 0, now=0, ttl_s=5)  # reserved, not committed
+    assert store.contains(["k0", "k1", "k2", "k3"]) == 2
+
+
+@pytest.fixture(scope="module")
+def shard():
+    server = ShardServer(8 * 1024**2, ttl_s=5.0, page_bytes=64 * 1024)
+    yield server
+    server.close()
+
+
+def test_chunks_round_trip_through_nixl_bit_identical_and_damage_is_a_miss(shard):
+    client = ShardClient(shard.endpoint, timeout_s=5.0, staging_bytes=1024**2)
+    try:
+        rng = np.random.default_rng(0)
+        payloads = [rng.integers(0, 256, size, dtype=np.uint8) for size in (300_000, 200_000, 1000, 700_000)]
+        keys = [f"chunk{i}" for i in range(len(payloads))]  # staging holds 1 MiB: two transfers
+        assert client.put(keys, payloads) == 4
+        assert client.put(keys[:1], payloads[:1]) == 0  # already stored
+        assert client.contains(keys + ["missing"]) == 4
+        got = client.get(keys + ["missing"])
+        assert [g.tobytes() for g in got] == [p.tobytes() for p in payloads]
+        assert shard.corrupt(1) == 1  # the first stored chunk
+        assert client.get(keys) == [] and client.rejected == 1
+        stats = shard.stats()  # the damaged chunk is dropped, so a writer can store it afresh
+        assert (stats.leases, stats.reserved_bytes, stats.chunks, stats.rejected) == (0, 0, 3, 1)
+        assert client.put(keys[:1], payloads[:1]) == 1
+        assert [g.tobytes() for g in client.get(keys)] == [p.tobytes() for p in payloads]
+    finally:
+        client.close()
+
+
+def test_an_unreachable_shard_is_a_clean_error_within_the_timeout():
+    from kvstore.client import StoreUnavailable
+
+    with pytest.raises(StoreUnavailable):
+        ShardClient("tcp://127.0.0.1:9", timeout_s=0.5)
+
+
+def test_keys_spread_over_shards_and_read_back_in_prefix_order():
+    from kvstore.client import ShardedStore
+
+    servers = [ShardServer(4 * 1024**2, page_bytes=64 * 1024) for _ in range(2)]
+    store = ShardedStore([s.endpoint for s in servers], timeout_s=5.0, staging_bytes=1024**2)
+    try:
+        keys = [f"prefix-chunk-{i}" for i in range(12)]
+        payloads = [np.full(10_000 + i, i, dtype=np.uint8) for i in range(12)]
+        assert store.put(keys, payloads) == 12
+        assert all(s.stats().chunks > 0 for s in servers)  # both shards hold some
+        assert [g.tobytes() for g in store.get(keys)] == [p.tobytes() for p in payloads]
+        assert store.contains(keys[:5] + ["never-stored"] + keys[5:]) == 5
+    finally:
+        store.close()
+        for server in servers:
+            server.close()
