@@ -1,7 +1,12 @@
-"""The KV plane: the LMCache-backed vLLM KV connector, the store shards (one Ray actor per node
-holding KV chunks in host memory), the UCX transport through NIXL, and the store's block events
-for the router's index.
+"""The KV plane: KV chunks shared by every engine through a store, moved one-sided over UCX.
 
-Not built yet: today KV moves prefill -> decode directly through vLLM's NixlConnector (see
-docs/pd.md); the router's `KVIndex` already accepts store shards as holders.
+- `connector.StoreConnector`: vLLM's KV connector (loaded by `kv_connector_module_path`),
+  driving LMCache's engine: LMCache chunks, hashes and looks up; we save whole blocks after a
+  prefill and load them before a decode (`paged_cpu` copies blocks on the CPU build; LMCache's
+  own GPU connector on CUDA); `lmcache_engine` builds both halves' engines.
+- `lmcache_plugin`: the store as LMCache's remote storage plugin (errors are misses).
+- `client.ShardedStore` / `ShardClient`: batched put/get/contains over all shards (rendezvous
+  hashing), NIXL/UCX one-sided transfers, xxh3 checksums, timeouts.
+- `shard`: one shard per node (a Ray actor): a registered host-memory arena in pages, LRU,
+  leases and reservations that expire, damaged chunks dropped.
 """

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import msgpack
 import numpy as np
@@ -26,6 +26,14 @@ log = logging.getLogger(__name__)
 
 class StoreUnavailable(RuntimeError):
     """The shard did not answer in time, or refused the request."""
+
+
+Allocate = Callable[[int], tuple[np.ndarray, object]]
+
+
+def _new_array(nbytes: int) -> tuple[np.ndarray, np.ndarray]:
+    array = np.empty(nbytes, dtype=np.uint8)
+    return array, array
 
 
 def checksum(data: np.ndarray) -> int:
@@ -51,11 +59,14 @@ def request_once(endpoint: str, request: dict, timeout_s: float) -> dict:
 
 
 class ShardClient:
-    def __init__(self, endpoint: str, timeout_s: float = 5.0, staging_bytes: int = 64 * 1024**2):
+    def __init__(self, endpoint: str, timeout_s: float = 5.0, staging_bytes: int = 64 * 1024**2,
+                 retry_after_s: float = 10.0):  # fmt: skip
         import zmq
 
         self.endpoint = endpoint
         self.timeout_s = timeout_s
+        self.retry_after_s = retry_after_s
+        self._down_until = 0.0  # after a timeout, calls fail fast (a miss) instead of each waiting
         self._zmq = zmq
         self._context = zmq.Context()
         self._socket = None
@@ -85,14 +96,16 @@ class ShardClient:
                 written += self._put_batch([keys[i] for i in batch], [payloads[i] for i in batch])
         return written
 
-    def get(self, keys: Sequence[str]) -> list[np.ndarray]:
+    def get(self, keys: Sequence[str], allocate: Allocate | None = None) -> list:
         """The stored prefix of `keys`, each chunk verified; stops at the first miss or damaged
-        chunk (what follows it is useless to a prefix cache)."""
+        chunk (what follows it is useless to a prefix cache). Each chunk lands in
+        `allocate(nbytes)` (a uint8 array and what to return for it; the caller's own memory,
+        so the bytes are copied once), else in a new array."""
         with self._lock:
             reply = self._call({"op": "lease", "keys": list(keys)})
             damaged: list[str] = []
             try:
-                found, bad = self._read(reply["chunks"])
+                found, bad = self._read(reply["chunks"], allocate or _new_array)
                 if bad:  # the shard drops it: the next writer stores it afresh
                     damaged.append(keys[len(found)])
                 return found
@@ -128,7 +141,7 @@ class ShardClient:
             raise
         return self._call({"op": "commit", "keys": names})["committed"]
 
-    def _read(self, chunks: list[dict]) -> tuple[list[np.ndarray], bool]:
+    def _read(self, chunks: list[dict], allocate: Allocate) -> tuple[list, bool]:
         """The leased chunks that arrived intact, up to the first damaged one; and whether one was."""
         found: list[np.ndarray] = []
         for batch in self._batches([c["nbytes"] for c in chunks]):
@@ -146,7 +159,9 @@ class ShardClient:
                     self.rejected += 1
                     log.warning("a stored KV chunk failed its checksum: treated as a miss and dropped")
                     return found, True
-                found.append(data.copy())
+                target, result = allocate(data.nbytes)
+                target[:] = data
+                found.append(result)
         return found, False
 
     def _batches(self, sizes: list[int]) -> list[list[int]]:
@@ -165,6 +180,8 @@ class ShardClient:
 
     def _call(self, request: dict) -> dict:
         zmq = self._zmq
+        if time.monotonic() < self._down_until:
+            raise StoreUnavailable(f"store shard {self.endpoint} is unreachable; retrying after a pause")
         if self._socket is None:
             self._socket = self._context.socket(zmq.REQ)
             self._socket.setsockopt(zmq.LINGER, 0)
@@ -174,6 +191,7 @@ class ShardClient:
         if not self._socket.poll(int(self.timeout_s * 1000)):
             self._socket.close(0)  # a REQ socket that missed its reply cannot be reused
             self._socket = None
+            self._down_until = time.monotonic() + self.retry_after_s
             raise StoreUnavailable(f"store shard {self.endpoint} did not answer {request['op']!r} "
                                    f"within {self.timeout_s} s")  # fmt: skip
         reply = msgpack.unpackb(self._socket.recv())
@@ -209,10 +227,10 @@ class ShardedStore:
                 break
         return count
 
-    def get(self, keys: Sequence[str]) -> list[np.ndarray]:
-        found: list[np.ndarray] = []
+    def get(self, keys: Sequence[str], allocate: Allocate | None = None) -> list:
+        found: list = []
         for shard, run in self._runs(keys):
-            got = shard.get(run)
+            got = shard.get(run, allocate)
             found.extend(got)
             if len(got) < len(run):
                 break

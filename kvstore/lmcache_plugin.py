@@ -81,21 +81,26 @@ class ShardRemoteConnector(RemoteConnector):
         return True
 
     async def batched_get(self, keys):
+        allocated: list = []
+
+        def allocate(nbytes: int):
+            obj = self.local_cpu_backend.allocate(self.meta_shapes, self.meta_dtypes, self.meta_fmt)
+            if obj is None:
+                raise StoreUnavailable("LMCache has no free buffer for a chunk")
+            allocated.append(obj)
+            return np.frombuffer(obj.byte_array, dtype=np.uint8)[:nbytes], self.reshape_partial_chunk(
+                obj, nbytes
+            )
+
         try:
-            payloads = await asyncio.to_thread(self.client.get, [k.to_string() for k in keys])
+            objects = await asyncio.to_thread(self.client.get, [k.to_string() for k in keys], allocate)
         except _STORE_ERRORS as exc:
             self.misses_from_errors += 1
             log.warning("store read failed, treated as a miss: %s", exc)
-            payloads = []
-        objects = [self._memory_object(p) for p in payloads]
+            objects = []
+        for unused in allocated[len(objects) :]:  # landed but not returned: a damaged chunk's buffer
+            unused.ref_count_down()
         return objects + [None] * (len(keys) - len(objects))
-
-    def _memory_object(self, payload: np.ndarray):
-        obj = self.local_cpu_backend.allocate(self.meta_shapes, self.meta_dtypes, self.meta_fmt)
-        if obj is None:
-            return None
-        np.frombuffer(obj.byte_array, dtype=np.uint8)[: payload.nbytes] = payload
-        return self.reshape_partial_chunk(obj, payload.nbytes)
 
     # --- writes ----------------------------------------------------------------------------
     async def put(self, key, memory_obj) -> None:

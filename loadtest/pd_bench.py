@@ -2,8 +2,9 @@
 
     python -m loadtest.pd_bench [--requests 40 --concurrency 4 --input-tokens 1536 --output-tokens 128]
 
-Starts `pdcluster serve --model tiny` twice, once with two colocated instances and once with one
-prefill and one decode instance, and runs the same mixed workload (long random-token prompts,
+Starts `pdcluster serve --model tiny` three times: two colocated instances; one prefill and one
+decode instance handing KV over through the store shard; the same handing it over directly
+(vLLM's NixlConnector). Runs the same mixed workload (long random-token prompts,
 long generations; lengths +-50%) at a fixed concurrency against each. Prints a table with
 ratios to colocated and writes JSON. On a 2-core CPU machine both engines share the cores the
 load generator also needs: read the ratios, not the absolute times.
@@ -25,7 +26,11 @@ from loadtest.report import summarize
 from loadtest.runner import Limits, run_load
 from loadtest.workloads import RandomLengths
 
-TOPOLOGIES = {"colocated x2": ["--instances", "2"], "P/D 1+1": ["--prefill", "1", "--decode", "1"]}
+TOPOLOGIES = {
+    "colocated x2": ["--instances", "2"],
+    "P/D 1+1, KV via store": ["--prefill", "1", "--decode", "1", "--kv-transfer", "store"],
+    "P/D 1+1, KV direct (NIXL)": ["--prefill", "1", "--decode", "1", "--kv-transfer", "direct"],
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     summaries = {}
     for name, flags in TOPOLOGIES.items():
-        log = args.out.parent / f"pd_bench-{name.split()[0].replace('/', '')}.log"
+        slug = "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-")
+        log = args.out.parent / f"pd_bench-{slug}.log"
         with LocalServer(["--model", "tiny", *flags], log) as server:
             workload = RandomLengths(args.input_tokens, args.output_tokens, range_ratio=0.5, seed=7)
             load = asyncio.run(run_load(server.url, workload.jobs("tiny"), FixedConcurrency(args.concurrency),

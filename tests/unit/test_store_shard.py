@@ -79,6 +79,27 @@ def test_chunks_round_trip_through_nixl_bit_identical_and_damage_is_a_miss(shard
         client.close()
 
 
+def test_a_shard_that_stops_answering_costs_one_timeout_then_fails_fast():
+    import time
+
+    from kvstore.client import StoreUnavailable
+
+    server = ShardServer(1024**2, page_bytes=64 * 1024)
+    client = ShardClient(server.endpoint, timeout_s=0.5, staging_bytes=64 * 1024, retry_after_s=30)
+    try:
+        server.close()  # the shard goes away under a connected client
+        started = time.monotonic()
+        with pytest.raises(StoreUnavailable):
+            client.contains(["k"])
+        assert 0.4 < time.monotonic() - started < 2
+        started = time.monotonic()
+        with pytest.raises(StoreUnavailable):
+            client.contains(["k"])
+        assert time.monotonic() - started < 0.1  # no second wait: a miss at once
+    finally:
+        client.close()
+
+
 def test_an_unreachable_shard_is_a_clean_error_within_the_timeout():
     from kvstore.client import StoreUnavailable
 
