@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -236,7 +237,7 @@ class ShardServer:
                     self.store.reject(key)
                 return {}
             if op == "stats":
-                return dataclasses.asdict(self.store.stats())
+                return {**dataclasses.asdict(self.store.stats()), "pid": os.getpid()}
             if op == "corrupt" and self.fault_injection:
                 return {"damaged": self.store.corrupt(self.arena, request["count"])}
             return {"error": f"unknown op {op!r}"}

@@ -3,8 +3,10 @@
     python -m loadtest.faults [--requests 24] [--scenario NAME ...]
 
 Each scenario starts its own `pdcluster serve` (tiny model), sends a burst of concurrent greedy
-streams, SIGKILLs one engine's whole process group (vLLM server, engine core, worker) while they
-run, then sends a follow-up batch to see the service recover. Every request is classified:
+streams, SIGKILLs one engine's whole process group (vLLM server, engine core, worker) or the KV
+store shard's process while they run, then sends a follow-up batch to see the service recover;
+P/D scenarios also report what the store still holds in flight afterwards (leases, reserved
+bytes: both must be back at 0). Every request is classified:
 completed (all its tokens), failed clean (an OpenAI-style HTTP error or an error event closing
 the stream), dropped (connection cut or stream ended short) or hung (no end within the client's
 timeout; must be 0). Prints a table, writes JSON.
@@ -24,6 +26,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import aiohttp
+import httpx
 import psutil
 from rich.console import Console
 from rich.table import Table
@@ -55,6 +58,11 @@ SCENARIOS = {
         "decode-killed-mid-stream",
         ("--prefill", "1", "--decode", "2", "--remote-prefill-min-tokens", "0"),
         "decode", 3.0, 40, 128,
+    ),
+    "store-shard-killed": Scenario(
+        "store-shard-killed",
+        ("--prefill", "1", "--decode", "1", "--remote-prefill-min-tokens", "0"),
+        "store", 1.0, 400, 16,
     ),
     "colocated-killed-mid-stream": Scenario(
         "colocated-killed-mid-stream", ("--instances", "2"), "colocated", 1.0, 40, 512,
@@ -98,25 +106,37 @@ async def burst(url: str, count: int, scenario: Scenario, seed: int) -> list[str
         return await asyncio.gather(*(one() for _ in range(count)))
 
 
+def store_shards(url: str) -> list[dict]:
+    return httpx.get(f"{url}/admin/store", timeout=10).json()["shards"]
+
+
 async def run_scenario(server: LocalServer, scenario: Scenario, requests: int) -> dict:
-    victims = [i for i in server.instances() if i["role"] == scenario.victim_role]
-    victim = victims[0]
+    if scenario.victim_role == "store":
+        (shard,) = store_shards(server.url)
+        victim = {"instance_id": f"store shard (pid {shard['pid']})"}
+    else:
+        victim = [i for i in server.instances() if i["role"] == scenario.victim_role][0]
     load = asyncio.create_task(burst(server.url, requests, scenario, seed=1))
     await asyncio.sleep(scenario.kill_after_s)
     killed_at = time.monotonic()
-    kill_engine(victim["url"])
+    if scenario.victim_role == "store":
+        os.kill(shard["pid"], signal.SIGKILL)
+    else:
+        kill_engine(victim["url"])
     outcomes = await load
     drained_s = time.monotonic() - killed_at
     # Give the health checks their few seconds, then see the rest of the service serve.
     await asyncio.sleep(6)
     follow_up = await burst(server.url, 8, scenario, seed=2)
     states = {i["instance_id"]: i["state"] for i in server.instances()}
+    in_flight = [s.get("leases", 0) + s.get("reserved_bytes", 0) if "error" not in s else "gone"
+                 for s in store_shards(server.url)]  # fmt: skip
     return {
         "scenario": scenario.name, "victim": victim["instance_id"], "sent": requests,
         **{k: outcomes.count(k) for k in ("completed", "failed_clean", "dropped", "hung")},
         "burst_end_after_kill_s": round(drained_s, 2),
         "follow_up_completed": follow_up.count("completed"), "follow_up_sent": len(follow_up),
-        "instances_after": states,
+        "instances_after": states, "store_in_flight_after": in_flight,
     }  # fmt: skip
 
 
@@ -138,13 +158,11 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(asyncio.run(run_scenario(server, scenario, args.requests)))
         console.print(rows[-1])
     rows.append(
-        {"scenario": "store-shard-killed", "note": "not run: the KV store shards (issue 3) are not built"}
-    )
-    rows.append(
         {"scenario": "router-restarted", "note": "not run: engines are owned by the router's process today"}
     )
-    table = Table(title="faults: one engine SIGKILLed under load")
-    columns = ("scenario", "sent", "completed", "failed_clean", "dropped", "hung", "follow_up_completed")
+    table = Table(title="faults: one engine or the store shard SIGKILLed under load")
+    columns = ("scenario", "sent", "completed", "failed_clean", "dropped", "hung", "follow_up_completed",
+               "store_in_flight_after")  # fmt: skip
     for column in columns:
         table.add_column(column)
     for row in rows:

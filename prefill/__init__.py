@@ -1,8 +1,9 @@
 """The prefill pool: engine instances in the KV-producer role.
 
-Today a prefill instance is an `engine.host.EngineHost` with `Role.PREFILL` (vLLM's
-NixlConnector, the decode side reading its KV blocks), placed on nodes that offer the Ray
-resource `prefill` (`deploy.launcher.placement_options`); the router's `router.disagg` sends it
-the prefill half of each request. What the pool needs beyond that (its scaling controller, its
-writes to the KV store) belongs here.
+A prefill instance is an `engine.host.EngineHost` with `Role.PREFILL`, placed on nodes that
+offer the Ray resource `prefill` (`deploy.launcher.placement_options`) and scaled by
+`deploy.pool.PoolController`; the router's `router.disagg` sends it the prefill half of each
+request, and its `kvstore.connector.StoreConnector` writes the prompt's KV to the store (or,
+with `--kv-transfer direct`, vLLM's NixlConnector lets the decode side read it). What only this
+pool needs beyond that belongs here.
 """
