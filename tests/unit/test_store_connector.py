@@ -1,0 +1,83 @@
+"""The KV connector's parts without a vLLM engine: the block copier between paged KV caches and
+LMCache memory objects, and LMCache's engine storing through our plugin into a real shard and a
+second engine loading the same blocks back (what the prefill and decode workers do)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from kvstore.connector import usable_tokens
+from kvstore.lmcache_engine import KVLayout, StoreSettings, build_engine
+from kvstore.paged_cpu import PagedBlockConnector
+from kvstore.shard import ShardServer
+
+LAYERS, KV_HEADS, HEAD_DIM, BLOCK, BLOCKS = 4, 2, 64, 32, 48
+
+
+def caches(seed: int | None) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed or 0)
+    shape = (BLOCKS, KV_HEADS, BLOCK, 2 * HEAD_DIM)  # one layer as vLLM's CPU build allocates it
+    return [(torch.randn(shape, generator=generator) if seed is not None else torch.zeros(shape)).to(torch.bfloat16)
+            for _ in range(LAYERS)]  # fmt: skip
+
+
+def slots(block_ids: list[int], tokens: int) -> torch.Tensor:
+    blocks = torch.tensor(block_ids)
+    return (blocks[:, None] * BLOCK + torch.arange(BLOCK)).reshape(-1)[:tokens]
+
+
+def test_usable_tokens_are_whole_blocks_and_never_the_last_token():
+    assert [usable_tokens(n, 32) for n in (1, 32, 33, 64, 65, 100)] == [0, 0, 32, 32, 64, 96]
+
+
+def test_blocks_round_trip_and_a_load_leaves_already_computed_blocks_alone():
+    source, target = caches(1), caches(None)
+    copier = PagedBlockConnector(LAYERS, BLOCK, KV_HEADS * HEAD_DIM)
+    chunk = types.SimpleNamespace(tensor=torch.empty(copier.get_shape(4 * BLOCK), dtype=torch.bfloat16))
+    copier.bind(source)
+    copier.from_gpu(chunk, 0, 4 * BLOCK, slot_mapping=slots([5, 9, 2, 30], 4 * BLOCK))
+    copier.bind(target)
+    copier.to_gpu(chunk, 0, 4 * BLOCK, slot_mapping=slots([1, 2, 3, 4], 4 * BLOCK), skip_tokens=BLOCK)
+    for layer in range(LAYERS):
+        assert torch.equal(target[layer][[2, 3, 4]], source[layer][[9, 2, 30]])
+        assert not target[layer][1].any()  # skipped: vLLM had computed it
+    with pytest.raises(ValueError, match="whole blocks"):
+        copier.from_gpu(chunk, 0, BLOCK + 1, slot_mapping=slots([5, 9], BLOCK + 1))
+
+
+def test_a_prompt_stored_by_one_engine_is_loaded_bit_identical_by_another():
+    shard = ShardServer(64 * 1024**2, page_bytes=64 * 1024)
+    engines = []
+    try:
+        settings = StoreSettings(endpoints=(shard.endpoint,), timeout_s=5.0)
+        layout = KVLayout(LAYERS, KV_HEADS, HEAD_DIM, torch.bfloat16, (KV_HEADS, BLOCK, 2 * HEAD_DIM))
+        writer_caches, reader_caches = caches(2), caches(None)
+        writer_blocks = PagedBlockConnector(LAYERS, BLOCK, KV_HEADS * HEAD_DIM)
+        writer_blocks.bind(writer_caches)
+        reader_blocks = PagedBlockConnector(LAYERS, BLOCK, KV_HEADS * HEAD_DIM)
+        reader_blocks.bind(reader_caches)
+        writer = build_engine(settings, layout, "tiny", lambda config, metadata: writer_blocks)
+        reader = build_engine(settings, layout, "tiny", lambda config, metadata: reader_blocks)
+        lookup = build_engine(settings, layout, "tiny", None)
+        engines += [writer, reader, lookup]
+        tokens = list(range(1000, 1000 + 13 * BLOCK + 5))  # a full 256-token chunk and a partial one
+        usable = usable_tokens(len(tokens), BLOCK)
+        writer.store(tokens[:usable], slot_mapping=slots(list(range(10, 23)), usable))
+        from kvstore.lmcache_plugin import flush_all
+
+        assert flush_all(10.0)
+        assert shard.stats().chunks == 2
+        assert lookup.lookup(tokens[:usable]) == usable
+        loaded = reader.retrieve(tokens[:usable], slot_mapping=slots(list(range(30, 43)), usable))
+        assert int(loaded.sum()) == usable
+        for layer in range(LAYERS):
+            assert torch.equal(reader_caches[layer][30:43], writer_caches[layer][10:23])
+        engines.append(build_engine(settings, layout, "another-model", None))
+        assert engines[-1].lookup(tokens[:usable]) == 0  # keys carry the model and layout
+    finally:
+        for engine in engines:
+            engine.close()
+        shard.close()
