@@ -303,7 +303,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return 2
     if args.address is None:
         use_loopback_ray()
-    store_bytes = int(args.store_gib * 1024**3) if topology.prefill and args.kv_transfer == "store" else 0
+    pd = topology.prefill or topology.decode
+    store_bytes = int(args.store_gib * 1024**3) if pd and args.kv_transfer == "store" else 0
     return asyncio.run(_serve(engine_config, router_config, topology, args.address, args.placement_timeout,
                               args.start_log, store_bytes))  # fmt: skip
 

@@ -146,7 +146,9 @@ class StoreConnector(KVConnectorBase_V1):
         for state in (self._blocks, self._prompts, self._planned_loads):
             state.pop(request.request_id, None)
         stored = self._saved.pop(request.request_id, 0)
-        return False, ({"kv_in_store": True, "stored_tokens": stored} if stored else None)
+        asked = (request.kv_transfer_params or {}).get("do_remote_decode")
+        # A prompt shorter than a block leaves nothing to store; the prefill still answered.
+        return False, ({"kv_in_store": bool(stored), "stored_tokens": stored} if stored or asked else None)
 
     # --- worker half -------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
