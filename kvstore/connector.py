@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -85,16 +86,17 @@ class StoreConnector(KVConnectorBase_V1):
     # --- scheduler half ----------------------------------------------------------------------
     def _lookup_engine(self):
         if self._engine is None:
-            self._engine = build_engine(self._settings, self._layout(block_shape=()), self._model, None)
+            self._engine = build_engine(self._settings, self._layout(), self._model, None)
         return self._engine
 
-    def _layout(self, block_shape: tuple[int, ...]) -> KVLayout:
+    def _layout(self) -> KVLayout:
+        """The KV layout both halves name in their keys (the scheduler never sees a KV tensor):
+        one layer's block holds kv_heads x block_size x 2 * head_dim elements."""
         config = self._model_config.hf_text_config
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        dtype = self._model_config.dtype
-        if not block_shape:  # the scheduler never sees a KV tensor: the shape vLLM gives one layer
-            block_shape = (config.num_key_value_heads, self._block_size, 2 * head_dim)
-        return KVLayout(config.num_hidden_layers, config.num_key_value_heads, head_dim, dtype, block_shape)
+        block_shape = (config.num_key_value_heads, self._block_size, 2 * head_dim)
+        return KVLayout(config.num_hidden_layers, config.num_key_value_heads, head_dim,
+                        self._model_config.dtype, block_shape)  # fmt: skip
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         if not self._loads:
@@ -153,7 +155,7 @@ class StoreConnector(KVConnectorBase_V1):
     # --- worker half -------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         caches = list(kv_caches.values())
-        layout = self._layout(block_shape=tuple(caches[0].shape[1:]))
+        layout = self._layout()  # the scheduler's lookups must use the same keys
         if caches[0].is_cuda:  # LMCache's own vLLM connector copies by slot on GPUs
             from lmcache.integration.vllm.utils import vllm_layout_hints
             from lmcache.utils import EngineType
@@ -164,6 +166,9 @@ class StoreConnector(KVConnectorBase_V1):
                     config, metadata, EngineType.VLLM, vllm_layout_hints(self._vllm_config)
                 )
         else:
+            if caches[0][0].numel() != math.prod(layout.block_shape):
+                raise ValueError(f"KV cache blocks of shape {tuple(caches[0].shape[1:])} do not hold "
+                                 f"{layout.block_shape} elements: the block copier cannot move them")  # fmt: skip
             blocks = PagedBlockConnector(
                 layout.num_layers, self._block_size, layout.kv_heads * layout.head_dim
             )
