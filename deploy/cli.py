@@ -365,7 +365,7 @@ async def _serve(engine_config, router_config, topology, address: str | None, pl
         await server.serve()
         return 0
     except Exception as exc:  # a failed start: say why, stop what started, exit non-zero
-        console.print(f"[red]pdcluster serve failed:[/] {exc}")
+        console.print(f"[red]pdcluster serve failed:[/] {exc or repr(exc)}")  # some errors have no message
         return 1
     finally:
         console.print("stopping engines...")
