@@ -87,9 +87,13 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed(fn, device, runs: int) -> list[float]:
+def timed(fn, device, runs: int, before=None) -> list[float]:
+    """Seconds per run of `fn`, the device synchronised around it; `before()` runs untimed
+    ahead of each run."""
     seconds = []
     for _ in range(runs):
+        if before is not None:
+            before()
         sync(device)
         started = time.perf_counter()
         fn()

@@ -27,13 +27,12 @@ import os
 import statistics
 import tempfile
 import threading
-import time
 from pathlib import Path
 
 import torch
 
 from engine.weights import _read_chunks, _safetensors_layout, stream_to_device
-from loadtest.d2d_weights import write_checkpoint
+from loadtest.d2d_weights import timed, write_checkpoint
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
 _LIBC.mmap.restype = ctypes.c_void_p
@@ -107,22 +106,9 @@ def read_parallel(model_dir: Path, threads: int) -> None:
     _read_chunks(files, threads, land)
 
 
-def timed(fn, runs: int, before=None) -> tuple[list[float], list[float]]:
-    """Seconds per run (CUDA synchronised), and what `before` returned ahead of each run."""
-    seconds, prepared = [], []
-    for _ in range(runs):
-        prepared.append(before() if before else 0.0)
-        torch.cuda.synchronize()
-        started = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        seconds.append(time.perf_counter() - started)
-    return seconds, prepared
-
-
 def pinned_h2d(nbytes: int, device: torch.device, runs: int) -> list[float]:
     pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    return timed(lambda: pinned.to(device, non_blocking=True), runs)[0]
+    return timed(lambda: pinned.to(device, non_blocking=True), device, runs)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -150,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
         nbytes = sum(p.stat().st_size for p in paths)
 
         def cold(name: str, fn) -> None:
-            samples[name], resident = timed(fn, args.runs, before=lambda: evict(paths))
+            resident: list[float] = []  # what eviction left in the page cache before each run
+            samples[name] = timed(fn, device, args.runs, before=lambda: resident.append(evict(paths)))
             resident_before[name] = max(resident)
 
         cold("disk_cold_sequential", lambda: read_sequential(paths))
@@ -160,8 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         samples["pinned_h2d"] = pinned_h2d(nbytes, device, args.runs)
         read_parallel(model_dir, thread_counts[-1])  # into the page cache
         for n in thread_counts:
-            samples[f"stream_warm_{n}"], _ = timed(
-                lambda n=n: stream_to_device(model_dir, device, n), args.runs
+            samples[f"stream_warm_{n}"] = timed(
+                lambda n=n: stream_to_device(model_dir, device, n), device, args.runs
             )
         resident_warm = resident_fraction(paths)
 
