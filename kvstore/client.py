@@ -40,6 +40,17 @@ def checksum(data: np.ndarray) -> int:
     return xxhash.xxh3_64_intdigest(memoryview(data))
 
 
+def _exchange(socket, request: dict, timeout_s: float, endpoint: str) -> dict:
+    """Send one control message on a REQ socket and return the reply, or raise StoreUnavailable
+    after `timeout_s` (the socket is then unusable: REQ sockets must alternate)."""
+    socket.send(msgpack.packb(request))
+    if not socket.poll(int(timeout_s * 1000)):
+        raise StoreUnavailable(
+            f"store shard {endpoint} did not answer {request['op']!r} within {timeout_s} s"
+        )
+    return msgpack.unpackb(socket.recv())
+
+
 def request_once(endpoint: str, request: dict, timeout_s: float) -> dict:
     """One control message to a shard, with no transfer agent (stats, fault injection)."""
     import zmq
@@ -49,10 +60,7 @@ def request_once(endpoint: str, request: dict, timeout_s: float) -> dict:
     socket.setsockopt(zmq.LINGER, 0)
     try:
         socket.connect(endpoint)
-        socket.send(msgpack.packb(request))
-        if not socket.poll(int(timeout_s * 1000)):
-            raise StoreUnavailable(f"store shard {endpoint} did not answer within {timeout_s} s")
-        return msgpack.unpackb(socket.recv())
+        return _exchange(socket, request, timeout_s, endpoint)
     finally:
         socket.close(0)
         context.term()
@@ -187,14 +195,13 @@ class ShardClient:
             self._socket.setsockopt(zmq.LINGER, 0)
             self._socket.connect(self.endpoint)
         started = time.monotonic()
-        self._socket.send(msgpack.packb(request))
-        if not self._socket.poll(int(self.timeout_s * 1000)):
-            self._socket.close(0)  # a REQ socket that missed its reply cannot be reused
+        try:
+            reply = _exchange(self._socket, request, self.timeout_s, self.endpoint)
+        except StoreUnavailable:
+            self._socket.close(0)
             self._socket = None
             self._down_until = time.monotonic() + self.retry_after_s
-            raise StoreUnavailable(f"store shard {self.endpoint} did not answer {request['op']!r} "
-                                   f"within {self.timeout_s} s")  # fmt: skip
-        reply = msgpack.unpackb(self._socket.recv())
+            raise
         if "error" in reply:
             raise StoreUnavailable(f"store shard refused {request['op']!r}: {reply['error']}")
         log.debug("%s took %.2f ms", request["op"], (time.monotonic() - started) * 1e3)
