@@ -124,6 +124,8 @@ class StoreConnector(KVConnectorBase_V1):
             if held:
                 plan.loads.append(BlockTransfer(new.req_id, self._prompts[new.req_id][:held],
                                                 self._blocks[new.req_id], computed_here))  # fmt: skip
+                if held >= usable_tokens(len(self._prompts[new.req_id]), self._block_size):
+                    self._saved[new.req_id] = held  # all of it came from the store: nothing to save
             self._plan_save(plan, new.req_id, new.num_computed_tokens, scheduler_output)
         cached = scheduler_output.scheduled_cached_reqs
         for index, req_id in enumerate(cached.req_ids):
