@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import logging
 import os
 import signal
@@ -20,8 +21,8 @@ from pydantic import ValidationError
 from rich.console import Console
 
 from engine.config import Role
-from engine.environment import use_loopback_ray
-from engine.models import BUILDERS, default_model_root
+from engine.environment import is_loopback, use_loopback_ray
+from engine.models import BUILDERS, COMPLETE_MARKER, default_model_root
 
 console = Console(stderr=True)
 # Tests only: store shards then honour the "corrupt" op (fault injection into stored chunks).
@@ -200,7 +201,8 @@ def resolve_model(model: str) -> tuple[Path, str]:
     """A builder name is built (in its own process: torch must not load here) and cached."""
     if model in BUILDERS:
         path = default_model_root() / model
-        subprocess.run([sys.executable, "-m", "deploy.cli", "model", model, str(path)], check=True)
+        if not (path / COMPLETE_MARKER).exists():  # a built model costs no child process (seconds)
+            subprocess.run([sys.executable, "-m", "deploy.cli", "model", model, str(path)], check=True)
         return path, model
     path = Path(model)
     return path, path.name
@@ -271,6 +273,20 @@ class Topology:
                 if pool.role != Role.COLOCATED}  # fmt: skip
 
 
+def roles_to_start(wanted: list[tuple[str, Role]], present: list) -> list[tuple[str, Role]]:
+    """The initial instances (id, role) still to start when `present` (adopted, ready) instances
+    already serve: per role that many fewer, skipping ids in use."""
+    taken = {i.instance_id for i in present}
+    missing = collections.Counter(role for _, role in wanted)
+    missing.subtract(i.role for i in present)
+    chosen = []
+    for instance_id, role in wanted:
+        if instance_id not in taken and missing[role] > 0:
+            chosen.append((instance_id, role))
+            missing[role] -= 1
+    return chosen
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     from engine.config import EngineConfig
     from router.config import RouterConfig
@@ -301,8 +317,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     except (ValidationError, ValueError) as exc:
         console.print(f"[red]invalid configuration:[/] {exc}")
         return 2
-    if args.address is None:
-        use_loopback_ray()
+    if args.address is None or is_loopback(args.address.rpartition(":")[0]):
+        use_loopback_ray()  # else Ray swaps a loopback address for the machine's routable one
     pd = topology.prefill or topology.decode
     store_bytes = int(args.store_gib * 1024**3) if pd and args.kv_transfer == "store" else 0
     return asyncio.run(_serve(engine_config, router_config, topology, args.address, args.placement_timeout,
@@ -321,28 +337,32 @@ async def _serve(engine_config, router_config, topology, address: str | None, pl
     from router.instances import InstanceRegistry
 
     started_head = start_ray(address, resources=topology.ray_resources())
-    # The engines publish their KV events to the router's SUB socket, on the router's node.
-    events_host = node_address()
-    events_endpoint = f"tcp://{events_host}:{free_port(events_host)}"
-    router_config = router_config.model_copy(update={"kv_events_endpoint": events_endpoint})
-    engine_config = engine_config.model_copy(update={"kv_events_endpoint": events_endpoint})
     registry = InstanceRegistry()
     launcher = Launcher(registry, console, start_log)
-    roles = topology.roles()
-    engines = topology.engines_at_most()
-    cores = cpu_core_sets(engines, os.cpu_count() or 1) if is_cpu_build() and not address else []
-    configs = [
-        (
-            instance_id,
-            engine_config.model_copy(update={"role": role, "cpu_cores": cores[k] if cores else None}),
-        )
-        for k, (instance_id, role) in enumerate(roles)
-    ]
     controller = None
     try:
+        # A router restarted on a running cluster takes over the engines its predecessor left.
+        adopted = await launcher.adopt(engine_config, keep_store=store_bytes > 0)
+        # The engines publish their KV events to the router's SUB socket, on the router's node.
+        events_host = node_address()
+        events_endpoint = adopted.kv_events_endpoint or f"tcp://{events_host}:{free_port(events_host)}"
+        router_config = router_config.model_copy(update={"kv_events_endpoint": events_endpoint})
+        engine_config = engine_config.model_copy(update={"kv_events_endpoint": events_endpoint})
+        roles = roles_to_start(topology.roles(), registry.ready(tuple(Role)))
+        engines = topology.engines_at_most()
+        cores = cpu_core_sets(engines, os.cpu_count() or 1) if is_cpu_build() and not address else []
+        configs = [
+            (
+                instance_id,
+                engine_config.model_copy(update={"role": role, "cpu_cores": cores[k] if cores else None}),
+            )
+            for k, (instance_id, role) in enumerate(roles)
+        ]
         if store_bytes:
             fault_injection = os.environ.get(STORE_FAULT_INJECTION_ENV) == "1"
-            shards = await launcher.start_store_shards(store_bytes, fault_injection)
+            shards = adopted.store_endpoints or await launcher.start_store_shards(
+                store_bytes, fault_injection
+            )
             engine_config = engine_config.model_copy(update={"kv_store_endpoints": shards})
             configs = [(i, c.model_copy(update={"kv_store_endpoints": shards})) for i, c in configs]
         await launcher.start_instances(configs, placement_timeout_s)

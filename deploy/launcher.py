@@ -3,6 +3,11 @@
 `Launcher` owns every actor it creates and stops them all on `shutdown()`; a Ray head it
 started itself it also stops. Every start is timed stage by stage: a Prometheus histogram per
 path and stage, and one JSON line per start in `start_log`.
+
+Engines and store shards are detached, named actors in the `pdcluster` namespace: a launcher that
+dies without `shutdown()` (the router process killed, OOM) leaves them serving, and the next
+launcher on the same Ray cluster adopts them (`adopt()`) instead of starting cold ones. (With a
+Ray head of its own, the head, and so everything, goes down with the process anyway.)
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ from kvstore.shard import StoreShardActor
 from router.instances import Instance, InstanceRegistry
 
 log = logging.getLogger(__name__)
+RAY_NAMESPACE = "pdcluster"
+STORE_SHARD_PREFIX = "store-"
 EngineActor = ray.remote(EngineHost)
 StoreShard = ray.remote(StoreShardActor)
 START_SECONDS = Histogram(
@@ -50,10 +57,11 @@ def start_ray(address: str | None, resources: dict[str, float] | None = None) ->
         return False
     if address:
         os.environ.update(RAY_ENV)
-        ray.init(address=address, log_to_driver=False)
+        ray.init(address=address, namespace=RAY_NAMESPACE, log_to_driver=False)
         return False
     ray.init(
         _node_ip_address="127.0.0.1",
+        namespace=RAY_NAMESPACE,
         include_dashboard=False,
         num_cpus=max(4, os.cpu_count() or 1),
         resources=resources or {},
@@ -99,6 +107,16 @@ class StartedInstance:
     timeline: dict
 
 
+@dataclass(frozen=True)
+class Adopted:
+    """What a new launcher took over from a previous one on the same Ray cluster."""
+
+    instances: tuple[str, ...] = ()
+    store_endpoints: tuple[str, ...] = ()
+    kv_events_endpoint: str | None = None
+    """Where the adopted engines publish their KV events: the new router must bind there."""
+
+
 class Launcher:
     """Creates engine actors, waits for them to be ready, registers them with the router."""
 
@@ -120,8 +138,10 @@ class Launcher:
 
         for node in (n for n in ray.nodes() if n["Alive"]):
             strategy = NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)
-            self._shards.append(StoreShard.options(num_cpus=0, scheduling_strategy=strategy).remote(
-                capacity_bytes, fault_injection=fault_injection))  # fmt: skip
+            name = f"{STORE_SHARD_PREFIX}{node['NodeID'][:16]}"
+            self._shards.append(StoreShard.options(
+                name=name, lifetime="detached", num_cpus=0, scheduling_strategy=strategy
+            ).remote(capacity_bytes, fault_injection=fault_injection))  # fmt: skip
         endpoints = await asyncio.wait_for(
             asyncio.gather(*(s.endpoint.remote() for s in self._shards)), timeout_s
         )
@@ -129,11 +149,54 @@ class Launcher:
                            f"{', '.join(endpoints)}")  # fmt: skip
         return tuple(endpoints)
 
+    async def adopt(self, config: EngineConfig, keep_store: bool, timeout_s: float = 10.0) -> Adopted:
+        """Take over what a launcher that died left on this Ray cluster: its ready and standby
+        engines of `config`'s model are registered as they are (weights, KV cache and all); its
+        store shards are kept if `keep_store`. Anything else there (another model, a start cut
+        short, an actor that does not answer) is stopped."""
+        started = time.monotonic()
+        names = ray.util.list_named_actors()
+        if not names:
+            return Adopted()
+        handles = {name: ray.get_actor(name) for name in names}
+        shards = {n: h for n, h in handles.items() if n.startswith(STORE_SHARD_PREFIX)}
+        engines = {n: h for n, h in handles.items() if n not in shards}
+        asks = [h.endpoint.remote() if n in shards else h.describe.remote() for n, h in handles.items()]
+        answers = dict(zip(handles, await asyncio.gather(
+            *(asyncio.wait_for(a, timeout_s) for a in asks), return_exceptions=True), strict=True))  # fmt: skip
+        adopted, events_endpoints, ended = [], set(), []
+        for name, actor in engines.items():
+            info = answers[name]
+            if not (isinstance(info, dict) and info.get("model") == str(config.model)
+                    and info["served_model_name"] == config.served_model_name
+                    and info["state"] in (InstanceState.READY.value, InstanceState.STANDBY.value)):  # fmt: skip
+                ended.append(actor)
+                continue
+            self._actors[name] = actor
+            self.instances[name] = StartedInstance(name, actor, info["url"], Role(info["role"]), {})
+            self.registry.add(Instance(name, Role(info["role"]), info["url"], InstanceState(info["state"]),
+                                       kv_events_replay_endpoint=info["kv_events_replay_endpoint"]))  # fmt: skip
+            events_endpoints.add(info["kv_events_endpoint"])
+            adopted.append(name)
+        await _end_engines(ended)
+        endpoints = []
+        for name, actor in shards.items():
+            if keep_store and isinstance(answers[name], str):
+                self._shards.append(actor)
+                endpoints.append(answers[name])
+            else:
+                ray.kill(actor)
+        if len(events_endpoints) > 1:
+            raise RuntimeError(f"adopted engines publish KV events to different routers: {events_endpoints}")
+        self.console.print(f"adopted {len(adopted)} engine(s) {adopted} and {len(endpoints)} store shard(s) "
+                           f"in {time.monotonic() - started:.2f} s; stopped {len(ended)} engine(s) that did not fit")  # fmt: skip
+        return Adopted(tuple(adopted), tuple(endpoints), next(iter(events_endpoints), None))
+
     def _create_actor(self, config: EngineConfig, instance_id: str) -> ray.actor.ActorHandle:
         options = placement_options(config.role, gpus=0 if is_cpu_build() else 1)
-        actor = EngineActor.options(name=instance_id, max_concurrency=64, **options).remote(
-            config, instance_id
-        )
+        actor = EngineActor.options(
+            name=instance_id, lifetime="detached", max_concurrency=64, **options
+        ).remote(config, instance_id)
         self._actors[instance_id] = actor
         return actor
 
@@ -242,8 +305,7 @@ class Launcher:
         self.instances.pop(instance_id, None)
         self._descriptors.pop(instance_id, None)
         if actor is not None:
-            await asyncio.gather(asyncio.wait_for(actor.stop.remote(), 30), return_exceptions=True)
-            ray.kill(actor)
+            await _end_engines([actor])
         self.registry.remove(instance_id)
 
     def _record(self, instance_id: str, path: str, timeline: dict) -> None:
@@ -282,12 +344,9 @@ class Launcher:
 
     async def shutdown(self) -> None:
         """Stop every engine this launcher created (their processes, then their actors)."""
-        actors = list(self._actors.items())
-        stops = [asyncio.wait_for(a.stop.remote(), 30) for _, a in actors]
-        await asyncio.gather(*stops, return_exceptions=True)
-        for instance_id, actor in actors:
+        await _end_engines(list(self._actors.values()))
+        for instance_id in self._actors:
             self.registry.remove(instance_id)
-            ray.kill(actor)
         self._actors.clear()
         self.instances.clear()
         self._descriptors.clear()
@@ -297,3 +356,10 @@ class Launcher:
         for shard in self._shards:
             ray.kill(shard)
         self._shards.clear()
+
+
+async def _end_engines(actors: list[ray.actor.ActorHandle]) -> None:
+    """Stop the engines' processes (concurrently, 30 s at most), then end their actors."""
+    await asyncio.gather(*(asyncio.wait_for(a.stop.remote(), 30) for a in actors), return_exceptions=True)
+    for actor in actors:
+        ray.kill(actor)

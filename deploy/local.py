@@ -1,17 +1,24 @@
-"""`pdcluster serve` as a child process, for tests, benchmarks and load tests on one machine."""
+"""`pdcluster serve` and a Ray head as child processes, for tests, benchmarks and load tests on
+one machine."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 
+from engine.environment import RAY_LOOPBACK_ENV, UCX_LOOPBACK_ENV
 from engine.host import free_port
 
 
@@ -64,6 +71,13 @@ class LocalServer:
     def instances(self) -> list[dict]:
         return httpx.get(f"{self.url}/admin/instances", timeout=5).json()["instances"]
 
+    def kill(self) -> None:
+        """SIGKILL the `pdcluster serve` process alone, as a crash would. On a Ray cluster it
+        joined (`--address`), its engines and store shards live on; `start()` again adopts them."""
+        if self._process is not None and self._process.poll() is None:
+            self._process.kill()
+            self._process.wait()
+
     def stop(self, grace_s: float = 60.0) -> None:
         """Ctrl-C, as a user would; SIGKILL if it has not finished after `grace_s`."""
         if self._process is None or self._process.poll() is not None:
@@ -76,6 +90,69 @@ class LocalServer:
             self._process.wait()
 
     def __enter__(self) -> LocalServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class RayHead:
+    """A one-node Ray cluster on loopback that outlives the `pdcluster serve --address` processes
+    using it (as on a `ray up` head), run as `ray start --head --block`; owns its processes."""
+
+    PORT_FLAGS = ("--port", "--node-manager-port", "--object-manager-port", "--metrics-export-port",
+                  "--dashboard-agent-listen-port", "--dashboard-agent-grpc-port", "--runtime-env-agent-port")  # fmt: skip
+
+    def __init__(
+        self, resources: dict[str, float] | None = None, num_cpus: int = 4, start_timeout_s: float = 60
+    ):
+        self.resources = resources or {}
+        self.num_cpus = num_cpus
+        self.start_timeout_s = start_timeout_s
+        # Fixed free ports: Ray's defaults (6379, 52365, ...) would collide with another head here.
+        self.ports = {flag: free_port("127.0.0.1") for flag in self.PORT_FLAGS}
+        self.address = f"127.0.0.1:{self.ports['--port']}"
+        self._temp_dir = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))  # short: Ray's socket paths
+        self._process: subprocess.Popen | None = None
+
+    def start(self) -> RayHead:
+        ray = str(Path(sys.executable).with_name("ray"))
+        command = [ray, "start", "--head", "--block", "--node-ip-address=127.0.0.1", "--include-dashboard=false",
+                   f"--num-cpus={self.num_cpus}", f"--resources={json.dumps(self.resources)}",
+                   "--object-store-memory=268435456", f"--temp-dir={self._temp_dir}",
+                   *(f"{flag}={port}" for flag, port in self.ports.items())]  # fmt: skip
+        env = {**os.environ, **RAY_LOOPBACK_ENV, **UCX_LOOPBACK_ENV}
+        log = (self._temp_dir / "ray-start.log").open("w")
+        self._process = subprocess.Popen(
+            command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        deadline = time.monotonic() + self.start_timeout_s
+        while time.monotonic() < deadline:
+            if self._process.poll() is not None:
+                raise RuntimeError(
+                    f"ray start exited ({self._process.returncode}): {self._temp_dir}/ray-start.log"
+                )
+            with socket.socket() as probe:
+                if probe.connect_ex(("127.0.0.1", self.ports["--port"])) == 0:
+                    return self
+            time.sleep(0.2)
+        self.stop()
+        raise TimeoutError(f"Ray head not listening in {self.start_timeout_s} s")
+
+    def stop(self, grace_s: float = 30.0) -> None:
+        """SIGTERM: `ray start --block` stops the processes it started; then the group is killed."""
+        if self._process is not None and self._process.poll() is None:
+            self._process.terminate()
+            try:
+                self._process.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._process.pid, signal.SIGKILL)
+            self._process.wait()
+        shutil.rmtree(self._temp_dir, ignore_errors=True)
+
+    def __enter__(self) -> RayHead:
         return self.start()
 
     def __exit__(self, *exc) -> None:

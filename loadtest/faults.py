@@ -3,8 +3,9 @@
     python -m loadtest.faults [--requests 24] [--scenario NAME ...]
 
 Each scenario starts its own `pdcluster serve` (tiny model), sends a burst of concurrent greedy
-streams, SIGKILLs one engine's whole process group (vLLM server, engine core, worker) or the KV
-store shard's process while they run, then sends a follow-up batch to see the service recover;
+streams, SIGKILLs one engine's whole process group (vLLM server, engine core, worker), the KV
+store shard's process or the router's (which is then started again: it adopts the engines and
+rebuilds its KV index) while they run, then sends a follow-up batch to see the service recover;
 P/D scenarios also report what the store still holds in flight afterwards (leases, reserved
 bytes: both must be back at 0). Every request is classified:
 completed (all its tokens), failed clean (an OpenAI-style HTTP error or an error event closing
@@ -16,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
+import contextlib
 import dataclasses
 import json
 import os
@@ -31,7 +34,7 @@ import psutil
 from rich.console import Console
 from rich.table import Table
 
-from deploy.local import LocalServer
+from deploy.local import LocalServer, RayHead
 from loadtest.client import stream_request
 from loadtest.workloads import random_text
 
@@ -67,6 +70,12 @@ SCENARIOS = {
     "colocated-killed-mid-stream": Scenario(
         "colocated-killed-mid-stream", ("--instances", "2"), "colocated", 1.0, 40, 512,
     ),
+    # On a Ray cluster of its own (as on a `ray up` head), so the engines outlive the router.
+    "router-restarted": Scenario(
+        "router-restarted",
+        ("--prefill", "1", "--decode", "1", "--remote-prefill-min-tokens", "0"),
+        "router", 2.0, 400, 64,
+    ),
 }  # fmt: skip
 
 
@@ -88,55 +97,98 @@ def classify(result, max_tokens: int) -> str:
     return "completed"
 
 
-async def burst(url: str, count: int, scenario: Scenario, seed: int) -> list[str]:
+async def burst(url: str, count: int, scenario: Scenario, seed: int) -> list[tuple[str, str]]:
+    """`count` concurrent greedy streams; each one's outcome and error (empty if none)."""
     rng = random.Random(seed)
     timeout = aiohttp.ClientTimeout(total=None, connect=10)
     async with aiohttp.ClientSession(timeout=timeout) as session:
 
-        async def one() -> str:
+        async def one() -> tuple[str, str]:
             body = {"model": "tiny", "prompt": random_text(rng, scenario.prompt_words),
                     "max_tokens": scenario.max_tokens, "temperature": 0, "ignore_eos": True}  # fmt: skip
             try:
                 async with asyncio.timeout(HANG_TIMEOUT_S):
                     result = await stream_request(session, f"{url}/v1/completions", body)
             except TimeoutError:
-                return "hung"
-            return classify(result, scenario.max_tokens)
+                return "hung", "timeout"
+            return classify(result, scenario.max_tokens), result.error or ""
 
         return await asyncio.gather(*(one() for _ in range(count)))
+
+
+def tally(outcomes: list[tuple[str, str]]) -> dict:
+    counts = collections.Counter(outcome for outcome, _ in outcomes)
+    errors = collections.Counter(error for _, error in outcomes if error)
+    return {
+        **{k: counts[k] for k in ("completed", "failed_clean", "dropped", "hung")},
+        "errors": dict(errors),
+    }
 
 
 def store_shards(url: str) -> list[dict]:
     return httpx.get(f"{url}/admin/store", timeout=10).json()["shards"]
 
 
+def index_blocks(server: LocalServer) -> int:
+    return sum(i["index_blocks"] for i in server.instances())
+
+
+async def restart_router(server: LocalServer, blocks_known: int) -> dict:
+    """SIGKILL the router, start it again: how long until it served again, whether it kept the
+    engines, and whether its index knows again the `blocks_known` blocks it knew before the load
+    (rebuilt from the engines' KV event buffers)."""
+    instances_before = sorted(i["instance_id"] for i in server.instances())
+    server.kill()
+    started = time.monotonic()
+    server.log_path = server.log_path.with_name(server.log_path.stem + "-restarted.log")
+    await asyncio.to_thread(server.start)
+    restart_s = time.monotonic() - started
+    deadline = time.monotonic() + 10
+    while (blocks_after := index_blocks(server)) < blocks_known and time.monotonic() < deadline:
+        await asyncio.sleep(0.2)
+    return {"restart_s": round(restart_s, 2), "index_blocks_before": blocks_known,
+            "index_blocks_after_restart": blocks_after,
+            "engines_kept": instances_before == sorted(i["instance_id"] for i in server.instances())}  # fmt: skip
+
+
 async def run_scenario(server: LocalServer, scenario: Scenario, requests: int) -> dict:
+    restart: dict = {}
     if scenario.victim_role == "store":
         (shard,) = store_shards(server.url)
         victim = {"instance_id": f"store shard (pid {shard['pid']})"}
+    elif scenario.victim_role == "router":
+        victim = {"instance_id": f"router (pid {server.pid})"}
+        await burst(server.url, 4, scenario, seed=3)  # prefixes the engines hold before the load
+        await asyncio.sleep(3)  # the router's speculative entries expire; the engines' remain
+        blocks_known = index_blocks(server)
     else:
         victim = [i for i in server.instances() if i["role"] == scenario.victim_role][0]
     load = asyncio.create_task(burst(server.url, requests, scenario, seed=1))
+    load_ended = asyncio.get_running_loop().create_future()
+    load.add_done_callback(lambda _: load_ended.set_result(time.monotonic()))
     await asyncio.sleep(scenario.kill_after_s)
     killed_at = time.monotonic()
     if scenario.victim_role == "store":
         os.kill(shard["pid"], signal.SIGKILL)
+    elif scenario.victim_role == "router":
+        restart = await restart_router(server, blocks_known)
     else:
         kill_engine(victim["url"])
     outcomes = await load
-    drained_s = time.monotonic() - killed_at
+    drained_s = await load_ended - killed_at
     # Give the health checks their few seconds, then see the rest of the service serve.
     await asyncio.sleep(6)
     follow_up = await burst(server.url, 8, scenario, seed=2)
     states = {i["instance_id"]: i["state"] for i in server.instances()}
     in_flight = [s.get("leases", 0) + s.get("reserved_bytes", 0) if "error" not in s else "gone"
                  for s in store_shards(server.url)]  # fmt: skip
+    followed = tally(follow_up)
     return {
-        "scenario": scenario.name, "victim": victim["instance_id"], "sent": requests,
-        **{k: outcomes.count(k) for k in ("completed", "failed_clean", "dropped", "hung")},
+        "scenario": scenario.name, "victim": victim["instance_id"], "sent": requests, **tally(outcomes),
         "burst_end_after_kill_s": round(drained_s, 2),
-        "follow_up_completed": follow_up.count("completed"), "follow_up_sent": len(follow_up),
-        "instances_after": states, "store_in_flight_after": in_flight,
+        "follow_up_completed": followed["completed"], "follow_up_sent": len(follow_up),
+        "follow_up_errors": followed["errors"],
+        "instances_after": states, "store_in_flight_after": in_flight, **restart,
     }  # fmt: skip
 
 
@@ -154,23 +206,22 @@ def main(argv: list[str] | None = None) -> int:
         scenario = SCENARIOS[name]
         console.print(f"[bold]{name}[/]: starting pdcluster serve {' '.join(scenario.serve_args)}")
         log = Path("results") / f"faults-{name}.log"
-        with LocalServer(["--model", "tiny", *scenario.serve_args], log) as server:
+        with contextlib.ExitStack() as stack:
+            serve_args = ["--model", "tiny", *scenario.serve_args]
+            if scenario.victim_role == "router":
+                head = stack.enter_context(RayHead(resources={"prefill": 2, "decode": 2}))
+                serve_args += ["--address", head.address]
+            server = stack.enter_context(LocalServer(serve_args, log))
             rows.append(asyncio.run(run_scenario(server, scenario, args.requests)))
         console.print(rows[-1])
-    rows.append(
-        {"scenario": "router-restarted", "note": "not run: engines are owned by the router's process today"}
-    )
-    table = Table(title="faults: one engine or the store shard SIGKILLed under load")
+    table = Table(title="faults: an engine, the store shard or the router SIGKILLed under load")
     columns = ("scenario", "sent", "completed", "failed_clean", "dropped", "hung", "follow_up_completed",
                "store_in_flight_after")  # fmt: skip
     for column in columns:
         table.add_column(column)
     for row in rows:
-        if "note" in row:
-            table.add_row(row["scenario"], row["note"], *[""] * (len(columns) - 2))
-        else:
-            table.add_row(*(str(row[c]) if c != "follow_up_completed" else f"{row[c]}/{row['follow_up_sent']}"
-                            for c in columns))  # fmt: skip
+        table.add_row(*(str(row[c]) if c != "follow_up_completed" else f"{row[c]}/{row['follow_up_sent']}"
+                        for c in columns))  # fmt: skip
     console.print(table)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(rows, indent=2))

@@ -150,7 +150,7 @@ def build_app(
     async def lifespan(app: FastAPI):
         monitor.start()
         if listener:
-            listener.start()
+            listener.start(holders=[i.instance_id for i in registry.all()])
         try:
             yield
         finally:
@@ -279,7 +279,7 @@ def build_app(
         return {
             "instances": [
                 {"instance_id": i.instance_id, "role": i.role.value, "url": i.url,
-                 "state": i.state.value, "inflight": i.inflight}
+                 "state": i.state.value, "inflight": i.inflight, "index_blocks": index.num_blocks(i.instance_id)}
                 for i in registry.all()
             ]
         }  # fmt: skip

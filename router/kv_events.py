@@ -8,14 +8,15 @@ binds a PUB socket only on a wildcard address, and nothing here may listen beyon
 Each batch carries a sequence number. A gap (a slow joiner, a dropped message, a restarted
 engine) triggers a replay from the engine's buffer; if the replay cannot cover the gap the
 holder's entries are cleared and rebuilt from the next events, since stale entries are worse
-than none.
+than none. A router that starts while engines already serve (a restart) replays each engine's
+buffer from the start, so its index holds what the engines hold before the next request.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import msgspec
 import zmq
@@ -48,19 +49,22 @@ class KVEventListener:
         self._decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
         self._context = zmq.asyncio.Context()
         self._socket: zmq.asyncio.Socket | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
 
-    def start(self) -> None:
+    def start(self, holders: Iterable[str] = ()) -> None:
+        """Listen, and catch up on the history of `holders` (engines that published before this
+        router started: a restarted router rebuilds its index from their replay buffers)."""
         self._socket = self._context.socket(zmq.SUB)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.SUBSCRIBE, b"")
         self._socket.bind(self.bind_endpoint)
-        self._task = asyncio.create_task(self._run(), name="kv-event-listener")
+        self._tasks = [asyncio.create_task(self._run(), name="kv-event-listener")]
+        self._tasks += [asyncio.create_task(self.catch_up(h), name=f"kv-catch-up-{h}") for h in holders]
 
     async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._socket:
             self._socket.close(linger=0)
         self._context.term()
@@ -79,16 +83,25 @@ class KVEventListener:
         """Apply one batch, replaying or resyncing first if batches were missed."""
         if self._apply(holder, seq, payload):
             return
+        await self.catch_up(holder, live_seq=seq)
+        self._apply(holder, seq, payload)
+
+    async def catch_up(self, holder: str, live_seq: int | None = None) -> None:
+        """Apply what `holder`'s replay buffer holds beyond the index's last batch. If the buffer
+        no longer reaches back that far (or, with `live_seq`, the batch just received is past a
+        gap the replay cannot fill), forget the holder's entries and go on from the earliest
+        batch there is."""
         expected = self.index.expected_seq(holder)
         replayed = await self._replay(holder, expected)
-        if not replayed or replayed[0][0] != expected:
-            # The engine no longer holds what we missed (or restarted): start over from here.
+        first = replayed[0][0] if replayed else live_seq
+        if first is not None and first != expected:
             self.resyncs += 1
-            log.warning("KV events of %s: gap before %d not replayable; resyncing", holder, seq)
-            self.index.resync(holder, replayed[0][0] if replayed else seq)
+            log.warning(
+                "KV events of %s: batches %d..%d not replayable; resyncing", holder, expected, first - 1
+            )
+            self.index.resync(holder, first)
         for replay_seq, replay_payload in replayed:
             self._apply(holder, replay_seq, replay_payload)
-        self._apply(holder, seq, payload)
 
     def _apply(self, holder: str, seq: int, payload: bytes) -> bool:
         from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored

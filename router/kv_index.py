@@ -105,6 +105,8 @@ class KVIndex:
         return matched
 
     def num_blocks(self, holder: str) -> int:
+        """Blocks `holder` has reported, and its speculative ones not yet expired."""
+        self.expire()
         return len(self._blocks.get(holder, ()))
 
     def holders(self) -> list[str]:

@@ -7,11 +7,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from deploy.cli import Topology
+from deploy.cli import Topology, roles_to_start
 from deploy.cluster import ClusterConfigError, validate_cluster_yaml
 from deploy.launcher import placement_options
 from deploy.pool import PoolSpec
 from engine.config import Role
+from router.instances import Instance
 
 CLUSTERS = sorted((Path(__file__).resolve().parents[2] / "deploy" / "clusters").glob("*.yaml"))
 
@@ -77,3 +78,11 @@ def test_topology_pools_scale_to_zero_only_with_a_standby():
     assert pd.ray_resources() == {"prefill": 2.0, "decode": 2.0}  # ready at most + standby, per pool
     with pytest.raises(ValueError, match="max_ready"):
         PoolSpec(role=Role.DECODE, min_ready=3, max_ready=2)
+
+
+def test_a_restarted_launcher_starts_only_what_adoption_did_not_cover():
+    wanted = Topology.from_args(0, prefill=2, decode=1).roles()
+    assert roles_to_start(wanted, []) == wanted
+    adopted = [Instance("prefill-1", Role.PREFILL, "http://127.0.0.1:1"),
+               Instance("decode-1700000000-0", Role.DECODE, "http://127.0.0.1:2")]  # fmt: skip
+    assert roles_to_start(wanted, adopted) == [("prefill-0", Role.PREFILL)]

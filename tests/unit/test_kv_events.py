@@ -75,6 +75,32 @@ async def test_events_missed_before_the_router_started_are_replayed(endpoints):
         engine.shutdown()
 
 
+async def test_a_restarted_router_rebuilds_its_index_before_any_new_event(endpoints):
+    """A router that starts while an engine already serves (a restart) catches up from the
+    engine's replay buffer at once, instead of waiting for its next batch."""
+    sub, replay = endpoints
+    engine = publisher(sub, replay, "engine-a")
+    try:
+        for batch in (stored(0, 1), stored(2), removed(0), stored(3)):
+            engine.publish(batch)
+        await asyncio.sleep(0.3)
+        index = KVIndex()
+        listener = KVEventListener(index, sub, {"engine-a": replay}.get)
+        listener.start(holders=["engine-a"])
+        try:
+            await until(lambda: index.expected_seq("engine-a") == 4)
+            assert index.num_blocks("engine-a") == 3
+            assert index.match([1, 2, 3]) == {"engine-a": 3} and index.match([0]) == {}
+            await asyncio.sleep(0.5)  # let the PUB side reconnect
+            engine.publish(stored(4))  # the live stream goes on where the replay ended
+            await until(lambda: index.match([1, 2, 3, 4]) == {"engine-a": 4})
+            assert listener.resyncs == 0
+        finally:
+            await listener.stop()
+    finally:
+        engine.shutdown()
+
+
 async def test_a_gap_that_cannot_be_replayed_resyncs_the_holder(endpoints):
     sub, _ = endpoints
     index = KVIndex()
