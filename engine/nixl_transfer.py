@@ -15,9 +15,37 @@ class NixlTransferError(RuntimeError):
     """A transfer failed, timed out, or its peer could not be reached."""
 
 
+# NIXL's Python API (nixl._api.nixl_agent) starts UCX's progress thread with no delay between
+# polls, so every agent spins a core even when idle (measured: 1.0 CPU-second per second; on a
+# 2-core machine with a shard and two engines, most of the machine). With a delay the thread waits
+# on UCX's event fd between events instead: 0.03 CPU-s/s idle, and loopback reads ran 2x faster
+# (loadtest.store_bench, docs/pd.md). The thread stays: a shard's UCX worker must progress to
+# serve one-sided reads over TCP (with no thread, transfers to it time out).
+PROGRESS_THREAD_DELAY_US = 100
+
+
+def quiet_progress_threads() -> None:
+    """Make every NIXL agent created in this process from now on (ours and vLLM's NixlConnector
+    alike) use PROGRESS_THREAD_DELAY_US, whatever the Python API sets."""
+    from nixl import _api
+
+    config_type = _api.nixlBind.nixlAgentConfig
+    if getattr(config_type, "pdcluster_quiet", False):
+        return
+
+    class QuietAgentConfig(config_type):
+        pdcluster_quiet = True
+
+        def __setattr__(self, name, value):
+            super().__setattr__(name, PROGRESS_THREAD_DELAY_US if name == "pthrDelay" else value)
+
+    _api.nixlBind.nixlAgentConfig = QuietAgentConfig
+
+
 def new_agent(prefix: str):
     from nixl._api import nixl_agent, nixl_agent_config
 
+    quiet_progress_threads()
     return nixl_agent(f"{prefix}-{uuid.uuid4().hex[:8]}", nixl_agent_config(backends=["UCX"]))
 
 
@@ -29,33 +57,54 @@ def split(extents: Sequence[Extent], piece_bytes: int = PIECE_BYTES) -> list[Ext
     ]
 
 
+class PostedTransfer:
+    """One NIXL request, posted at construction and in flight until `wait()` sees it done;
+    `release()` frees its handle (call it once the transfer is over: its buffers are in use until
+    then). Raises NixlTransferError."""
+
+    def __init__(self, agent, op: str, local: Sequence[Extent], remote: Sequence[Extent], peer: str):
+        local_pieces, remote_pieces = _pair(list(local), list(remote))
+        self.agent, self.op, self.nbytes = agent, op, sum(n for _, n in local_pieces)
+        self.handle = None
+        try:
+            self.handle = agent.initialize_xfer(op, agent.get_xfer_descs([(a, n, 0) for a, n in local_pieces], "DRAM"),
+                                                agent.get_xfer_descs([(a, n, 0) for a, n in remote_pieces], "DRAM"),
+                                                peer)  # fmt: skip
+            self.state = agent.transfer(self.handle)
+        except Exception as exc:  # NIXL's own errors: an unreachable or vanished peer
+            self.release()
+            raise NixlTransferError(f"NIXL {op} failed: {exc}") from exc
+
+    def wait(self, deadline: float) -> None:
+        """Until the transfer is done (or `deadline`, a time.monotonic() value, passes)."""
+        try:
+            while self.state == "PROC":
+                if time.monotonic() > deadline:
+                    raise NixlTransferError(f"NIXL {self.op} of {self.nbytes} bytes timed out")
+                time.sleep(0.0002)
+                self.state = self.agent.check_xfer_state(self.handle)
+        except NixlTransferError:
+            raise
+        except Exception as exc:
+            raise NixlTransferError(f"NIXL {self.op} failed: {exc}") from exc
+        if self.state != "DONE":
+            raise NixlTransferError(f"NIXL {self.op} failed ({self.state})")
+
+    def release(self) -> None:
+        if self.handle is not None:
+            self.agent.release_xfer_handle(self.handle)
+            self.handle = None
+
+
 def transfer(agent, op: str, local: Sequence[Extent], remote: Sequence[Extent], peer: str,
              timeout_s: float) -> None:  # fmt: skip
     """`op` ("READ" or "WRITE") between local and remote extents of equal total size: the two
     lists are cut at the same byte positions, so their pieces pair up. Raises NixlTransferError."""
-    local_pieces, remote_pieces = _pair(list(local), list(remote))
-    handle = None
+    posted = PostedTransfer(agent, op, local, remote, peer)
     try:
-        handle = agent.initialize_xfer(op, agent.get_xfer_descs([(a, n, 0) for a, n in local_pieces], "DRAM"),
-                                       agent.get_xfer_descs([(a, n, 0) for a, n in remote_pieces], "DRAM"),
-                                       peer)  # fmt: skip
-        state = agent.transfer(handle)
-        deadline = time.monotonic() + timeout_s
-        while state == "PROC":
-            if time.monotonic() > deadline:
-                raise NixlTransferError(f"NIXL {op} of {sum(n for _, n in local_pieces)} bytes timed out "
-                                        f"after {timeout_s} s")  # fmt: skip
-            time.sleep(0.0002)
-            state = agent.check_xfer_state(handle)
-        if state != "DONE":
-            raise NixlTransferError(f"NIXL {op} failed ({state})")
-    except NixlTransferError:
-        raise
-    except Exception as exc:  # NIXL's own errors: an unreachable or vanished peer
-        raise NixlTransferError(f"NIXL {op} failed: {exc}") from exc
+        posted.wait(time.monotonic() + timeout_s)
     finally:
-        if handle is not None:
-            agent.release_xfer_handle(handle)
+        posted.release()
 
 
 def _pair(local: list[Extent], remote: list[Extent]) -> tuple[list[Extent], list[Extent]]:

@@ -21,12 +21,14 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import importlib.util
 import json
 import os
 import pickle
 import time
 from pathlib import Path
 
+from engine.nixl_transfer import quiet_progress_threads
 from engine.weights import (
     WeightExporter,
     WeightIntegrityError,
@@ -39,6 +41,11 @@ from engine.weights import (
 )
 
 WEIGHTS_KEY_ENV = "PDCLUSTER_WEIGHTS_KEY"
+
+# vLLM loads this module when it builds the worker, before the worker's KV connector makes its
+# NIXL agents: from here on they do not spin a core each (engine/nixl_transfer.py says why).
+if importlib.util.find_spec("nixl") is not None:
+    quiet_progress_threads()
 
 
 def _key() -> str | None:

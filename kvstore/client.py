@@ -10,6 +10,7 @@ wrong KV.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -19,7 +20,7 @@ import msgpack
 import numpy as np
 import xxhash
 
-from engine.nixl_transfer import NixlTransferError, new_agent, transfer
+from engine.nixl_transfer import NixlTransferError, PostedTransfer, new_agent, transfer
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +30,9 @@ class StoreUnavailable(RuntimeError):
 
 
 Allocate = Callable[[int], tuple[np.ndarray, object]]
+# A read is posted in pieces of about this size, so that the first pieces are checked and
+# copied while the later ones are still on the wire.
+READ_PIECE_BYTES = 8 * 1024**2
 
 
 def _new_array(nbytes: int) -> tuple[np.ndarray, np.ndarray]:
@@ -64,6 +68,19 @@ def request_once(endpoint: str, request: dict, timeout_s: float) -> dict:
     finally:
         socket.close(0)
         context.term()
+
+
+def _group(sizes: list[int], limit: int) -> list[list[int]]:
+    """Consecutive indices grouped so each group holds at most `limit` bytes (or one item)."""
+    groups: list[list[int]] = [[]]
+    used = 0
+    for index, size in enumerate(sizes):
+        if groups[-1] and used + size > limit:
+            groups.append([])
+            used = 0
+        groups[-1].append(index)
+        used += size
+    return [g for g in groups if g]
 
 
 class ShardClient:
@@ -153,38 +170,48 @@ class ShardClient:
         """The leased chunks that arrived intact, up to the first damaged one; and whether one was."""
         found: list[np.ndarray] = []
         for batch in self._batches([c["nbytes"] for c in chunks]):
-            local, remote, offset = [], [], 0
-            for index in batch:
-                local.append((self.staging.ctypes.data + offset, chunks[index]["nbytes"]))
-                remote.extend((a, n) for a, n in chunks[index]["extents"])
-                offset += chunks[index]["nbytes"]
-            transfer(self.agent, "READ", local, remote, self.peer, self.timeout_s)
-            offset = 0
-            for index in batch:
-                data = self.staging[offset : offset + chunks[index]["nbytes"]]
-                offset += data.nbytes
-                if checksum(data) != chunks[index]["checksum"]:
-                    self.rejected += 1
-                    log.warning("a stored KV chunk failed its checksum: treated as a miss and dropped")
-                    return found, True
-                target, result = allocate(data.nbytes)
-                target[:] = data
-                found.append(result)
+            posted: list[tuple[list[int], int, PostedTransfer]] = []  # chunks, staging offset, read
+            deadline = time.monotonic() + self.timeout_s
+            try:
+                offset = 0
+                for piece in _group([chunks[i]["nbytes"] for i in batch], READ_PIECE_BYTES):
+                    indices = [batch[i] for i in piece]
+                    local, remote, start = [], [], offset
+                    for index in indices:
+                        local.append((self.staging.ctypes.data + offset, chunks[index]["nbytes"]))
+                        remote.extend((a, n) for a, n in chunks[index]["extents"])
+                        offset += chunks[index]["nbytes"]
+                    posted.append(
+                        (indices, start, PostedTransfer(self.agent, "READ", local, remote, self.peer))
+                    )
+                for indices, offset, read in posted:
+                    read.wait(deadline)
+                    for index in indices:
+                        data = self.staging[offset : offset + chunks[index]["nbytes"]]
+                        offset += data.nbytes
+                        if checksum(data) != chunks[index]["checksum"]:
+                            self.rejected += 1
+                            log.warning(
+                                "a stored KV chunk failed its checksum: treated as a miss and dropped"
+                            )
+                            return found, True
+                        target, result = allocate(data.nbytes)
+                        target[:] = data
+                        found.append(result)
+            finally:  # reads still in flight write into the staging buffer: let them end first
+                for _, _, read in posted:
+                    with contextlib.suppress(NixlTransferError):
+                        read.wait(deadline)
+                    read.release()
         return found, False
 
     def _batches(self, sizes: list[int]) -> list[list[int]]:
         """Indices grouped so each group fits the staging buffer."""
-        groups: list[list[int]] = [[]]
-        used = 0
-        for index, size in enumerate(sizes):
-            if size > self.staging.nbytes:
-                raise ValueError(f"a {size}-byte chunk exceeds the {self.staging.nbytes}-byte staging buffer")
-            if used + size > self.staging.nbytes:
-                groups.append([])
-                used = 0
-            groups[-1].append(index)
-            used += size
-        return [g for g in groups if g]
+        if sizes and max(sizes) > self.staging.nbytes:
+            raise ValueError(
+                f"a {max(sizes)}-byte chunk exceeds the {self.staging.nbytes}-byte staging buffer"
+            )
+        return _group(sizes, self.staging.nbytes)
 
     def _call(self, request: dict) -> dict:
         zmq = self._zmq
