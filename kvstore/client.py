@@ -103,6 +103,20 @@ class ShardClient:
         )
         self.peer = self.agent.add_remote_agent(self._call({"op": "hello"})["agent"])
         self.rejected = 0  # chunks whose checksum did not match
+        self._landing: list[tuple[int, int]] = []  # caller memory reads may land in directly
+        self._landing_registrations: list = []
+
+    def register_landing(self, address: int, nbytes: int) -> None:
+        """Let reads land straight in [address, address + nbytes): chunks that `get`'s allocate
+        places there (LMCache's buffer of memory objects) skip the staging buffer and its copy."""
+        with self._lock:
+            registration = self.agent.register_memory([(address, nbytes, 0, "")], "DRAM")
+            self._landing_registrations.append(registration)
+            self._landing.append((address, address + nbytes))
+
+    def _lands_directly(self, target: np.ndarray) -> bool:
+        start = target.ctypes.data
+        return any(low <= start and start + target.nbytes <= high for low, high in self._landing)
 
     def contains(self, keys: Sequence[str]) -> int:
         with self._lock:
@@ -123,9 +137,9 @@ class ShardClient:
 
     def get(self, keys: Sequence[str], allocate: Allocate | None = None) -> list:
         """The stored prefix of `keys`, each chunk verified; stops at the first miss or damaged
-        chunk (what follows it is useless to a prefix cache). Each chunk lands in
-        `allocate(nbytes)` (a uint8 array and what to return for it; the caller's own memory,
-        so the bytes are copied once), else in a new array."""
+        chunk (what follows it is useless to a prefix cache). Each chunk goes to
+        `allocate(nbytes)` (a uint8 array and what to return for it; the caller's own memory),
+        else to a new array. Memory allocated for chunks not returned is the caller's to free."""
         with self._lock:
             reply = self._call({"op": "lease", "keys": list(keys)})
             damaged: list[str] = []
@@ -140,7 +154,8 @@ class ShardClient:
     def close(self) -> None:
         with self._lock:
             self.agent.remove_remote_agent(self.peer)
-            self.agent.deregister_memory(self._registration)
+            for registration in [self._registration, *self._landing_registrations]:
+                self.agent.deregister_memory(registration)
             if self._socket is not None:
                 self._socket.close(0)
             self._context.term()
@@ -167,39 +182,40 @@ class ShardClient:
         return self._call({"op": "commit", "keys": names})["committed"]
 
     def _read(self, chunks: list[dict], allocate: Allocate) -> tuple[list, bool]:
-        """The leased chunks that arrived intact, up to the first damaged one; and whether one was."""
-        found: list[np.ndarray] = []
+        """The leased chunks that arrived intact, up to the first damaged one; and whether one was.
+        Each chunk lands in its allocated memory if that is registered (register_landing), else
+        in the staging buffer and is copied there once checked."""
+        found: list = []
         for batch in self._batches([c["nbytes"] for c in chunks]):
-            posted: list[tuple[list[int], int, PostedTransfer]] = []  # chunks, staging offset, read
+            posted: list[tuple[list, PostedTransfer]] = []  # per piece: its chunks, its read
             deadline = time.monotonic() + self.timeout_s
             try:
-                offset = 0
+                staged = 0
                 for piece in _group([chunks[i]["nbytes"] for i in batch], READ_PIECE_BYTES):
-                    indices = [batch[i] for i in piece]
-                    local, remote, start = [], [], offset
-                    for index in indices:
-                        local.append((self.staging.ctypes.data + offset, chunks[index]["nbytes"]))
+                    local, remote, landed = [], [], []
+                    for index in (batch[i] for i in piece):
+                        nbytes = chunks[index]["nbytes"]
+                        target, result = allocate(nbytes)
+                        landing = target if self._lands_directly(target) else self.staging[staged:][:nbytes]
+                        staged += 0 if landing is target else nbytes
+                        local.append((landing.ctypes.data, nbytes))
                         remote.extend((a, n) for a, n in chunks[index]["extents"])
-                        offset += chunks[index]["nbytes"]
-                    posted.append(
-                        (indices, start, PostedTransfer(self.agent, "READ", local, remote, self.peer))
-                    )
-                for indices, offset, read in posted:
+                        landed.append((chunks[index]["checksum"], landing, target, result))
+                    posted.append((landed, PostedTransfer(self.agent, "READ", local, remote, self.peer)))
+                for landed, read in posted:
                     read.wait(deadline)
-                    for index in indices:
-                        data = self.staging[offset : offset + chunks[index]["nbytes"]]
-                        offset += data.nbytes
-                        if checksum(data) != chunks[index]["checksum"]:
+                    for expected, landing, target, result in landed:
+                        if checksum(landing) != expected:
                             self.rejected += 1
                             log.warning(
                                 "a stored KV chunk failed its checksum: treated as a miss and dropped"
                             )
                             return found, True
-                        target, result = allocate(data.nbytes)
-                        target[:] = data
+                        if landing is not target:
+                            target[:] = landing
                         found.append(result)
-            finally:  # reads still in flight write into the staging buffer: let them end first
-                for _, _, read in posted:
+            finally:  # reads still in flight write into our memory: let them end first
+                for _, read in posted:
                     with contextlib.suppress(NixlTransferError):
                         read.wait(deadline)
                     read.release()
@@ -269,6 +285,10 @@ class ShardedStore:
             if len(got) < len(run):
                 break
         return found
+
+    def register_landing(self, address: int, nbytes: int) -> None:
+        for shard in self.shards.values():
+            shard.register_landing(address, nbytes)
 
     def put(self, keys: Sequence[str], payloads: Sequence[np.ndarray]) -> int:
         by_shard: dict[str, tuple[list[str], list[np.ndarray]]] = {}

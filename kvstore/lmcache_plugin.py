@@ -47,6 +47,10 @@ class ShardRemoteConnector(RemoteConnector):
         self.client = ShardedStore(
             extra["pdc_store.endpoints"], timeout_s=float(extra.get("pdc_store.timeout_s", 5.0))
         )
+        buffer = getattr(self.local_cpu_backend.memory_allocator, "buffer", None)
+        if buffer is not None and buffer.numel() and buffer.device.type == "cpu":
+            # Chunks read from the store land straight in LMCache's memory objects.
+            self.client.register_landing(buffer.data_ptr(), buffer.numel() * buffer.element_size())
         self.misses_from_errors = 0
         self._pending = 0
         self._idle = threading.Condition()

@@ -66,7 +66,8 @@ def measure(endpoint: str, chunk_bytes: int, chunks: int, runs: int) -> dict[str
         def raw_read(_: int) -> None:
             transfer(raw_agent, "READ", local, remote, peer, 30.0)
 
-        destination = np.empty_like(buffer)  # stands for LMCache's memory objects
+        destination = np.empty_like(buffer)  # stands for LMCache's buffer of memory objects,
+        client.register_landing(destination.ctypes.data, destination.nbytes)  # registered as the plugin does
 
         def store_get(_: int) -> None:
             slots = iter(range(chunks))

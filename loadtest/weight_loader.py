@@ -12,7 +12,10 @@ Rows, medians of --runs, for a model-like checkpoint of four safetensors shards 
                           of these rows
   stream_cold_N         - stream_to_device on N threads, page cache emptied (vs disk ceiling)
   pinned_h2d            - one copy of the same bytes from pinned host memory (the H2D ceiling)
+  pagecache_to_pinned_N - the host half of a warm load: our reads from the page cache into
+                          pinned buffers, no device (vs pinned_h2d: can the copy keep up?)
   stream_warm_N         - stream_to_device from the page cache (vs pinned_h2d)
+With --chunk-mib A,B the page-cache rows run once per read size (suffix _AMiB).
 The page cache is emptied per file with posix_fadvise(DONTNEED) and checked with mincore: each
 cold row reports the fraction of the files still resident before it ran.
 """
@@ -31,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from engine import weights
 from engine.weights import _read_chunks, _safetensors_layout, stream_to_device
 from loadtest.d2d_weights import timed, write_checkpoint
 
@@ -93,14 +97,17 @@ def read_sequential(paths: list[Path]) -> None:
                 pass
 
 
-def read_parallel(model_dir: Path, threads: int) -> None:
-    """Our loader's read pattern with no device behind it: each thread reuses one buffer."""
+def read_parallel(model_dir: Path, threads: int, pinned: bool = False) -> None:
+    """Our loader's read pattern with no device behind it: each thread reuses one buffer (pinned
+    host memory, as the loader's slots, if `pinned`)."""
     _, files = _safetensors_layout(model_dir)
     local = threading.local()
 
     def land(chunk, read_into) -> None:
         if not hasattr(local, "buffer"):
-            local.buffer = memoryview(bytearray(32 * 1024**2))
+            size = max(weights.READ_CHUNK_BYTES, 32 * 1024**2)
+            raw = torch.empty(size, dtype=torch.uint8, pin_memory=True).numpy() if pinned else bytearray(size)
+            local.buffer = memoryview(raw)
         read_into(local.buffer[: chunk.nbytes])
 
     _read_chunks(files, threads, land)
@@ -120,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", default="8,16,32")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--scratch", default=None, help="folder on the disk to measure")
+    parser.add_argument("--warm-only", action="store_true", help="only the page-cache rows")
+    parser.add_argument("--chunk-mib", default=str(weights.READ_CHUNK_BYTES // 1024**2),
+                        help="read sizes to try in the page-cache rows (MiB, comma-separated)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("results/weight_loader.json"))
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -140,26 +150,36 @@ def main(argv: list[str] | None = None) -> int:
             samples[name] = timed(fn, device, args.runs, before=lambda: resident.append(evict(paths)))
             resident_before[name] = max(resident)
 
-        cold("disk_cold_sequential", lambda: read_sequential(paths))
-        for n in thread_counts:
-            cold(f"disk_cold_parallel_{n}", lambda n=n: read_parallel(model_dir, n))
-            cold(f"stream_cold_{n}", lambda n=n: stream_to_device(model_dir, device, n))
+        if not args.warm_only:
+            cold("disk_cold_sequential", lambda: read_sequential(paths))
+            for n in thread_counts:
+                cold(f"disk_cold_parallel_{n}", lambda n=n: read_parallel(model_dir, n))
+                cold(f"stream_cold_{n}", lambda n=n: stream_to_device(model_dir, device, n))
         samples["pinned_h2d"] = pinned_h2d(nbytes, device, args.runs)
         read_parallel(model_dir, thread_counts[-1])  # into the page cache
-        for n in thread_counts:
-            samples[f"stream_warm_{n}"] = timed(
-                lambda n=n: stream_to_device(model_dir, device, n), device, args.runs
-            )
+        default_chunk = weights.READ_CHUNK_BYTES
+        for mib in (int(m) for m in args.chunk_mib.split(",")):
+            weights.READ_CHUNK_BYTES = mib * 1024**2
+            suffix = "" if weights.READ_CHUNK_BYTES == default_chunk else f"_{mib}MiB"
+            for n in thread_counts:
+                # the host half alone: page cache -> pinned slots, no device behind it
+                samples[f"pagecache_to_pinned_{n}{suffix}"] = timed(
+                    lambda n=n: read_parallel(model_dir, n, pinned=True), device, args.runs
+                )
+                samples[f"stream_warm_{n}{suffix}"] = timed(
+                    lambda n=n: stream_to_device(model_dir, device, n), device, args.runs
+                )
+        weights.READ_CHUNK_BYTES = default_chunk
         resident_warm = resident_fraction(paths)
 
     gib = nbytes / 1024**3
     median = {name: statistics.median(v) for name, v in samples.items()}
-    disk = min(v for k, v in median.items() if k.startswith("disk_cold"))
+    disk = min((v for k, v in median.items() if k.startswith("disk_cold")), default=float("nan"))
     ceiling = {k: ("disk" if "cold" in k else "pinned_h2d") for k in median}
     ratio = {k: (disk if ceiling[k] == "disk" else median["pinned_h2d"]) / v for k, v in median.items()}
     print(
         f"\n{gib:.2f} GiB in {len(paths)} files, medians of {args.runs} runs; page cache resident "
-        f"before cold rows <= {max(resident_before.values()):.1%}, before warm rows {resident_warm:.1%}"
+        f"before cold rows <= {max(resident_before.values(), default=0):.1%}, before warm rows {resident_warm:.1%}"
     )
     print(f"{'path':24s} {'seconds':>8s} {'GiB/s':>7s} {'vs ceiling':>10s}  ceiling")
     for name, seconds in median.items():
