@@ -10,3 +10,7 @@
 - `shard`: one shard per node (a Ray actor): a registered host-memory arena in pages, LRU,
   leases and reservations that expire, damaged chunks dropped.
 """
+
+# The `medium` of the BlockStored events the connector publishes (through its engine's KV event
+# publisher) for prompt blocks it saved to the store: the router indexes them as the store's.
+STORE_MEDIUM = "pdc_store"

@@ -29,6 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from kvstore import STORE_MEDIUM
 from kvstore.lmcache_engine import KVLayout, StoreSettings, build_engine
 from kvstore.lmcache_plugin import flush_all
 from kvstore.paged_cpu import PagedBlockConnector
@@ -73,12 +74,14 @@ class StoreConnector(KVConnectorBase_V1):
         model = vllm_config.model_config
         self._model = model.served_model_name if isinstance(model.served_model_name, str) else model.model
         self._model_config = model
+        self._hash_algorithm = vllm_config.cache_config.prefix_caching_hash_algo
         self._engine = None
         # scheduler state
         self._planned_loads: dict[str, tuple[int, int]] = {}  # request -> (tokens after load, computed here)
         self._blocks: dict[str, list[int]] = {}
         self._prompts: dict[str, list[int]] = {}
         self._saved: dict[str, int] = {}  # request -> prompt tokens stored
+        self._events: list = []  # BlockStored events for blocks saved to the store, not yet taken
         # worker state
         self._kv_caches: list[torch.Tensor] = []
         self._failed_blocks: set[int] = set()
@@ -86,7 +89,9 @@ class StoreConnector(KVConnectorBase_V1):
     # --- scheduler half ----------------------------------------------------------------------
     def _lookup_engine(self):
         if self._engine is None:
-            self._engine = build_engine(self._settings, self._layout(), self._model, None)
+            self._engine = build_engine(
+                self._settings, self._layout(), self._model, None, self._hash_algorithm
+            )
         return self._engine
 
     def _layout(self) -> KVLayout:
@@ -150,9 +155,28 @@ class StoreConnector(KVConnectorBase_V1):
         for state in (self._blocks, self._prompts, self._planned_loads):
             state.pop(request.request_id, None)
         stored = self._saved.pop(request.request_id, 0)
+        if stored and self._saves:
+            self._events.append(self._stored_event(request, stored // self._block_size))
         asked = (request.kv_transfer_params or {}).get("do_remote_decode")
         # A prompt shorter than a block leaves nothing to store; the prefill still answered.
         return False, ({"kv_in_store": bool(stored), "stored_tokens": stored} if stored or asked else None)
+
+    def take_events(self) -> list:
+        """vLLM publishes these with its own KV events: the router learns what the store holds."""
+        events, self._events = self._events, []
+        return events
+
+    def _stored_event(self, request: Request, blocks: int):
+        """The prompt's first `blocks` blocks as now held by the store, named by vLLM's own block
+        hashes (tenant salt included), as vLLM's block pool would name them in its events."""
+        from vllm.distributed.kv_events import BlockStored
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+        return BlockStored(
+            block_hashes=[maybe_convert_block_hash(h) for h in request.block_hashes[:blocks]],
+            parent_block_hash=None, token_ids=request.all_token_ids[: blocks * self._block_size],
+            block_size=self._block_size, lora_id=None, medium=STORE_MEDIUM, lora_name=None,
+        )  # fmt: skip
 
     # --- worker half -------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -179,7 +203,7 @@ class StoreConnector(KVConnectorBase_V1):
             def copier(config, metadata):
                 return blocks
 
-        self._engine = build_engine(self._settings, layout, self._model, copier)
+        self._engine = build_engine(self._settings, layout, self._model, copier, self._hash_algorithm)
         self._kv_caches = caches
         log.info("store connector: %d layers, block %s, store shards %s", len(caches), tuple(caches[0].shape[1:]),
                  self._settings.endpoints)  # fmt: skip

@@ -1,7 +1,7 @@
 """LMCache engines for the two halves of the KV connector, configured in one place.
 
-Both halves key chunks the same way: LMCache's chunk hashes over the token ids (sha256_cbor, so
-no process's random hash seed matters), prefixed by a model tag that also names the KV layout
+Both halves key chunks the same way: LMCache's chunk hashes over the token ids (with the engine's
+own prefix-cache hash, seeded by PYTHONHASHSEED, set alike in every engine), prefixed by a model tag that also names the KV layout
 (block shape, dtype, CPU ISA): a chunk is only ever loaded by an engine that lays KV out the way
 its writer did. The worker half copies blocks with `PagedBlockConnector` on the CPU build and
 LMCache's own vLLM GPU connector on CUDA; the scheduler half only looks up (no KV memory).
@@ -58,16 +58,22 @@ def build_engine(
     layout: KVLayout,
     model: str,
     gpu_connector: Callable[[LMCacheEngineConfig, LMCacheMetadata], object] | None,
+    hash_algorithm: str = "sha256",
 ) -> LMCacheEngine:
     """A worker's engine, whose `gpu_connector(config, metadata)` builds the KV copier, or without
     one the scheduler's lookup-only engine (LMCache's own scheduler role builds no storage, so it
-    too is a worker to LMCache, with a token-sized buffer)."""
+    too is a worker to LMCache, with a token-sized buffer).
+
+    `hash_algorithm` must be the vLLM engine's own (`prefix_caching_hash_algo`): LMCache re-seeds
+    vLLM's prefix-hash root (`kv_cache_utils.init_none_hash`) with it in this process, and any
+    other algorithm would change every block hash vLLM computes from then on (its own prefix
+    cache, its KV events, and so the router's index would no longer match them)."""
     config = LMCacheEngineConfig.from_dict({
         "chunk_size": settings.chunk_tokens,
         "local_cpu": False,  # the store shard is the host-memory tier
         "max_local_cpu_size": settings.transfer_buffer_gib if gpu_connector else 0.01,
         "save_unfull_chunk": True,
-        "pre_caching_hash_algorithm": "sha256_cbor",
+        "pre_caching_hash_algorithm": hash_algorithm,
         "blocking_timeout_secs": max(1, int(settings.timeout_s)),
         "remote_storage_plugins": [PLUGIN_NAME],
         "extra_config": {

@@ -26,7 +26,7 @@ from router.disagg import RemotePrefill
 from router.errors import BadRequest, ModelNotFound, PayloadTooLarge, RouterError, error_body
 from router.hashing import PromptHasher
 from router.instances import CapacityQueue, HealthMonitor, InstanceRegistry
-from router.kv_events import KVEventListener
+from router.kv_events import STORE_HOLDER, KVEventListener
 from router.kv_index import KVIndex
 from router.policies import PolicyContext, RoutingRequest, make_policy
 from router.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
@@ -118,22 +118,16 @@ def build_app(
     """The router's FastAPI app; its lifespan owns the HTTP client, the health monitor and the
     KV event listener."""
     index = KVIndex(config.max_index_blocks_per_instance, config.speculative_ttl_s)
-    policy = make_policy(
-        config.policy,
-        PolicyContext(
-            index=index, prefill_tokens_per_s=config.prefill_tokens_per_s, fetch_cost=config.fetch_cost
-        ),
-    )
+    context = PolicyContext(
+        index=index, store_holders=frozenset({STORE_HOLDER} if store_endpoints else ()),
+        prefill_tokens_per_s=config.prefill_tokens_per_s, fetch_cost=config.fetch_cost,
+    )  # fmt: skip
+    policy = make_policy(config.policy, context)
     analyzer = RequestAnalyzer(config)
     admission = Admission(config.api_keys, config.rate_limit_per_s, config.max_concurrency_per_key)
     if admission.open:
         log.warning("no API keys configured: anyone who reaches %s:%d may use it", config.host, config.port)
-    prefill_policy = make_policy(
-        config.policy,
-        PolicyContext(
-            index=index, prefill_tokens_per_s=config.prefill_tokens_per_s, fetch_cost=config.fetch_cost
-        ),
-    )
+    prefill_policy = make_policy(config.policy, context)
     queue = CapacityQueue(config.queue_max_waiting, config.queue_timeout_s)
     forwarder = Forwarder(config, registry, policy, queue)
     forwarder.prepare = RemotePrefill(config, registry, prefill_policy, lambda: forwarder.session).prepare

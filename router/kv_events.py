@@ -22,10 +22,13 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from kvstore import STORE_MEDIUM
 from router.kv_index import KVIndex
 
 log = logging.getLogger(__name__)
 END_SEQ = -1
+STORE_HOLDER = "kv-store"
+"""The index holder for blocks in the KV store (one for all shards: every instance reads all)."""
 
 
 class KVEventListener:
@@ -112,7 +115,10 @@ class KVEventListener:
         def apply() -> None:
             for event in self._decoder.decode(payload).events:
                 if isinstance(event, BlockStored):
-                    self.index.stored(holder, event.block_hashes)
+                    # Blocks an engine saved to the shared store are the store's, not the engine's.
+                    self.index.stored(
+                        STORE_HOLDER if event.medium == STORE_MEDIUM else holder, event.block_hashes
+                    )
                 elif isinstance(event, BlockRemoved):
                     self.index.removed(holder, event.block_hashes)
                 elif isinstance(event, AllBlocksCleared):

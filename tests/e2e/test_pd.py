@@ -64,6 +64,17 @@ def test_decode_counts_the_transferred_kv_as_external_prefix_hits(served_pd):
     router = scrape(served_pd.url)
     assert router['pdcluster_router_prefills_total{where="remote"}'.split("{")[0]] > 0
 
+    # The prefill's connector tells the router (through vLLM's KV events) what the store now holds.
+    def store_blocks() -> int:
+        body = {"model": "tiny", "prompt": prompt}
+        explained = httpx.post(f"{served_pd.url}/admin/explain", json=body, timeout=30).json()
+        return explained["matched_blocks"].get("kv-store", 0)
+
+    deadline = time.monotonic() + 10
+    while store_blocks() < (prompt_tokens - 32) // 32:
+        assert time.monotonic() < deadline, store_blocks()
+        time.sleep(0.2)
+
 
 def store_shard(server) -> dict:
     (shard,) = httpx.get(f"{server.url}/admin/store", timeout=10).json()["shards"]

@@ -18,11 +18,11 @@ def publisher(endpoint: str, replay: str, topic: str):
     return ZmqEventPublisher(data_parallel_rank=0, endpoint=endpoint, replay_endpoint=replay, topic=topic)
 
 
-def stored(*hashes: int):
+def stored(*hashes: int, medium: str = "CPU"):
     from vllm.distributed.kv_events import BlockStored, KVEventBatch
 
     event = BlockStored(block_hashes=list(hashes), parent_block_hash=None, token_ids=[0] * 32 * len(hashes),
-                        block_size=32, lora_id=None, medium="CPU", lora_name=None)  # fmt: skip
+                        block_size=32, lora_id=None, medium=medium, lora_name=None)  # fmt: skip
     return KVEventBatch(ts=time.time(), events=[event])
 
 
@@ -114,3 +114,18 @@ async def test_a_gap_that_cannot_be_replayed_resyncs_the_holder(endpoints):
     assert index.match([42]) == {}  # stale entries from before the gap are gone
     assert index.match([7]) == {"engine-b": 1}
     assert index.expected_seq("engine-b") == 6
+
+
+async def test_blocks_an_engine_saved_to_the_store_are_indexed_as_the_stores(endpoints):
+    import msgspec
+
+    from kvstore import STORE_MEDIUM
+    from router.kv_events import STORE_HOLDER
+
+    index = KVIndex()
+    listener = KVEventListener(index, endpoints[0], lambda holder: None)
+    await listener.receive("prefill-0", 0, msgspec.msgpack.encode(stored(1, 2)))
+    await listener.receive("prefill-0", 1, msgspec.msgpack.encode(stored(1, 2, medium=STORE_MEDIUM)))
+    assert index.match([1, 2]) == {"prefill-0": 2, STORE_HOLDER: 2}
+    await listener.receive("prefill-0", 2, msgspec.msgpack.encode(cleared()))  # the engine's cache only
+    assert index.match([1, 2]) == {STORE_HOLDER: 2}

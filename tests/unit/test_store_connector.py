@@ -81,3 +81,23 @@ def test_a_prompt_stored_by_one_engine_is_loaded_bit_identical_by_another():
         for engine in engines:
             engine.close()
         shard.close()
+
+
+def test_building_an_lmcache_engine_keeps_vllms_prefix_hash_root():
+    """LMCache re-seeds vLLM's block-hash root in its process with its own hash algorithm; with
+    any other than the engine's, every block hash after the first store lookup changed (seen:
+    the router's index stopped matching the engines' KV events after their first request)."""
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core import kv_cache_utils
+
+    kv_cache_utils.init_none_hash(get_hash_fn_by_name("sha256"))  # as vLLM's scheduler does
+    root = kv_cache_utils.NONE_HASH
+    shard = ShardServer(8 * 1024**2, page_bytes=64 * 1024)
+    settings = StoreSettings(endpoints=(shard.endpoint,), timeout_s=5.0)
+    layout = KVLayout(LAYERS, KV_HEADS, HEAD_DIM, torch.bfloat16, (KV_HEADS, BLOCK, 2 * HEAD_DIM))
+    engine = build_engine(settings, layout, "tiny", None, hash_algorithm="sha256")
+    try:
+        assert kv_cache_utils.NONE_HASH == root
+    finally:
+        engine.close()
+        shard.close()
