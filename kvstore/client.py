@@ -103,20 +103,21 @@ class ShardClient:
         )
         self.peer = self.agent.add_remote_agent(self._call({"op": "hello"})["agent"])
         self.rejected = 0  # chunks whose checksum did not match
-        self._landing: list[tuple[int, int]] = []  # caller memory reads may land in directly
-        self._landing_registrations: list = []
+        self._caller_memory: list[tuple[int, int]] = []  # caller memory transfers use directly
+        self._caller_registrations: list = []
 
-    def register_landing(self, address: int, nbytes: int) -> None:
-        """Let reads land straight in [address, address + nbytes): chunks that `get`'s allocate
-        places there (LMCache's buffer of memory objects) skip the staging buffer and its copy."""
+    def register_caller_memory(self, address: int, nbytes: int) -> None:
+        """Register [address, address + nbytes) (LMCache's buffer of memory objects) with our NIXL
+        agent: chunks `get` allocates there are read straight into it, and payloads `put` is
+        given from there are written straight from it; neither goes through the staging buffer."""
         with self._lock:
             registration = self.agent.register_memory([(address, nbytes, 0, "")], "DRAM")
-            self._landing_registrations.append(registration)
-            self._landing.append((address, address + nbytes))
+            self._caller_registrations.append(registration)
+            self._caller_memory.append((address, address + nbytes))
 
-    def _lands_directly(self, target: np.ndarray) -> bool:
-        start = target.ctypes.data
-        return any(low <= start and start + target.nbytes <= high for low, high in self._landing)
+    def _registered(self, array: np.ndarray) -> bool:
+        start = array.ctypes.data
+        return any(low <= start and start + array.nbytes <= high for low, high in self._caller_memory)
 
     def contains(self, keys: Sequence[str]) -> int:
         with self._lock:
@@ -154,7 +155,7 @@ class ShardClient:
     def close(self) -> None:
         with self._lock:
             self.agent.remove_remote_agent(self.peer)
-            for registration in [self._registration, *self._landing_registrations]:
+            for registration in [self._registration, *self._caller_registrations]:
                 self.agent.deregister_memory(registration)
             if self._socket is not None:
                 self._socket.close(0)
@@ -169,10 +170,13 @@ class ShardClient:
             return 0
         local, remote, offset = [], [], 0
         for _, payload, extents in granted:
-            self.staging[offset : offset + payload.nbytes] = payload
-            local.append((self.staging.ctypes.data + offset, payload.nbytes))
+            if self._registered(payload):
+                local.append((payload.ctypes.data, payload.nbytes))
+            else:
+                self.staging[offset : offset + payload.nbytes] = payload
+                local.append((self.staging.ctypes.data + offset, payload.nbytes))
+                offset += payload.nbytes
             remote.extend((address, length) for address, length in extents)
-            offset += payload.nbytes
         names = [k for k, _, _ in granted]
         try:
             transfer(self.agent, "WRITE", local, remote, self.peer, self.timeout_s)
@@ -183,7 +187,7 @@ class ShardClient:
 
     def _read(self, chunks: list[dict], allocate: Allocate) -> tuple[list, bool]:
         """The leased chunks that arrived intact, up to the first damaged one; and whether one was.
-        Each chunk lands in its allocated memory if that is registered (register_landing), else
+        Each chunk lands in its allocated memory if that is registered (register_caller_memory), else
         in the staging buffer and is copied there once checked."""
         found: list = []
         for batch in self._batches([c["nbytes"] for c in chunks]):
@@ -196,7 +200,7 @@ class ShardClient:
                     for index in (batch[i] for i in piece):
                         nbytes = chunks[index]["nbytes"]
                         target, result = allocate(nbytes)
-                        landing = target if self._lands_directly(target) else self.staging[staged:][:nbytes]
+                        landing = target if self._registered(target) else self.staging[staged:][:nbytes]
                         staged += 0 if landing is target else nbytes
                         local.append((landing.ctypes.data, nbytes))
                         remote.extend((a, n) for a, n in chunks[index]["extents"])
@@ -286,9 +290,9 @@ class ShardedStore:
                 break
         return found
 
-    def register_landing(self, address: int, nbytes: int) -> None:
+    def register_caller_memory(self, address: int, nbytes: int) -> None:
         for shard in self.shards.values():
-            shard.register_landing(address, nbytes)
+            shard.register_caller_memory(address, nbytes)
 
     def put(self, keys: Sequence[str], payloads: Sequence[np.ndarray]) -> int:
         by_shard: dict[str, tuple[list[str], list[np.ndarray]]] = {}

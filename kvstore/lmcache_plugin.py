@@ -49,8 +49,8 @@ class ShardRemoteConnector(RemoteConnector):
         )
         buffer = getattr(self.local_cpu_backend.memory_allocator, "buffer", None)
         if buffer is not None and buffer.numel() and buffer.device.type == "cpu":
-            # Chunks read from the store land straight in LMCache's memory objects.
-            self.client.register_landing(buffer.data_ptr(), buffer.numel() * buffer.element_size())
+            # Chunks move straight between LMCache's memory objects and the store.
+            self.client.register_caller_memory(buffer.data_ptr(), buffer.numel() * buffer.element_size())
         self.misses_from_errors = 0
         self._pending = 0
         self._idle = threading.Condition()

@@ -6,10 +6,12 @@ A store shard runs in a child process; this process is the client. For each chun
 defaults are one 256-token chunk of the tiny model and of SmolLM2), in the same run:
   raw_read    - one NIXL READ of the chunks' bytes straight from the shard's arena into a
                 registered buffer of ours (the extents come from a lease; nothing else)
-  store_get   - ShardClient.get: lease, the same READ, xxh3 check per chunk, one copy into the
-                caller's memory (as into LMCache's memory objects), release
+  store_get   - ShardClient.get: lease, the same READ in 8 MiB pieces straight into the caller's
+                registered memory (as into LMCache's memory objects), xxh3 check per chunk
+                while later pieces fly, release
   raw_write   - one NIXL WRITE of the same bytes into pages the shard reserved
-  store_put   - ShardClient.put: checksums, reserve, copy into staging, the same WRITE, commit
+  store_put   - ShardClient.put: checksums, reserve, the same WRITE straight from the caller's
+                registered memory, commit
 Medians of --runs; store rows as a fraction of the raw row of the same direction (goal >= 0.8).
 Prints a table, writes JSON and a PNG.
 """
@@ -55,7 +57,13 @@ def measure(endpoint: str, chunk_bytes: int, chunks: int, runs: int) -> dict[str
     registration = raw_agent.register_memory([(buffer.ctypes.data, buffer.nbytes, 0, "")], "DRAM")
     peer = raw_agent.add_remote_agent(request_once(endpoint, {"op": "hello"}, 10)["agent"])
     rng = np.random.default_rng(0)
-    payloads = [rng.integers(0, 256, chunk_bytes, dtype=np.uint8) for _ in range(chunks)]
+    # Payloads and destinations stand for LMCache's buffer of memory objects, registered with the
+    # client as the plugin registers it.
+    source = rng.integers(0, 256, chunk_bytes * chunks, dtype=np.uint8)
+    payloads = [source[i * chunk_bytes :][:chunk_bytes] for i in range(chunks)]
+    destination = np.empty_like(buffer)
+    for memory in (source, destination):
+        client.register_caller_memory(memory.ctypes.data, memory.nbytes)
     local = [(buffer.ctypes.data + i * chunk_bytes, chunk_bytes) for i in range(chunks)]
     try:
         keys = [f"bench-{chunk_bytes}-{i}" for i in range(chunks)]
@@ -65,9 +73,6 @@ def measure(endpoint: str, chunk_bytes: int, chunks: int, runs: int) -> dict[str
 
         def raw_read(_: int) -> None:
             transfer(raw_agent, "READ", local, remote, peer, 30.0)
-
-        destination = np.empty_like(buffer)  # stands for LMCache's buffer of memory objects,
-        client.register_landing(destination.ctypes.data, destination.nbytes)  # registered as the plugin does
 
         def store_get(_: int) -> None:
             slots = iter(range(chunks))
