@@ -80,7 +80,7 @@ class StoreConnector(KVConnectorBase_V1):
         self._planned_loads: dict[str, tuple[int, int]] = {}  # request -> (tokens after load, computed here)
         self._blocks: dict[str, list[int]] = {}
         self._prompts: dict[str, list[int]] = {}
-        self._saved: dict[str, int] = {}  # request -> prompt tokens stored
+        self._saved: dict[str, tuple[int, bool]] = {}  # request -> (prompt tokens stored, saved by us)
         self._events: list = []  # BlockStored events for blocks saved to the store, not yet taken
         # worker state
         self._kv_caches: list[torch.Tensor] = []
@@ -130,7 +130,7 @@ class StoreConnector(KVConnectorBase_V1):
                 plan.loads.append(BlockTransfer(new.req_id, self._prompts[new.req_id][:held],
                                                 self._blocks[new.req_id], computed_here))  # fmt: skip
                 if held >= usable_tokens(len(self._prompts[new.req_id]), self._block_size):
-                    self._saved[new.req_id] = held  # all of it came from the store: nothing to save
+                    self._saved[new.req_id] = (held, False)  # all of it came from the store: nothing to save
             self._plan_save(plan, new.req_id, new.num_computed_tokens, scheduler_output)
         cached = scheduler_output.scheduled_cached_reqs
         for index, req_id in enumerate(cached.req_ids):
@@ -148,14 +148,14 @@ class StoreConnector(KVConnectorBase_V1):
         usable = usable_tokens(len(self._prompts[req_id]), self._block_size)
         if usable and computed + scheduler_output.num_scheduled_tokens.get(req_id, 0) >= usable:
             plan.saves.append(BlockTransfer(req_id, self._prompts[req_id][:usable], self._blocks[req_id]))
-            self._saved[req_id] = usable
+            self._saved[req_id] = (usable, True)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """The router passes these params to the decode instance; it finds the KV by lookup."""
         for state in (self._blocks, self._prompts, self._planned_loads):
             state.pop(request.request_id, None)
-        stored = self._saved.pop(request.request_id, 0)
-        if stored and self._saves:
+        stored, saved_here = self._saved.pop(request.request_id, (0, False))
+        if saved_here:  # blocks loaded from the store were published by the engine that saved them
             self._events.append(self._stored_event(request, stored // self._block_size))
         asked = (request.kv_transfer_params or {}).get("do_remote_decode")
         # A prompt shorter than a block leaves nothing to store; the prefill still answered.
