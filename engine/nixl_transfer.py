@@ -75,20 +75,23 @@ class PostedTransfer:
             self.release()
             raise NixlTransferError(f"NIXL {op} failed: {exc}") from exc
 
-    def wait(self, deadline: float) -> None:
-        """Until the transfer is done (or `deadline`, a time.monotonic() value, passes)."""
+    def done(self) -> bool:
+        """Whether the transfer has finished, without waiting (raises if it failed)."""
         try:
-            while self.state == "PROC":
-                if time.monotonic() > deadline:
-                    raise NixlTransferError(f"NIXL {self.op} of {self.nbytes} bytes timed out")
-                time.sleep(0.0002)
+            if self.state == "PROC":
                 self.state = self.agent.check_xfer_state(self.handle)
-        except NixlTransferError:
-            raise
         except Exception as exc:
             raise NixlTransferError(f"NIXL {self.op} failed: {exc}") from exc
-        if self.state != "DONE":
+        if self.state not in ("PROC", "DONE"):
             raise NixlTransferError(f"NIXL {self.op} failed ({self.state})")
+        return self.state == "DONE"
+
+    def wait(self, deadline: float) -> None:
+        """Until the transfer is done (or `deadline`, a time.monotonic() value, passes)."""
+        while not self.done():
+            if time.monotonic() > deadline:
+                raise NixlTransferError(f"NIXL {self.op} of {self.nbytes} bytes timed out")
+            time.sleep(0.0002)
 
     def release(self) -> None:
         if self.handle is not None:

@@ -10,7 +10,9 @@ wrong KV.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -32,7 +34,7 @@ class StoreUnavailable(RuntimeError):
 Allocate = Callable[[int], tuple[np.ndarray, object]]
 # A read is posted in pieces of about this size, so that the first pieces are checked and
 # copied while the later ones are still on the wire.
-READ_PIECE_BYTES = 8 * 1024**2
+READ_PIECE_BYTES = 4 * 1024**2
 
 
 def _new_array(nbytes: int) -> tuple[np.ndarray, np.ndarray]:
@@ -48,10 +50,12 @@ def _exchange(socket, request: dict, timeout_s: float, endpoint: str) -> dict:
     """Send one control message on a REQ socket and return the reply, or raise StoreUnavailable
     after `timeout_s` (the socket is then unusable: REQ sockets must alternate)."""
     socket.send(msgpack.packb(request))
+    return _reply(socket, request["op"], timeout_s, endpoint)
+
+
+def _reply(socket, op: str, timeout_s: float, endpoint: str) -> dict:
     if not socket.poll(int(timeout_s * 1000)):
-        raise StoreUnavailable(
-            f"store shard {endpoint} did not answer {request['op']!r} within {timeout_s} s"
-        )
+        raise StoreUnavailable(f"store shard {endpoint} did not answer {op!r} within {timeout_s} s")
     return msgpack.unpackb(socket.recv())
 
 
@@ -83,6 +87,23 @@ def _group(sizes: list[int], limit: int) -> list[list[int]]:
     return [g for g in groups if g]
 
 
+def _intact_prefix(chunks: list[tuple[int, np.ndarray, np.ndarray, object]]) -> int:
+    """How many of the (expected checksum, landed bytes, ...) chunks, from the first, are intact."""
+    for count, (expected, landing, *_) in enumerate(chunks):
+        if checksum(landing) != expected:
+            return count
+    return len(chunks)
+
+
+@dataclasses.dataclass
+class _Piece:
+    """One posted read of consecutive chunks, and the verifier's count of its intact ones."""
+
+    chunks: list[tuple[int, np.ndarray, np.ndarray, object]] = dataclasses.field(default_factory=list)
+    read: PostedTransfer | None = None
+    verdict: concurrent.futures.Future | None = None
+
+
 class ShardClient:
     def __init__(self, endpoint: str, timeout_s: float = 5.0, staging_bytes: int = 64 * 1024**2,
                  retry_after_s: float = 10.0):  # fmt: skip
@@ -95,6 +116,7 @@ class ShardClient:
         self._zmq = zmq
         self._context = zmq.Context()
         self._socket = None
+        self._unanswered: str | None = None  # the op whose answer is still to be read
         self._lock = threading.Lock()  # one request and one staging buffer at a time
         self.staging = np.zeros(staging_bytes, dtype=np.uint8)
         self.agent = new_agent("pdc-kv")
@@ -102,6 +124,7 @@ class ShardClient:
             [(self.staging.ctypes.data, self.staging.nbytes, 0, "")], "DRAM"
         )
         self.peer = self.agent.add_remote_agent(self._call({"op": "hello"})["agent"])
+        self._verifier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pdc-kv-verify")
         self.rejected = 0  # chunks whose checksum did not match
         self._caller_memory: list[tuple[int, int]] = []  # caller memory transfers use directly
         self._caller_registrations: list = []
@@ -149,8 +172,8 @@ class ShardClient:
                 if bad:  # the shard drops it: the next writer stores it afresh
                     damaged.append(keys[len(found)])
                 return found
-            finally:
-                self._call({"op": "release", "lease": reply["lease"], "damaged": damaged})
+            finally:  # its answer is collected before our next message, off the read's path
+                self._call({"op": "release", "lease": reply["lease"], "damaged": damaged}, answer_later=True)
 
     def close(self) -> None:
         with self._lock:
@@ -158,8 +181,11 @@ class ShardClient:
             for registration in [self._registration, *self._caller_registrations]:
                 self.agent.deregister_memory(registration)
             if self._socket is not None:
+                with contextlib.suppress(StoreUnavailable):  # a release sent last is delivered
+                    self._collect_answer()
                 self._socket.close(0)
             self._context.term()
+            self._verifier.shutdown(wait=True)
 
     def _put_batch(self, keys: list[str], payloads: list[np.ndarray]) -> int:
         sums = [checksum(p) for p in payloads]
@@ -188,42 +214,64 @@ class ShardClient:
     def _read(self, chunks: list[dict], allocate: Allocate) -> tuple[list, bool]:
         """The leased chunks that arrived intact, up to the first damaged one; and whether one was.
         Each chunk lands in its allocated memory if that is registered (register_caller_memory), else
-        in the staging buffer and is copied there once checked."""
+        in the staging buffer and is copied there once checked. A piece's checksums run on the
+        verifier thread as soon as it has landed, while later pieces are still moving (over shared
+        memory a read is a copy made by the posting thread, which lets go of the GIL meanwhile)."""
         found: list = []
         for batch in self._batches([c["nbytes"] for c in chunks]):
-            posted: list[tuple[list, PostedTransfer]] = []  # per piece: its chunks, its read
+            pieces: list[_Piece] = []
             deadline = time.monotonic() + self.timeout_s
             try:
                 staged = 0
-                for piece in _group([chunks[i]["nbytes"] for i in batch], READ_PIECE_BYTES):
-                    local, remote, landed = [], [], []
-                    for index in (batch[i] for i in piece):
+                for group in _group([chunks[i]["nbytes"] for i in batch], READ_PIECE_BYTES):
+                    piece = _Piece()
+                    local, remote = [], []
+                    for index in (batch[i] for i in group):
                         nbytes = chunks[index]["nbytes"]
                         target, result = allocate(nbytes)
                         landing = target if self._registered(target) else self.staging[staged:][:nbytes]
                         staged += 0 if landing is target else nbytes
                         local.append((landing.ctypes.data, nbytes))
                         remote.extend((a, n) for a, n in chunks[index]["extents"])
-                        landed.append((chunks[index]["checksum"], landing, target, result))
-                    posted.append((landed, PostedTransfer(self.agent, "READ", local, remote, self.peer)))
-                for landed, read in posted:
-                    read.wait(deadline)
-                    for expected, landing, target, result in landed:
-                        if checksum(landing) != expected:
-                            self.rejected += 1
-                            log.warning(
-                                "a stored KV chunk failed its checksum: treated as a miss and dropped"
-                            )
-                            return found, True
+                        piece.chunks.append((chunks[index]["checksum"], landing, target, result))
+                    piece.read = PostedTransfer(self.agent, "READ", local, remote, self.peer)
+                    pieces.append(piece)
+                    self._verify_landed(pieces, deadline=None)
+                self._verify_landed(pieces, deadline)
+                for piece in pieces:
+                    try:
+                        intact = piece.verdict.result(timeout=max(0.0, deadline - time.monotonic()))
+                    except TimeoutError as exc:
+                        raise StoreUnavailable(f"checking a read from {self.endpoint} timed out") from exc
+                    for _, landing, target, result in piece.chunks[:intact]:
                         if landing is not target:
                             target[:] = landing
                         found.append(result)
-            finally:  # reads still in flight write into our memory: let them end first
-                for _, read in posted:
+                    if intact < len(piece.chunks):
+                        self.rejected += 1
+                        log.warning("a stored KV chunk failed its checksum: treated as a miss and dropped")
+                        return found, True
+            finally:  # reads still in flight write into our memory, checks read it: let them end
+                for piece in pieces:
                     with contextlib.suppress(NixlTransferError):
-                        read.wait(deadline)
-                    read.release()
+                        piece.read.wait(deadline)
+                    piece.read.release()
+                    if piece.verdict is not None:
+                        with contextlib.suppress(Exception):
+                            piece.verdict.result(timeout=max(0.0, deadline - time.monotonic()))
         return found, False
+
+    def _verify_landed(self, pieces: list[_Piece], deadline: float | None) -> None:
+        """Hand each landed, unchecked piece (in order) to the verifier thread; with a deadline,
+        wait for every piece to land, else stop at the first one still in flight."""
+        for piece in pieces:
+            if piece.verdict is not None:
+                continue
+            if deadline is None and not piece.read.done():
+                return
+            if deadline is not None:
+                piece.read.wait(deadline)
+            piece.verdict = self._verifier.submit(_intact_prefix, piece.chunks)
 
     def _batches(self, sizes: list[int]) -> list[list[int]]:
         """Indices grouped so each group fits the staging buffer."""
@@ -233,7 +281,9 @@ class ShardClient:
             )
         return _group(sizes, self.staging.nbytes)
 
-    def _call(self, request: dict) -> dict:
+    def _call(self, request: dict, answer_later: bool = False) -> dict:
+        """One control message and its answer. With `answer_later`, return once it is sent: its
+        answer is read (and a refusal logged) before the next message, or at close."""
         zmq = self._zmq
         if time.monotonic() < self._down_until:
             raise StoreUnavailable(f"store shard {self.endpoint} is unreachable; retrying after a pause")
@@ -241,18 +291,30 @@ class ShardClient:
             self._socket = self._context.socket(zmq.REQ)
             self._socket.setsockopt(zmq.LINGER, 0)
             self._socket.connect(self.endpoint)
-        started = time.monotonic()
         try:
-            reply = _exchange(self._socket, request, self.timeout_s, self.endpoint)
+            self._collect_answer()
+            self._socket.send(msgpack.packb(request))
+            if answer_later:
+                self._unanswered = request["op"]
+                return {}
+            reply = _reply(self._socket, request["op"], self.timeout_s, self.endpoint)
         except StoreUnavailable:
             self._socket.close(0)
             self._socket = None
+            self._unanswered = None
             self._down_until = time.monotonic() + self.retry_after_s
             raise
         if "error" in reply:
             raise StoreUnavailable(f"store shard refused {request['op']!r}: {reply['error']}")
-        log.debug("%s took %.2f ms", request["op"], (time.monotonic() - started) * 1e3)
         return reply
+
+    def _collect_answer(self) -> None:
+        if self._unanswered is None:
+            return
+        op, self._unanswered = self._unanswered, None
+        reply = _reply(self._socket, op, self.timeout_s, self.endpoint)
+        if "error" in reply:
+            log.warning("store shard %s refused %r: %s", self.endpoint, op, reply["error"])
 
 
 class ShardedStore:

@@ -32,9 +32,9 @@ class _Chunk:
     nbytes: int
     checksum: int
     pages: list[int]
+    extents: list[Extent]  # the pages as (offset, length) runs, what a transfer names
     committed: bool = False
     readers: int = 0
-    reserved_until: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +57,10 @@ class ChunkStore:
     def __init__(self, capacity_bytes: int, page_bytes: int = PAGE_BYTES):
         self.page_bytes = page_bytes
         self.capacity_bytes = capacity_bytes // page_bytes * page_bytes
-        self._free = list(range(self.capacity_bytes // page_bytes))
+        # Free pages, next to hand out last; a chunk's pages are taken in ascending order, so a
+        # fresh or recycled run of pages makes one extent (one NIXL descriptor) rather than many.
+        self._free = list(range(self.capacity_bytes // page_bytes))[::-1]
+        self._writing: dict[str, float] = {}  # reserved, uncommitted chunks and their deadline
         self._chunks: collections.OrderedDict[str, _Chunk] = collections.OrderedDict()  # LRU first
         self._leases: dict[int, tuple[list[str], float]] = {}
         self._lease_ids = itertools.count(1)
@@ -73,15 +76,18 @@ class ChunkStore:
             pass
         if len(self._free) < pages_needed:
             return None
-        pages = [self._free.pop() for _ in range(pages_needed)]
-        self._chunks[key] = _Chunk(nbytes, checksum, pages, reserved_until=now + ttl_s)
-        return self.extents(key)
+        pages = self._free[-pages_needed:][::-1]
+        del self._free[-pages_needed:]
+        self._chunks[key] = _Chunk(nbytes, checksum, pages, self._runs(pages, nbytes))
+        self._writing[key] = now + ttl_s
+        return self._chunks[key].extents
 
     def commit(self, key: str) -> bool:
         chunk = self._chunks.get(key)
         if chunk is None or chunk.committed:
             return False
         chunk.committed = True
+        del self._writing[key]
         self._chunks.move_to_end(key)
         return True
 
@@ -109,7 +115,7 @@ class ChunkStore:
             self._chunks.move_to_end(key)
         self._leases[lease_id] = (granted, now + ttl_s)
         chunks = [{"nbytes": self._chunks[k].nbytes, "checksum": self._chunks[k].checksum,
-                   "extents": self.extents(k)} for k in granted]  # fmt: skip
+                   "extents": self._chunks[k].extents} for k in granted]  # fmt: skip
         return lease_id, chunks
 
     def release(self, lease_id: int) -> None:
@@ -131,7 +137,7 @@ class ChunkStore:
         for lease_id in [i for i, (_, until) in self._leases.items() if until < now]:
             self.release(lease_id)
             self.expired += 1
-        for key in [k for k, c in self._chunks.items() if not c.committed and c.reserved_until < now]:
+        for key in [k for k, until in self._writing.items() if until < now]:
             self._drop(key)
             self.expired += 1
 
@@ -143,10 +149,9 @@ class ChunkStore:
             damaged += 1
         return damaged
 
-    def extents(self, key: str) -> list[Extent]:
-        chunk = self._chunks[key]
-        left, extents = chunk.nbytes, []
-        for page in chunk.pages:
+    def _runs(self, pages: list[int], nbytes: int) -> list[Extent]:
+        left, extents = nbytes, []
+        for page in pages:
             length = min(self.page_bytes, left)
             if extents and extents[-1][0] + extents[-1][1] == page * self.page_bytes:
                 extents[-1] = (extents[-1][0], extents[-1][1] + length)
@@ -179,7 +184,8 @@ class ChunkStore:
         return True
 
     def _drop(self, key: str) -> None:
-        self._free.extend(self._chunks.pop(key).pages)
+        self._writing.pop(key, None)
+        self._free.extend(reversed(self._chunks.pop(key).pages))
 
 
 class ShardServer:
