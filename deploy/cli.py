@@ -113,6 +113,11 @@ def _add_serve_parser(subparsers, name: str = "serve", help: str = "serve a mode
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--kv-cache-gib", type=float, default=1.0)
     parser.add_argument("--no-eager", action="store_true", help="allow compilation / CUDA graphs")
+    parser.add_argument(
+        "--engine-log-dir",
+        type=Path,
+        help="write each engine's whole vLLM output to DIR/<instance id>.log on its node",
+    )
     parser.add_argument("--start-timeout", type=float, default=300.0, help="per engine, once placed")
     parser.add_argument(
         "--placement-timeout",
@@ -302,6 +307,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             enforce_eager=not args.no_eager,
             start_timeout_s=args.start_timeout,
             weights_key=args.weights_key,
+            log_dir=args.engine_log_dir.resolve() if args.engine_log_dir else None,
         )
         router_config = RouterConfig(
             host=args.host, port=args.port, served_model_name=name,
@@ -331,8 +337,8 @@ async def _serve(engine_config, router_config, topology, address: str | None, pl
 
     from deploy.launcher import Launcher, cpu_core_sets, start_ray
     from deploy.pool import PoolController
-    from engine.environment import is_cpu_build
-    from engine.host import free_port, node_address
+    from engine.environment import free_port, is_cpu_build
+    from engine.host import node_address
     from router.app import build_app
     from router.instances import InstanceRegistry
 

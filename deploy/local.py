@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import random
 import shutil
 import signal
 import socket
@@ -19,27 +18,13 @@ from pathlib import Path
 
 import httpx
 
-from engine.environment import RAY_LOOPBACK_ENV, UCX_LOOPBACK_ENV
-
-
-def listen_port() -> int:
-    """A free loopback port below Linux's ephemeral range (32768-60999) and above Ray's worker
-    ports (10002-19999): a server that binds it a minute later (the router, once its engines are
-    up) does not find it taken by a connection or a worker started meanwhile."""
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.randrange(20000, 32000)
-        with socket.socket() as probe:
-            try:
-                probe.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port in 20000-32000")
+from engine.environment import RAY_LOOPBACK_ENV, UCX_LOOPBACK_ENV, free_port
 
 
 class LocalServer:
-    """Runs `pdcluster serve ARGS` on a free loopback port until `stop()`; owns the process."""
+    """Runs `pdcluster serve ARGS` on a free loopback port until `stop()`; owns the process. Its
+    output goes to `log_path`; the engines it starts write theirs in the folder of that name
+    without the suffix (serve-pd.log: serve-pd/<instance id>.log)."""
 
     def __init__(
         self,
@@ -48,7 +33,7 @@ class LocalServer:
         start_timeout_s: float = 600.0,
         ready: Callable[[LocalServer], bool] | None = None,
     ):
-        self.port = listen_port()
+        self.port = free_port("127.0.0.1")
         self.url = f"http://127.0.0.1:{self.port}"
         self.args = args
         self.log_path = log_path
@@ -60,7 +45,10 @@ class LocalServer:
     def start(self) -> LocalServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = self.log_path.open("w")
-        command = [sys.executable, "-m", "deploy.cli", "serve", "--port", str(self.port), *self.args]
+        engine_logs = self.log_path.with_suffix("")
+        shutil.rmtree(engine_logs, ignore_errors=True)
+        command = [sys.executable, "-m", "deploy.cli", "serve", "--port", str(self.port),
+                   "--engine-log-dir", str(engine_logs), *self.args]  # fmt: skip
         self._process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
         deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline:
@@ -126,7 +114,7 @@ class RayHead:
         self.num_cpus = num_cpus
         self.start_timeout_s = start_timeout_s
         # Fixed free ports: Ray's defaults (6379, 52365, ...) would collide with another head here.
-        self.ports = {flag: listen_port() for flag in self.PORT_FLAGS}
+        self.ports = {flag: free_port("127.0.0.1") for flag in self.PORT_FLAGS}
         self.address = f"127.0.0.1:{self.ports['--port']}"
         self._temp_dir = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))  # short: Ray's socket paths
         self._process: subprocess.Popen | None = None

@@ -60,6 +60,9 @@ class EngineConfig(BaseModel):
     wrongly signed ones. None accepts any peer of the same model (digests are still checked)."""
     weight_transfer_timeout_s: float = Field(60.0, gt=0)
     """Longest a weight transfer from a peer may take before the instance falls back to disk."""
+    log_dir: Path | None = None
+    """Folder (on the engine's node) where each engine writes all its vLLM server printed, as
+    <instance id>.log; None keeps only the last lines in memory (shown when a start fails)."""
     extra_args: tuple[str, ...] = ()
     """Further `vllm serve` arguments, passed through verbatim."""
 

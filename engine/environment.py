@@ -6,9 +6,12 @@ machine everything must stay on loopback (ARCHITECTURE.md, section 4).
 
 from __future__ import annotations
 
+import glob
 import importlib.metadata
 import ipaddress
 import os
+import random
+import socket
 import sys
 
 RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
@@ -38,8 +41,13 @@ def is_cpu_build() -> bool:
         return False
 
 
+def _loopback_transports() -> str:
+    # NIXL refuses a UCX backend without CUDA memory support on a machine with NVIDIA GPUs.
+    return "tcp,self,sm" + (",cuda_copy" if glob.glob("/dev/nvidia[0-9]*") else "")
+
+
 # Without these UCX (NIXL's backend) also sends over the machine's routable interface.
-UCX_LOOPBACK_ENV = {"UCX_NET_DEVICES": "lo", "UCX_TLS": "tcp,self,sm"}
+UCX_LOOPBACK_ENV = {"UCX_NET_DEVICES": "lo", "UCX_TLS": _loopback_transports()}
 
 
 def is_loopback(host: str) -> bool:
@@ -68,3 +76,29 @@ def engine_env(host: str, kv_cache_gib: float, cpu_cores: str | None) -> dict[st
     if is_loopback(host):
         env.update(UCX_LOOPBACK_ENV)
     return env
+
+
+def engine_process_env(host: str, kv_cache_gib: float, cpu_cores: str | None) -> dict[str, str]:
+    """The whole environment of a vLLM server process: ours, with `engine_env` on top, less
+    PROMETHEUS_MULTIPROC_DIR. An inherited one (LMCache sets it in any process that builds an
+    LMCache engine) would be shared by every engine on the node, and each engine's /metrics would
+    report the sum of all of them; without it vLLM makes each engine a private one."""
+    inherited = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
+    return inherited | engine_env(host, kv_cache_gib, cpu_cores)
+
+
+def free_port(host: str) -> int:
+    """A free port on `host` below Linux's ephemeral range (32768-60999) and above Ray's worker
+    ports (10002-19999). Ports are picked well before they are bound (an engine's own port once
+    vLLM has imported, the router's KV-event socket once its engines are up, a minute later): a
+    port from the ephemeral range was seen taken by an outgoing connection meanwhile."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 32000)
+        with socket.socket() as probe:
+            try:
+                probe.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in 20000-32000 on {host}")

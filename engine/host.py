@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import ctypes
 import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -31,7 +31,7 @@ from pathlib import Path
 import httpx
 
 from engine.config import EngineConfig, Role
-from engine.environment import engine_env, is_cpu_build
+from engine.environment import engine_process_env, free_port, is_cpu_build
 from engine.lifecycle import InstanceState, StartTimeline
 from engine.worker_extension import WEIGHTS_KEY_ENV
 
@@ -68,12 +68,6 @@ def _die_with_parent() -> None:
     """Runs in the child before exec: SIGTERM it when the actor process dies."""
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 class EngineStartError(RuntimeError):
@@ -176,7 +170,7 @@ class EngineHost:
             raise EngineStartError(f"{self.instance_id} is {self.state.value}; cannot start")
         self.timeline = StartTimeline()
         self.state = InstanceState.LOADING
-        env = {**os.environ, **engine_env(self.host, self.config.kv_cache_gib, self.config.cpu_cores)}
+        env = engine_process_env(self.host, self.config.kv_cache_gib, self.config.cpu_cores)
         env["VLLM_SERVER_DEV_MODE"] = "1"  # /collective_rpc and /reset_prefix_cache, for weights
         if self.config.weights_key is not None:
             env[WEIGHTS_KEY_ENV] = self.config.weights_key.get_secret_value()
@@ -234,7 +228,7 @@ class EngineHost:
                 if isinstance(exc, asyncio.TimeoutError)
                 else str(exc)
             )
-            tail = "\n".join(list(self._log_tail)[-40:])
+            tail = "\n".join(self.log_tail()[-40:])
             raise EngineStartError(f"{self.instance_id} {what} failed: {reason}\n{tail}") from None
         if self.state != InstanceState.STANDBY:
             self.state = InstanceState.READY
@@ -280,16 +274,30 @@ class EngineHost:
             raise EngineStartError(f"{method} failed: HTTP {response.status_code} {response.text[:500]}")
         return response.json()["results"][0]
 
+    def log_tail(self) -> list[str]:
+        """The last LOG_TAIL_LINES lines the vLLM server printed."""
+        return list(self._log_tail)
+
     def _follow_log(self, process: subprocess.Popen[str]) -> None:
         assert process.stdout is not None
-        for line in process.stdout:
-            self._log_tail.append(line.rstrip())
-            for stage, pattern in STAGE_PATTERNS:
-                match = pattern.search(line)
-                if match:
-                    self.timeline.mark(stage)
-                    if "s" in match.groupdict():
-                        self.timeline.details[f"{stage}_reported_s"] = float(match["s"])
+        log_file = None
+        if self.config.log_dir is not None:
+            self.config.log_dir.mkdir(parents=True, exist_ok=True)
+            log_file = open(self.config.log_dir / f"{self.instance_id}.log", "a", buffering=1)  # noqa: SIM115
+        with log_file or contextlib.nullcontext():
+            for line in process.stdout:
+                self._follow_line(line, log_file)
+
+    def _follow_line(self, line: str, log_file) -> None:
+        if log_file is not None:
+            log_file.write(line)
+        self._log_tail.append(line.rstrip())
+        for stage, pattern in STAGE_PATTERNS:
+            match = pattern.search(line)
+            if match:
+                self.timeline.mark(stage)
+                if "s" in match.groupdict():
+                    self.timeline.details[f"{stage}_reported_s"] = float(match["s"])
 
     async def _wait_until_healthy(self) -> None:
         async with httpx.AsyncClient(timeout=httpx.Timeout(5.0)) as client:

@@ -30,8 +30,8 @@ from pathlib import Path
 import httpx
 
 from engine.config import EngineConfig
-from engine.environment import engine_env
-from engine.host import EngineHost, free_port
+from engine.environment import engine_process_env, free_port
+from engine.host import EngineHost
 
 PROMPT = "The first token after a cold start"
 PATHS = ("plain", "disk", "standby")
@@ -59,7 +59,7 @@ async def plain_start(config: EngineConfig, cores: str) -> dict:
                "--gpu-memory-utilization", str(config.gpu_memory_utilization)]  # fmt: skip
     if config.enforce_eager:
         command.append("--enforce-eager")
-    env = {**os.environ, **engine_env("127.0.0.1", config.kv_cache_gib, cores)}
+    env = engine_process_env("127.0.0.1", config.kv_cache_gib, cores)
     asked = time.perf_counter()
     process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                start_new_session=True)  # fmt: skip

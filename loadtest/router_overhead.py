@@ -99,7 +99,7 @@ def null_engine_run(rounds: int, runs: int) -> list[dict]:
 
     import uvicorn
 
-    from engine.host import free_port
+    from engine.environment import free_port
 
     engine_port, router_port = free_port("127.0.0.1"), free_port("127.0.0.1")
     engine_url, router_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{router_port}"

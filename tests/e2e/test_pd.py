@@ -53,14 +53,18 @@ def test_concurrent_pd_requests_equal_a_single_engine(served, served_pd):
 
 def test_decode_counts_the_transferred_kv_as_external_prefix_hits(served_pd):
     decode = engine_url(served_pd, "decode")
-    before = scrape(decode)
+    before, router_before = scrape(decode), scrape(served_pd.url, ("pdcluster_",))
     prompt = "A fresh prompt nobody sent before. " + LONG
     generate(served_pd.url, {"prompt": prompt}, max_tokens=4)
-    after = scrape(decode)
-    hits = after["vllm:external_prefix_cache_hits_total"] - before["vllm:external_prefix_cache_hits_total"]
-    prompt_tokens = after["vllm:prompt_tokens_total"] - before["vllm:prompt_tokens_total"]
-    assert prompt_tokens > 500
-    assert hits >= prompt_tokens - 32  # all full blocks came from the prefill instance
+    after, router_after = scrape(decode), scrape(served_pd.url, ("pdcluster_",))
+    delta = {name: after[name] - before.get(name, 0.0) for name in after if after[name] != before.get(name)}
+    delta |= {name: v - router_before.get(name, 0.0) for name, v in router_after.items()
+              if v != router_before.get(name)}  # fmt: skip
+    shown = "\n".join(f"{name} {value:g}" for name, value in sorted(delta.items()))
+    hits = delta["vllm:external_prefix_cache_hits_total"]
+    prompt_tokens = delta["vllm:prompt_tokens_total"]
+    assert prompt_tokens > 500, shown
+    assert hits >= prompt_tokens - 32, shown  # all full blocks came from the prefill instance
     router = scrape(served_pd.url)
     assert router['pdcluster_router_prefills_total{where="remote"}'.split("{")[0]] > 0
 

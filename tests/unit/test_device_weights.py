@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from engine.device_weights import pack, recv_weights, region_checksum, send_weights, unpack
-from engine.host import free_port
+from engine.environment import free_port
 
 
 def tensors() -> list[tuple[str, torch.Tensor]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -9,7 +10,7 @@ from pydantic import ValidationError
 
 from deploy.launcher import cpu_core_sets
 from engine.config import EngineConfig
-from engine.environment import engine_env
+from engine.environment import engine_env, engine_process_env
 from engine.host import STAGE_PATTERNS
 from engine.lifecycle import StartTimeline
 
@@ -52,6 +53,15 @@ def test_stage_patterns_match_vllm_log_lines():
 )
 def test_cpu_core_sets_are_disjoint_and_spare_core_zero(engines, cores, expected):
     assert cpu_core_sets(engines, cores) == expected
+
+
+def test_engines_do_not_share_an_inherited_prometheus_multiprocess_dir(monkeypatch):
+    # LMCache sets it in any process that builds its engine (this test process too): engines that
+    # inherit it write their metrics to one folder and each /metrics reports the sum of all.
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", "/tmp/shared-by-everyone")
+    env = engine_process_env("127.0.0.1", 1, None)
+    assert "PROMETHEUS_MULTIPROC_DIR" not in env
+    assert env["PATH"] == os.environ["PATH"] and env["UCX_NET_DEVICES"] == "lo"
 
 
 def test_engine_env_keeps_ucx_on_loopback_only_for_loopback_hosts():

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from engine.host import free_port
+from engine.environment import free_port
 from router.kv_events import KVEventListener
 from router.kv_index import KVIndex
 

@@ -9,7 +9,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from engine.config import Role
-from engine.host import free_port
+from engine.environment import free_port
 from engine.lifecycle import InstanceState
 from router.app import build_app
 from router.config import RouterConfig
