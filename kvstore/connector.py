@@ -213,7 +213,7 @@ class StoreConnector(KVConnectorBase_V1):
         for load in plan.loads:
             slots = self._slots(load.block_ids, len(load.token_ids))
             got = int(self._engine.retrieve(load.token_ids, slot_mapping=slots, kvcaches=self._kv_caches,
-                                            skip_tokens=load.skip_tokens).sum())  # fmt: skip
+                                            vllm_cached_tokens=load.skip_tokens).sum())  # fmt: skip
             if got < len(load.token_ids):
                 first_missing = max(got, load.skip_tokens) // self._block_size
                 last = len(load.token_ids) // self._block_size
@@ -240,5 +240,9 @@ class StoreConnector(KVConnectorBase_V1):
         return failed
 
     def _slots(self, block_ids: list[int], tokens: int) -> torch.Tensor:
-        blocks = torch.tensor(block_ids[: -(-tokens // self._block_size)], dtype=torch.long)
-        return (blocks[:, None] * self._block_size + torch.arange(self._block_size)).reshape(-1)[:tokens]
+        """Each token's slot in the KV cache, on the cache's device (LMCache's CUDA kernels read it
+        there)."""
+        device = self._kv_caches[0].device
+        blocks = torch.tensor(block_ids[: -(-tokens // self._block_size)], dtype=torch.long, device=device)
+        offsets = torch.arange(self._block_size, device=device)
+        return (blocks[:, None] * self._block_size + offsets).reshape(-1)[:tokens]

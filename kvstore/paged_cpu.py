@@ -36,9 +36,10 @@ class PagedBlockConnector(GPUConnectorInterface):
             chunk[layer] = cache[blocks].reshape(len(blocks), -1)
 
     def to_gpu(self, memory_obj, start: int, end: int, **kwargs) -> None:
-        """Blocks before `skip_tokens` are left alone: vLLM computed them (they may be shared)."""
+        """Blocks before `vllm_cached_tokens` (LMCache's own keyword for it) are left alone: vLLM
+        computed them (they may be shared)."""
         blocks, chunk = self._blocks(memory_obj, start, end, kwargs["slot_mapping"])
-        first = min(len(blocks), max(0, (kwargs.get("skip_tokens", 0) - start) // self.block_size))
+        first = min(len(blocks), max(0, (kwargs.get("vllm_cached_tokens", 0) - start) // self.block_size))
         for layer, cache in enumerate(self.kv_caches):
             cache[blocks[first:]] = chunk[layer][first:].reshape(len(blocks) - first, *cache.shape[1:])
 

@@ -40,7 +40,7 @@ def test_blocks_round_trip_and_a_load_leaves_already_computed_blocks_alone():
     copier.bind(source)
     copier.from_gpu(chunk, 0, 4 * BLOCK, slot_mapping=slots([5, 9, 2, 30], 4 * BLOCK))
     copier.bind(target)
-    copier.to_gpu(chunk, 0, 4 * BLOCK, slot_mapping=slots([1, 2, 3, 4], 4 * BLOCK), skip_tokens=BLOCK)
+    copier.to_gpu(chunk, 0, 4 * BLOCK, slot_mapping=slots([1, 2, 3, 4], 4 * BLOCK), vllm_cached_tokens=BLOCK)
     for layer in range(LAYERS):
         assert torch.equal(target[layer][[2, 3, 4]], source[layer][[9, 2, 30]])
         assert not target[layer][1].any()  # skipped: vLLM had computed it

@@ -1,0 +1,113 @@
+"""Prefill/decode through the store on a CUDA GPU: the same StoreConnector, with LMCache's own
+vLLM GPU connector copying KV between the paged cache and LMCache's memory objects.
+
+Needs a GPU and vLLM's CUDA build, LMCache and NIXL (the lent H200: docs/gpu-notes.md says how
+they get there); skipped anywhere else, CI included. Three engines (colocated, prefill, decode)
+share GPU 0 and one store shard in this process; no Ray and no router: the test plays the
+router's two steps itself (prefill with max_tokens=1, then decode).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+for module in ("vllm", "lmcache", "nixl"):
+    pytest.importorskip(module)
+
+from engine.config import EngineConfig, Role  # noqa: E402
+from engine.host import EngineHost  # noqa: E402
+from kvstore.shard import ShardServer  # noqa: E402
+from loadtest.scrape import scrape  # noqa: E402
+
+pytestmark = pytest.mark.slow
+LONG = " ".join(f"line {k}: the quick brown fox jumps over the lazy dog." for k in range(60))
+# Each starts differently, so that no prompt finds another's blocks in the decode's own cache.
+PROMPTS = {"shorter-than-a-block": "Hello there", "several-chunks": "Several chunks. " + LONG,
+           "a-block-and-a-bit": "A block and a bit. " + LONG[:200]}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def cuda_model(tmp_path_factory) -> Path:
+    """The tiny model (bf16 on the GPU), built in its own process: torch work before vLLM starts
+    can hang an engine (ARCHITECTURE.md, section 4)."""
+    path = Path(os.environ.get("PDC_CUDA_MODEL_DIR", tmp_path_factory.mktemp("models"))) / "tiny"
+    code = "import sys; from pathlib import Path; from engine.models import build_tiny; build_tiny(Path(sys.argv[1]))"
+    if not (path / "config.json").exists():
+        subprocess.run([sys.executable, "-c", code, str(path)], check=True, timeout=300)
+    return path
+
+
+@pytest.fixture(scope="module")
+def engines(cuda_model, artifacts):
+    """(colocated, prefill, decode) hosts on GPU 0, the last two sharing one store shard. Their
+    logs' tails are kept in the artifacts folder."""
+    shard = ShardServer(2 * 1024**3, host="127.0.0.1")
+
+    def config(role: Role) -> EngineConfig:
+        return EngineConfig(model=cuda_model, served_model_name="tiny", role=role, max_model_len=2048,
+                            gpu_memory_utilization=0.15, keep_host_weights=False,
+                            kv_store_endpoints=() if role is Role.COLOCATED else (shard.endpoint,))  # fmt: skip
+
+    hosts = [EngineHost(config(role), f"cuda-{role.value}", host="127.0.0.1")
+             for role in (Role.COLOCATED, Role.PREFILL, Role.DECODE)]  # fmt: skip
+
+    async def start_all() -> None:
+        for host in hosts:  # one at a time: vLLM's memory profiling assumes a quiet GPU
+            await host.start()
+
+    try:
+        asyncio.run(start_all())
+        yield hosts, shard
+    finally:
+        artifacts.mkdir(parents=True, exist_ok=True)
+        for host in hosts:
+            asyncio.run(host.stop())
+            (artifacts / f"{host.instance_id}.log").write_text("\n".join(host.log_tail()))
+        shard.close()
+
+
+def complete(url: str, prompt: str, max_tokens: int) -> list[int]:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "return_token_ids": True}  # fmt: skip
+    response = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["token_ids"]
+
+
+def external_hits(url: str) -> float:
+    return scrape(url, ("vllm:external_prefix_cache_hits",)).get("vllm:external_prefix_cache_hits_total", 0.0)
+
+
+@pytest.mark.parametrize("name", list(PROMPTS))
+def test_pd_through_the_store_on_cuda_equals_one_engine_and_really_loads(engines, name):
+    (colocated, prefill, decode), _ = engines
+    prompt = PROMPTS[name]
+    want = complete(colocated.url, prompt, max_tokens=24)
+    complete(prefill.url, prompt, max_tokens=1)  # computes the prompt's KV and stores it
+    before = external_hits(decode.url)
+    assert complete(decode.url, prompt, max_tokens=24) == want
+    loaded = external_hits(decode.url) - before
+    prompt_tokens = len(httpx.post(f"{decode.url}/tokenize", json={"model": "tiny", "prompt": prompt},
+                                   timeout=30).json()["tokens"])  # fmt: skip
+    whole_blocks = (prompt_tokens - 1) // decode.config.block_size * decode.config.block_size
+    assert loaded == whole_blocks  # every whole block but the last token's came from the store
+
+
+def test_damaged_chunks_on_cuda_are_rejected_and_recomputed(engines):
+    (colocated, prefill, decode), shard = engines
+    prompt = "Damaged in the store. " + LONG
+    complete(prefill.url, prompt, max_tokens=1)
+    rejected = shard.stats().rejected
+    assert shard.corrupt(shard.stats().chunks) > 0
+    assert complete(decode.url, prompt, max_tokens=24) == complete(colocated.url, prompt, max_tokens=24)
+    assert shard.stats().rejected > rejected
