@@ -133,14 +133,15 @@ class Launcher:
 
     async def start_store_shards(self, capacity_bytes: int, fault_injection: bool = False,
                                  timeout_s: float = 120.0) -> tuple[str, ...]:  # fmt: skip
-        """One KV store shard on every node of the cluster; returns their endpoints."""
+        """One KV store shard on every node of the cluster; returns their endpoints. Ray restarts a
+        shard whose process dies, on its node and endpoint (an empty store: misses until refilled)."""
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         for node in (n for n in ray.nodes() if n["Alive"]):
             strategy = NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)
             name = f"{STORE_SHARD_PREFIX}{node['NodeID'][:16]}"
             self._shards.append(StoreShard.options(
-                name=name, lifetime="detached", num_cpus=0, scheduling_strategy=strategy
+                name=name, lifetime="detached", num_cpus=0, scheduling_strategy=strategy, max_restarts=-1
             ).remote(capacity_bytes, fault_injection=fault_injection))  # fmt: skip
         endpoints = await asyncio.wait_for(
             asyncio.gather(*(s.endpoint.remote() for s in self._shards)), timeout_s

@@ -168,6 +168,7 @@ class ShardClient:
             reply = self._call({"op": "lease", "keys": list(keys)})
             damaged: list[str] = []
             try:
+                self._meet(reply["agent_name"])
                 found, bad = self._read(reply["chunks"], allocate or _new_array)
                 if bad:  # the shard drops it: the next writer stores it afresh
                     damaged.append(keys[len(found)])
@@ -194,6 +195,7 @@ class ShardClient:
         granted = [(k, p, e) for k, p, e in zip(keys, payloads, reply["extents"], strict=True) if e]
         if not granted:
             return 0
+        self._meet(reply["agent_name"])
         local, remote, offset = [], [], 0
         for _, payload, extents in granted:
             if self._registered(payload):
@@ -307,6 +309,17 @@ class ShardClient:
         if "error" in reply:
             raise StoreUnavailable(f"store shard refused {request['op']!r}: {reply['error']}")
         return reply
+
+    def _meet(self, agent_name: str) -> None:
+        """Transfer with the shard's NIXL agent `agent_name`. Another name than the one we know
+        means the shard behind our endpoint was restarted (a new agent, a new arena): learn it."""
+        if agent_name == self.peer:
+            return
+        metadata = self._call({"op": "hello"})["agent"]
+        with contextlib.suppress(Exception):  # the old agent is gone; forgetting it may complain
+            self.agent.remove_remote_agent(self.peer)
+        self.peer = self.agent.add_remote_agent(metadata)
+        log.info("store shard %s was restarted: now reading from its agent %s", self.endpoint, self.peer)
 
     def _collect_answer(self) -> None:
         if self._unanswered is None:

@@ -13,17 +13,22 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import itertools
+import logging
 import os
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import msgpack
 import numpy as np
 
 from engine.nixl_transfer import Extent, new_agent
 
+log = logging.getLogger(__name__)
 PAGE_BYTES = 64 * 1024
 
 
@@ -192,9 +197,24 @@ class ShardServer:
     """The arena, its NIXL registration and the control socket, served on a thread."""
 
     def __init__(self, capacity_bytes: int, host: str = "127.0.0.1", ttl_s: float = 30.0,
-                 page_bytes: int = PAGE_BYTES, fault_injection: bool = False):  # fmt: skip
+                 page_bytes: int = PAGE_BYTES, fault_injection: bool = False, port: int = 0):  # fmt: skip
+        """Serves on `port` of `host` (0: any free port)."""
         import zmq
 
+        self._context = zmq.Context()
+        self._socket = self._context.socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        try:  # first: a port that is taken fails the shard before it holds any memory
+            if port:
+                self._socket.bind(f"tcp://{host}:{port}")
+            else:
+                port = self._socket.bind_to_random_port(f"tcp://{host}")
+        except zmq.ZMQError:
+            self._socket.close(0)
+            self._context.term()
+            raise
+        self.endpoint = f"tcp://{host}:{port}"
+        self.port = port
         self.fault_injection = fault_injection  # tests only: honours the "corrupt" op
         self.store = ChunkStore(capacity_bytes, page_bytes)
         self.ttl_s = ttl_s
@@ -202,11 +222,6 @@ class ShardServer:
         self.base = self.arena.ctypes.data
         self.agent = new_agent("pdc-store")
         self._registration = self.agent.register_memory([(self.base, self.arena.nbytes, 0, "")], "DRAM")
-        self._context = zmq.Context()
-        self._socket = self._context.socket(zmq.ROUTER)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        port = self._socket.bind_to_random_port(f"tcp://{host}")
-        self.endpoint = f"tcp://{host}:{port}"
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="pdc-store-shard", daemon=True)
@@ -223,7 +238,8 @@ class ShardServer:
                 granted = [self.store.reserve(k, n, c, now, self.ttl_s)
                            for k, n, c in zip(request["keys"], request["nbytes"], request["checksums"],
                                               strict=True)]  # fmt: skip
-                return {"extents": [self._absolute(e) if e else None for e in granted]}
+                return {"extents": [self._absolute(e) if e else None for e in granted],
+                        "agent_name": self.agent.name}  # fmt: skip
             if op == "commit":
                 return {"committed": sum(self.store.commit(k) for k in request["keys"])}
             if op == "abort":
@@ -236,7 +252,7 @@ class ShardServer:
                 lease_id, chunks = self.store.lease(request["keys"], now, self.ttl_s)
                 for chunk in chunks:
                     chunk["extents"] = self._absolute(chunk["extents"])
-                return {"lease": lease_id, "chunks": chunks}
+                return {"lease": lease_id, "chunks": chunks, "agent_name": self.agent.name}
             if op == "release":
                 self.store.release(request["lease"])
                 for key in request.get("damaged", ()):
@@ -285,12 +301,29 @@ class ShardServer:
 
 class StoreShardActor:
     """Ray actor body (deploy/launcher.py wraps it with `ray.remote`): one shard on this node,
-    owned by this actor, serving on the node's address."""
+    owned by this actor, serving on the node's address.
+
+    When Ray restarts the actor after its process died (the launcher asks for restarts), the new
+    shard serves on the port the old one had, kept in a file on the node: clients know shards by
+    endpoint, and theirs reconnect by themselves. The restarted shard is empty (its reads are
+    misses, recomputed) and has a new NIXL agent, which clients learn from its replies."""
 
     def __init__(self, capacity_bytes: int, ttl_s: float = 30.0, fault_injection: bool = False):
+        import ray
+
         from engine.host import node_address
 
-        self.server = ShardServer(capacity_bytes, node_address(), ttl_s, fault_injection=fault_injection)
+        name = ray.get_runtime_context().get_actor_name() or f"unnamed-{os.getpid()}"
+        self._port_file = Path(tempfile.gettempdir()) / f"pdcluster-{name}.port"
+        port = int(self._port_file.read_text()) if self._port_file.exists() else 0
+        server = functools.partial(ShardServer, capacity_bytes, node_address(), ttl_s,
+                                   fault_injection=fault_injection)  # fmt: skip
+        try:
+            self.server = server(port=port)
+        except Exception:  # the old port is taken: serve anyway (clients of the old one miss)
+            log.exception("store shard could not serve on its previous port %d again", port)
+            self.server = server()
+        self._port_file.write_text(str(self.server.port))
 
     def endpoint(self) -> str:
         return self.server.endpoint
@@ -300,3 +333,4 @@ class StoreShardActor:
 
     def close(self) -> None:
         self.server.close()
+        self._port_file.unlink(missing_ok=True)

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import itertools
+import os
+import signal
 import time
 
 import httpx
@@ -125,6 +128,28 @@ async def test_aborted_streams_strand_no_store_memory(served_pd):
         now["used_bytes"] - baseline["used_bytes"]
         < (now["stored_bytes"] - baseline["stored_bytes"]) + (now["chunks"] - baseline["chunks"]) * 64 * 1024
     )  # ...and hold no pages beyond their own (at most one partial page each)
+
+
+def test_a_killed_store_shard_comes_back_on_its_endpoint_and_hands_kv_over_again(served, served_pd):
+    before = store_shard(served_pd)
+    os.kill(before["pid"], signal.SIGKILL)
+    deadline = time.monotonic() + 90
+    while (now := store_shard(served_pd)).get("pid") in (None, before["pid"]):  # Ray restarts it
+        assert time.monotonic() < deadline, now
+        time.sleep(0.5)
+    assert now["endpoint"] == before["endpoint"] and now["chunks"] == 0
+    # The engines' store clients find the new shard (after at most a timeout and a pause): a new
+    # prompt is stored by the prefill instance and loaded by the decode instance again.
+    decode = engine_url(served_pd, "decode")
+    for attempt in itertools.count():
+        body = {"prompt": f"After the shard came back, try {attempt}. " + LONG}
+        hits = scrape(decode)["vllm:external_prefix_cache_hits_total"]
+        assert generate(served_pd.url, body) == generate(served.url, body)
+        if scrape(decode)["vllm:external_prefix_cache_hits_total"] > hits:
+            break
+        assert time.monotonic() < deadline + 60, "the decode instance never loaded from the new shard"
+        time.sleep(1)
+    assert store_shard(served_pd)["chunks"] > 0
 
 
 def test_a_killed_prefill_costs_no_request(served, served_pd):

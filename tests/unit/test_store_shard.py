@@ -104,6 +104,35 @@ def test_a_shard_that_stops_answering_costs_one_timeout_then_fails_fast():
         client.close()
 
 
+def test_a_shard_restarted_on_its_port_is_used_again_by_its_clients():
+    """A restarted shard (new process: new NIXL agent, empty arena) on the same endpoint: at most
+    a timeout and a pause, then its clients read and write it as before."""
+    from kvstore.client import StoreUnavailable
+
+    first = ShardServer(1024**2, page_bytes=64 * 1024)
+    client = ShardClient(first.endpoint, timeout_s=1.0, staging_bytes=512 * 1024, retry_after_s=0.2)
+    payload = np.arange(100_000, dtype=np.uint32).view(np.uint8)[:300_000]
+    second = None
+    try:
+        assert client.put(["before"], [payload]) == 1
+        first.close()
+        second = ShardServer(1024**2, page_bytes=64 * 1024, port=first.port)
+        deadline = time.monotonic() + 10
+        while True:  # the first call may time out on the connection to the dead shard
+            try:
+                assert client.get(["before"]) == []  # the new shard is empty: a miss
+                break
+            except StoreUnavailable:
+                assert time.monotonic() < deadline
+                time.sleep(0.3)
+        assert client.put(["after"], [payload]) == 1
+        assert [g.tobytes() for g in client.get(["after"])] == [payload.tobytes()]
+        assert second.stats().chunks == 1
+    finally:
+        client.close()
+        (second or first).close()
+
+
 def test_an_unreachable_shard_is_a_clean_error_within_the_timeout():
     from kvstore.client import StoreUnavailable
 
