@@ -18,10 +18,12 @@ import asyncio
 import collections
 import contextlib
 import ctypes
+import functools
 import json
 import os
 import re
 import signal
+import ssl
 import subprocess
 import sys
 import threading
@@ -244,7 +246,7 @@ class EngineHost:
         self.timeline.details.update(weights_source=source, weights_bytes=record["bytes"])
         if record["fallback_reason"]:
             self.timeline.details["weights_fallback_reason"] = record["fallback_reason"]
-        async with httpx.AsyncClient(timeout=httpx.Timeout(60.0)) as client:
+        async with _local_client(60.0) as client:
             # Blocks cached before the real weights arrived would hold wrong KV.
             (await client.post(f"{self.url}/reset_prefix_cache")).raise_for_status()
         self.state = InstanceState.WARMING
@@ -255,7 +257,7 @@ class EngineHost:
         """Readiness means a request has really run through the engine, not just /health. It asks
         for logprobs: vLLM's first logprobs request costs ~2 s of lazy set-up on the CPU build,
         which no user's first request should pay."""
-        async with httpx.AsyncClient(timeout=httpx.Timeout(60.0)) as client:
+        async with _local_client(60.0) as client:
             response = await client.post(
                 f"{self.url}/v1/completions",
                 json={"model": self.config.served_model_name, "prompt": "warm up",
@@ -265,7 +267,7 @@ class EngineHost:
 
     async def _worker_call(self, method: str, request: dict, timeout_s: float) -> dict:
         """Call a WeightPlaneExtension method on the engine's worker (one per engine here)."""
-        async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s + 5)) as client:
+        async with _local_client(timeout_s + 5) as client:
             response = await client.post(
                 f"{self.url}/collective_rpc",
                 json={"method": method, "args": [json.dumps(request)], "timeout": timeout_s},
@@ -300,7 +302,7 @@ class EngineHost:
                     self.timeline.details[f"{stage}_reported_s"] = float(match["s"])
 
     async def _wait_until_healthy(self) -> None:
-        async with httpx.AsyncClient(timeout=httpx.Timeout(5.0)) as client:
+        async with _local_client(5.0) as client:
             while not await self._healthy(client):
                 if self._process is None or self._process.poll() is not None:
                     code = self._process.returncode if self._process else None
@@ -318,7 +320,7 @@ class EngineHost:
         """The instance's state, re-checked against its process and /health."""
         if self.state in (InstanceState.READY, InstanceState.STANDBY):
             alive = self._process is not None and self._process.poll() is None
-            async with httpx.AsyncClient(timeout=httpx.Timeout(2.0)) as client:
+            async with _local_client(2.0) as client:
                 if not alive or not await self._healthy(client):
                     self.state = InstanceState.FAILED
         return self.describe()
@@ -349,6 +351,18 @@ class EngineHost:
         process.wait()
         if self.shm_path:
             Path(self.shm_path).unlink(missing_ok=True)
+
+
+@functools.cache
+def _ssl_context() -> ssl.SSLContext:
+    return ssl.create_default_context()
+
+
+def _local_client(timeout_s: float) -> httpx.AsyncClient:
+    """A client for this node's engine server (plain HTTP, no proxy). Every new httpx client
+    builds an SSL context and loads the CA certificates unless given one: 20-55 ms here, and an
+    activation makes three clients on its way to READY."""
+    return httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), verify=_ssl_context(), trust_env=False)
 
 
 def node_address() -> str:
