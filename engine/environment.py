@@ -79,8 +79,8 @@ def engine_env(host: str, kv_cache_gib: float, cpu_cores: str | None) -> dict[st
 
 
 def engine_process_env(host: str, kv_cache_gib: float, cpu_cores: str | None) -> dict[str, str]:
-    """The whole environment of a vLLM server process: ours, with `engine_env` on top, less
-    PROMETHEUS_MULTIPROC_DIR. An inherited one (LMCache sets it in any process that builds an
+    """The whole environment of a vLLM server process: this process's, with `engine_env` on top,
+    less PROMETHEUS_MULTIPROC_DIR. An inherited one (LMCache sets it in any process that builds an
     LMCache engine) would be shared by every engine on the node, and each engine's /metrics would
     report the sum of all of them; without it vLLM makes each engine a private one."""
     inherited = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}

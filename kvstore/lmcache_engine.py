@@ -3,8 +3,9 @@
 Both halves key chunks the same way: LMCache's chunk hashes over the token ids (with the
 engine's own prefix-cache hash, seeded by PYTHONHASHSEED, set alike in every engine), prefixed by
 a model tag that also names the KV layout (block shape, dtype, CPU ISA): a chunk is only ever
-loaded by an engine that lays KV out the way its writer did. The worker half copies blocks with `PagedBlockConnector` on the CPU build and
-LMCache's own vLLM GPU connector on CUDA; the scheduler half only looks up (no KV memory).
+loaded by an engine that lays KV out the way its writer did. The worker half copies blocks with
+`PagedBlockConnector` on the CPU build and LMCache's own vLLM GPU connector on CUDA; the
+scheduler half only looks up (no KV memory).
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def build_engine(
     layout: KVLayout,
     model: str,
     gpu_connector: Callable[[LMCacheEngineConfig, LMCacheMetadata], object] | None,
-    hash_algorithm: str = "sha256",
+    hash_algorithm: str,
 ) -> LMCacheEngine:
     """A worker's engine, whose `gpu_connector(config, metadata)` builds the KV copier, or without
     one the scheduler's lookup-only engine (LMCache's own scheduler role builds no storage, so it

@@ -14,6 +14,8 @@ from kvstore.lmcache_engine import KVLayout, StoreSettings, build_engine
 from kvstore.paged_cpu import PagedBlockConnector
 from kvstore.shard import ShardServer
 
+VLLM_HASH = "sha256"  # vLLM's default prefix_caching_hash_algo, as an engine passes it
+
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK, BLOCKS = 4, 2, 64, 32, 48
 
 
@@ -59,9 +61,9 @@ def test_a_prompt_stored_by_one_engine_is_loaded_bit_identical_by_another():
         writer_blocks.bind(writer_caches)
         reader_blocks = PagedBlockConnector(LAYERS, BLOCK, KV_HEADS * HEAD_DIM)
         reader_blocks.bind(reader_caches)
-        writer = build_engine(settings, layout, "tiny", lambda config, metadata: writer_blocks)
-        reader = build_engine(settings, layout, "tiny", lambda config, metadata: reader_blocks)
-        lookup = build_engine(settings, layout, "tiny", None)
+        writer = build_engine(settings, layout, "tiny", lambda config, metadata: writer_blocks, VLLM_HASH)
+        reader = build_engine(settings, layout, "tiny", lambda config, metadata: reader_blocks, VLLM_HASH)
+        lookup = build_engine(settings, layout, "tiny", None, VLLM_HASH)
         engines += [writer, reader, lookup]
         tokens = list(range(1000, 1000 + 13 * BLOCK + 5))  # a full 256-token chunk and a partial one
         usable = usable_tokens(len(tokens), BLOCK)
@@ -75,7 +77,7 @@ def test_a_prompt_stored_by_one_engine_is_loaded_bit_identical_by_another():
         assert int(loaded.sum()) == usable
         for layer in range(LAYERS):
             assert torch.equal(reader_caches[layer][30:43], writer_caches[layer][10:23])
-        engines.append(build_engine(settings, layout, "another-model", None))
+        engines.append(build_engine(settings, layout, "another-model", None, VLLM_HASH))
         assert engines[-1].lookup(tokens[:usable]) == 0  # keys carry the model and layout
     finally:
         for engine in engines:
@@ -90,12 +92,12 @@ def test_building_an_lmcache_engine_keeps_vllms_prefix_hash_root():
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core import kv_cache_utils
 
-    kv_cache_utils.init_none_hash(get_hash_fn_by_name("sha256"))  # as vLLM's scheduler does
+    kv_cache_utils.init_none_hash(get_hash_fn_by_name(VLLM_HASH))  # as vLLM's scheduler does
     root = kv_cache_utils.NONE_HASH
     shard = ShardServer(8 * 1024**2, page_bytes=64 * 1024)
     settings = StoreSettings(endpoints=(shard.endpoint,), timeout_s=5.0)
     layout = KVLayout(LAYERS, KV_HEADS, HEAD_DIM, torch.bfloat16, (KV_HEADS, BLOCK, 2 * HEAD_DIM))
-    engine = build_engine(settings, layout, "tiny", None, hash_algorithm="sha256")
+    engine = build_engine(settings, layout, "tiny", None, VLLM_HASH)
     try:
         assert kv_cache_utils.NONE_HASH == root
     finally:
