@@ -82,9 +82,10 @@ class MetricsSampler:
         self.samples.append(entry)
 
     async def run(self, started: float) -> None:
+        """Samples every interval_s after the baseline, which the caller takes before any load."""
         while True:
-            await asyncio.to_thread(self.sample, started)
             await asyncio.sleep(self.interval_s)
+            await asyncio.to_thread(self.sample, started)
 
 
 async def run_job(client: aiohttp.ClientSession, url: str, job: Job, timeout_s: float) -> list[RequestResult]:
@@ -127,6 +128,9 @@ async def run_load(
             progress.advance(task, len(batch))
 
     timeout = aiohttp.ClientTimeout(total=limits.request_timeout_s, connect=10.0)
+    # The baseline first: taken beside the load, a short run could end before its first scrape
+    # (then the counters' deltas are all zero: a CI run saw no prefix-cache hit rate at all).
+    await asyncio.to_thread(sampler.sample, started)
     sampling = asyncio.create_task(sampler.run(started))
     try:
         connector = aiohttp.TCPConnector(limit=2048)
