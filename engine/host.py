@@ -141,7 +141,11 @@ class EngineHost:
             }
             command += ["--kv-events-config", json.dumps(events)]
         if c.role != Role.COLOCATED:
+            # Synchronous scheduling, and the V1 model runner (set in start()): vLLM's recompute
+            # after a failed KV load starts from the wrong offset with asynchronous scheduling or
+            # its V2 GPU runner (vllm#49250, open; the CUDA test saw it).
             command += ["--kv-transfer-config", json.dumps(self.kv_transfer_config())]
+            command.append("--no-async-scheduling")
         return command + list(c.extra_args)
 
     def kv_transfer_config(self) -> dict:
@@ -178,6 +182,7 @@ class EngineHost:
             env[WEIGHTS_KEY_ENV] = self.config.weights_key.get_secret_value()
         if self.config.role != Role.COLOCATED:
             env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port(self.host))
+            env["VLLM_USE_V2_MODEL_RUNNER"] = "0"  # see server_command
         self._process = subprocess.Popen(
             ["bash", "-c", _GROUP_GUARD, "pdcluster-engine", str(os.getpid()), *self.server_command()],
             env=env,

@@ -2,8 +2,8 @@
 
 - `connector.StoreConnector`: vLLM's KV connector (loaded by `kv_connector_module_path`),
   driving LMCache's engine: LMCache chunks, hashes and looks up; we save whole blocks after a
-  prefill and load them before a decode (`paged_cpu` copies blocks on the CPU build; LMCache's
-  own GPU connector on CUDA); `lmcache_engine` builds both halves' engines.
+  prefill and load them before a decode (`paged_blocks` copies them, on the CPU build and on
+  CUDA); `lmcache_engine` builds both halves' engines.
 - `lmcache_plugin`: the store as LMCache's remote storage plugin (errors are misses).
 - `client.ShardedStore` / `ShardClient`: batched put/get/contains over all shards (rendezvous
   hashing), NIXL/UCX one-sided transfers, xxh3 checksums, timeouts.

@@ -32,7 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvstore import STORE_MEDIUM
 from kvstore.lmcache_engine import KVLayout, StoreSettings, build_engine
 from kvstore.lmcache_plugin import flush_all
-from kvstore.paged_cpu import PagedBlockConnector
+from kvstore.paged_blocks import PagedBlockConnector
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -182,26 +182,19 @@ class StoreConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         caches = list(kv_caches.values())
         layout = self._layout()  # the scheduler's lookups must use the same keys
-        if caches[0].is_cuda:  # LMCache's own vLLM connector copies by slot on GPUs
-            from lmcache.integration.vllm.utils import vllm_layout_hints
-            from lmcache.utils import EngineType
-            from lmcache.v1.gpu_connector import CreateGPUConnector
+        # Our whole-block copier on CUDA too, not LMCache's vLLM GPU connector: for vLLM's fused
+        # K/V layout ([blocks, block, heads, 2 * head_dim], vLLM 0.26) LMCache 0.5.6 moves only
+        # half of every token (LMCache#4463, open; the H200 run saw decode answer from stale
+        # KV). Whole blocks need no layout knowledge, and the copies run on vLLM's own stream,
+        # after the forward pass that wrote them.
+        if caches[0][0].numel() != math.prod(layout.block_shape):
+            raise ValueError(f"KV cache blocks of shape {tuple(caches[0].shape[1:])} do not hold "
+                             f"{layout.block_shape} elements: the block copier cannot move them")  # fmt: skip
+        blocks = PagedBlockConnector(layout.num_layers, self._block_size, layout.kv_heads * layout.head_dim)
+        blocks.bind(caches)
 
-            def copier(config, metadata):
-                return CreateGPUConnector(
-                    config, metadata, EngineType.VLLM, vllm_layout_hints(self._vllm_config)
-                )
-        else:
-            if caches[0][0].numel() != math.prod(layout.block_shape):
-                raise ValueError(f"KV cache blocks of shape {tuple(caches[0].shape[1:])} do not hold "
-                                 f"{layout.block_shape} elements: the block copier cannot move them")  # fmt: skip
-            blocks = PagedBlockConnector(
-                layout.num_layers, self._block_size, layout.kv_heads * layout.head_dim
-            )
-            blocks.bind(caches)
-
-            def copier(config, metadata):
-                return blocks
+        def copier(config, metadata):
+            return blocks
 
         self._engine = build_engine(self._settings, layout, self._model, copier, self._hash_algorithm)
         self._kv_caches = caches

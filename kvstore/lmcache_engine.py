@@ -3,9 +3,9 @@
 Both halves key chunks the same way: LMCache's chunk hashes over the token ids (with the
 engine's own prefix-cache hash, seeded by PYTHONHASHSEED, set alike in every engine), prefixed by
 a model tag that also names the KV layout (block shape, dtype, CPU ISA): a chunk is only ever
-loaded by an engine that lays KV out the way its writer did. The worker half copies blocks with
-`PagedBlockConnector` on the CPU build and LMCache's own vLLM GPU connector on CUDA; the
-scheduler half only looks up (no KV memory).
+loaded by an engine that lays KV out the way its writer did. The worker half copies whole blocks
+with `PagedBlockConnector` (on the CPU build and on CUDA); the scheduler half only looks up (no
+KV memory).
 """
 
 from __future__ import annotations

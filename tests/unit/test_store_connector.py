@@ -11,7 +11,7 @@ import torch
 
 from kvstore.connector import usable_tokens
 from kvstore.lmcache_engine import KVLayout, StoreSettings, build_engine
-from kvstore.paged_cpu import PagedBlockConnector
+from kvstore.paged_blocks import PagedBlockConnector
 from kvstore.shard import ShardServer
 
 VLLM_HASH = "sha256"  # vLLM's default prefix_caching_hash_algo, as an engine passes it

@@ -1,12 +1,15 @@
-"""LMCache's "GPU connector" for vLLM's paged KV cache on the CPU build: copies whole KV blocks
-between vLLM's per-layer cache tensors and LMCache memory objects.
+"""LMCache's "GPU connector" for vLLM's paged KV cache, on the CPU build and on CUDA: copies whole
+KV blocks between vLLM's per-layer cache tensors and LMCache memory objects.
 
-LMCache's own vLLM connectors hardcode CUDA. On the CPU build a block of one layer is
-`[kv_heads, block_size, 2 * head_dim]` in memory, but the attention kernels read it as a K
-region then a V region, K head_dim-major under the `vec` ISA: per-token copies would have to
-know that layout. Whole blocks need not: a chunk holds its blocks' bytes as they are, so it can
-only be loaded by an engine with the same layout, which the store key's layout tag ensures
-(kvstore/lmcache_engine.py). The KV connector only stores and loads whole blocks.
+Per-token copies must know how each attention backend lays a block out, and these layouts keep
+changing: on the CPU build a block of one layer is `[kv_heads, block_size, 2 * head_dim]` read as
+a K region then a V region; vLLM 0.26 on CUDA packs K and V per head (`[block_size, kv_heads,
+2 * head_dim]`), which LMCache 0.5.6's own connector moves only half of (LMCache#4463). Whole
+blocks need no layout: a chunk holds its blocks' bytes as they are, so it can only be loaded by
+an engine with the same layout, which the store key's layout tag ensures
+(kvstore/lmcache_engine.py). The KV connector only stores and loads whole blocks. On CUDA the
+copies are plain blocking tensor copies on vLLM's current stream: ordered after the forward pass
+that wrote the blocks, and done before LMCache reuses the memory object.
 """
 
 from __future__ import annotations
@@ -41,7 +44,8 @@ class PagedBlockConnector(GPUConnectorInterface):
         blocks, chunk = self._blocks(memory_obj, start, end, kwargs["slot_mapping"])
         first = min(len(blocks), max(0, (kwargs.get("vllm_cached_tokens", 0) - start) // self.block_size))
         for layer, cache in enumerate(self.kv_caches):
-            cache[blocks[first:]] = chunk[layer][first:].reshape(len(blocks) - first, *cache.shape[1:])
+            loaded = chunk[layer][first:].reshape(len(blocks) - first, *cache.shape[1:])
+            cache[blocks[first:]] = loaded.to(cache.device)
 
     def batched_from_gpu(self, memory_objs, starts, ends, **kwargs) -> None:
         for memory_obj, start, end in zip(memory_objs, starts, ends, strict=True):
