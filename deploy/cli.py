@@ -64,6 +64,13 @@ def _add_serve_parser(subparsers, name: str = "serve", help: str = "serve a mode
         help="ready instances per pool at most when scaling up (default: the initial count)",
     )
     parser.add_argument(
+        "--target-ttft",
+        type=float,
+        default=None,
+        help="grow the pool that prefills (prefill, else colocated) while the p90 time to first "
+        "token of streamed requests over the last 30 s is above this (s)",
+    )
+    parser.add_argument(
         "--queue-timeout",
         type=float,
         default=30.0,
@@ -235,20 +242,24 @@ class Topology:
     """Standby instances per pool."""
     max_instances: int = 0
     """Ready instances per pool at most; 0: the initial count (at least 1)."""
+    target_ttft_s: float | None = None
+    """The prefilling pool's TTFT trigger (PoolSpec.target_ttft_s)."""
 
     @classmethod
     def from_args(cls, instances: int, prefill: int, decode: int, standby: int = 0,
-                  max_instances: int = 0) -> Topology:  # fmt: skip
+                  max_instances: int = 0, target_ttft_s: float | None = None) -> Topology:  # fmt: skip
         if standby < 0 or max_instances < 0:
             raise ValueError("--standby and --max-instances cannot be negative")
+        if target_ttft_s is not None and target_ttft_s <= 0:
+            raise ValueError("--target-ttft must be positive")
         least = 0 if standby else 1  # a pool may start empty when a standby can serve it
         if prefill or decode:
             if prefill < least or decode < least or prefill + decode == 0:
                 raise ValueError("a P/D topology needs --prefill >= 1 and --decode >= 1 (0 with --standby)")
-            return cls(0, prefill, decode, standby, max_instances)
+            return cls(0, prefill, decode, standby, max_instances, target_ttft_s)
         if instances < least:
             raise ValueError("--instances must be at least 1 (or 0 with --standby)")
-        return cls(instances, 0, 0, standby, max_instances)
+        return cls(instances, 0, 0, standby, max_instances, target_ttft_s)
 
     def _counts(self) -> list[tuple[Role, int]]:
         if self.colocated or not (self.prefill or self.decode):
@@ -263,11 +274,10 @@ class Topology:
         from deploy.pool import PoolSpec
 
         return [
-            PoolSpec(
-                role=role, min_ready=count, max_ready=max(count, self.max_instances, 1), standby=self.standby
-            )
+            PoolSpec(role=role, min_ready=count, max_ready=max(count, self.max_instances, 1), standby=self.standby,
+                     target_ttft_s=self.target_ttft_s if role != Role.DECODE else None)  # decode does not prefill
             for role, count in self._counts()
-        ]
+        ]  # fmt: skip
 
     def engines_at_most(self) -> int:
         return sum(pool.max_ready + pool.standby for pool in self.pools())
@@ -318,7 +328,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             queue_timeout_s=args.queue_timeout,
         )  # fmt: skip
         topology = Topology.from_args(
-            args.instances, args.prefill, args.decode, args.standby, args.max_instances
+            args.instances, args.prefill, args.decode, args.standby, args.max_instances, args.target_ttft
         )
     except (ValidationError, ValueError) as exc:
         console.print(f"[red]invalid configuration:[/] {exc}")
@@ -375,7 +385,8 @@ async def _serve(engine_config, router_config, topology, address: str | None, pl
         app = build_app(router_config, registry, store_endpoints=engine_config.kv_store_endpoints)
         # Instances the controller adds get the core sets the initial ones left (all, if none).
         controller = PoolController(launcher, registry, app.state.queue, topology.pools(), engine_config,
-                                    core_sets=cores[len(roles):] or cores or None)  # fmt: skip
+                                    core_sets=cores[len(roles):] or cores or None,
+                                    first_tokens=app.state.first_tokens)  # fmt: skip
         controller.start()
         server = uvicorn.Server(
             uvicorn.Config(app, host=router_config.host, port=router_config.port, log_level="warning")

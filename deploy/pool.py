@@ -1,7 +1,8 @@
 """The pool controller: keeps each role's pool between its bounds and adds capacity fast.
 
-Per role it watches the router's wait queue and the in-flight requests per ready instance, and
-grows the pool by the fastest path available:
+Per role it watches the router's wait queue, the in-flight requests per ready instance and, where
+a pool has a TTFT target, the p90 time to first token of streamed requests; and grows the pool
+by the fastest path available:
 
   1. standby  - an instance started ahead with everything but weights; activated with a ready
                 peer's weights (or from disk) in well under a second on the CPU build;
@@ -25,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.config import EngineConfig, Role
 from engine.lifecycle import InstanceState
-from router.instances import CapacityQueue, InstanceRegistry
+from router.instances import CapacityQueue, InstanceRegistry, LatencyWindow
 
 if TYPE_CHECKING:  # deploy.launcher imports ray, which must not happen before use_loopback_ray()
     from deploy.launcher import Launcher
@@ -47,6 +48,9 @@ class PoolSpec(BaseModel):
     """Mean requests in flight per ready instance above which the pool grows."""
     idle_s: float = Field(120.0, gt=0)
     """A pool above min_ready with no request in flight this long loses an instance."""
+    target_ttft_s: float | None = Field(None, gt=0)
+    """p90 time to first token (streamed requests, the router's last 30 s, only those since this
+    pool last grew) above which the pool grows. Set on the pool that prefills."""
 
     @model_validator(mode="after")
     def _bounds(self) -> PoolSpec:
@@ -55,6 +59,20 @@ class PoolSpec(BaseModel):
                 f"{self.role.value} pool: max_ready {self.max_ready} < min_ready {self.min_ready}"
             )
         return self
+
+
+def wants_more(spec: PoolSpec, ready: int, inflight: int, queued: int, growing: int,
+               ttft_p90: float | None) -> bool:  # fmt: skip
+    """Whether `spec`'s pool should start one more instance now. Below `min_ready` always; past
+    it, one at a time (the effect of an instance still starting is not seen yet) when requests
+    wait, when the ready ones carry more than `target_inflight` each, or when first tokens come
+    later than `target_ttft_s`."""
+    if ready < spec.min_ready:
+        return True
+    if growing:
+        return False
+    slow = spec.target_ttft_s is not None and ttft_p90 is not None and ttft_p90 > spec.target_ttft_s
+    return queued > 0 or (ready > 0 and inflight / ready > spec.target_inflight) or slow
 
 
 @dataclasses.dataclass
@@ -78,10 +96,12 @@ class PoolController:
         config: EngineConfig,
         core_sets: list[str] | None = None,
         interval_s: float = 0.05,
+        first_tokens: LatencyWindow | None = None,
     ) -> None:
         self.launcher = launcher
         self.registry = registry
         self.queue = queue
+        self.first_tokens = first_tokens
         self.specs = {spec.role: spec for spec in specs}
         self.config = config
         self.interval_s = interval_s
@@ -91,6 +111,7 @@ class PoolController:
         self._growing: dict[Role, int] = {role: 0 for role in self.specs}
         self._standby_starting: dict[Role, int] = {role: 0 for role in self.specs}
         self._last_busy: dict[Role, float] = {role: time.monotonic() for role in self.specs}
+        self._grown_at: dict[Role, float] = {role: 0.0 for role in self.specs}
         self._tasks: set[asyncio.Task] = set()
         self._loop: asyncio.Task | None = None
 
@@ -131,13 +152,11 @@ class PoolController:
         queued = self.queue.waiting if role != Role.PREFILL else 0
         if inflight or queued:
             self._last_busy[role] = time.monotonic()
-        capacity = len(ready) + self._growing[role]
-        wants_more = (
-            len(ready) < spec.min_ready
-            or (queued > 0 and self._growing[role] == 0)
-            or (ready and inflight / len(ready) > spec.target_inflight and self._growing[role] == 0)
-        )
-        if wants_more and capacity < spec.max_ready:
+        ttft_p90 = None
+        if spec.target_ttft_s is not None and self.first_tokens is not None:
+            ttft_p90 = self.first_tokens.quantile(0.9, since=self._grown_at[role])
+        grow = wants_more(spec, len(ready), inflight, queued, self._growing[role], ttft_p90)
+        if grow and len(ready) + self._growing[role] < spec.max_ready:
             self._growing[role] += 1
             self._spawn(self._grow(spec), f"grow-{role.value}")
         standbys = len(self._instances(role, InstanceState.STANDBY)) + self._standby_starting[role]
@@ -176,6 +195,7 @@ class PoolController:
             log.exception("growing the %s pool failed", spec.role.value)
         finally:
             self._growing[spec.role] -= 1
+            self._grown_at[spec.role] = time.monotonic()
 
     async def _add_standby(self, spec: PoolSpec) -> None:
         try:

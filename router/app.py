@@ -156,6 +156,7 @@ def build_app(
     app = FastAPI(title="pdcluster router", lifespan=lifespan)
     app.state.registry = registry
     app.state.queue = queue
+    app.state.first_tokens = forwarder.first_tokens
     app.state.config = config
     app.state.index = index
     app.state.listener = listener

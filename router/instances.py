@@ -8,8 +8,10 @@ checks in a row and puts it back after one passing check.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Callable
 
@@ -132,6 +134,27 @@ class HealthMonitor:
         instance.failed_checks += 1
         if instance.failed_checks >= self.failure_threshold:
             self.registry.mark_failed(instance, f"{instance.failed_checks} failed health checks")
+
+
+class LatencyWindow:
+    """Recent times to first token of streamed requests, bounded in age and count: the pool
+    controller's TTFT signal. (Non-streamed requests have no first token to time.)"""
+
+    def __init__(self, window_s: float = 30.0, max_samples: int = 4096) -> None:
+        self.window_s = window_s
+        self._samples: collections.deque[tuple[float, float]] = collections.deque(maxlen=max_samples)
+
+    def observe(self, seconds: float) -> None:
+        self._samples.append((time.monotonic(), seconds))
+
+    def quantile(self, q: float, since: float = 0.0, min_samples: int = 8) -> float | None:
+        """The q-quantile (nearest rank) of the samples of the last `window_s` seen after the
+        monotonic time `since`; None with fewer than `min_samples` of them."""
+        oldest = max(since, time.monotonic() - self.window_s)
+        recent = sorted(seconds for at, seconds in self._samples if at > oldest)
+        if len(recent) < min_samples:
+            return None
+        return recent[min(len(recent) - 1, math.ceil(q * len(recent)) - 1)]
 
 
 class CapacityQueue:

@@ -22,7 +22,7 @@ from fastapi.responses import Response, StreamingResponse
 from router import metrics
 from router.config import RouterConfig
 from router.errors import EngineFailed, error_body
-from router.instances import CapacityQueue, Instance, InstanceRegistry, PendingPrefill
+from router.instances import CapacityQueue, Instance, InstanceRegistry, LatencyWindow, PendingPrefill
 from router.policies import RoutingDecision, RoutingPolicy, RoutingRequest
 
 log = logging.getLogger(__name__)
@@ -49,6 +49,7 @@ class Forwarder:
         self.registry = registry
         self.policy = policy
         self.queue = queue
+        self.first_tokens = LatencyWindow()
         self.prepare = prepare
         self.timeout = aiohttp.ClientTimeout(
             total=config.max_request_s,
@@ -130,7 +131,9 @@ class Forwarder:
             except (aiohttp.ClientError, TimeoutError, StopAsyncIteration) as exc:
                 upstream.close()
                 raise _RetryableEngineError(f"stream ended before its first byte: {exc!r}") from None
-            metrics.TIME_TO_FIRST_BYTE.labels(endpoint).observe(time.perf_counter() - started)
+            first_token_s = time.perf_counter() - started
+            metrics.TIME_TO_FIRST_BYTE.labels(endpoint).observe(first_token_s)
+            self.first_tokens.observe(first_token_s)
             prefill.done()
             handed_over = True
             return StreamingResponse(

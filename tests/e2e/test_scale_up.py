@@ -63,3 +63,24 @@ def test_a_burst_on_an_empty_pool_is_queued_and_served_by_the_activated_standby(
     assert "ready" in states
     paths = [json.loads(line)["path"] for line in start_log.read_text().splitlines()]
     assert "standby_start" in paths and "standby" in paths, paths
+
+
+def test_first_tokens_later_than_the_target_grow_the_pool(artifacts, tmp_path):
+    """One request at a time (no queue, one in flight: neither of the other triggers fires), with
+    a TTFT target no engine meets: once the router has timed enough streamed first tokens the
+    controller adds an instance, from the standby."""
+    start_log = tmp_path / "starts.jsonl"
+    args = ["--model", "tiny", "--instances", "1", "--standby", "1", "--max-instances", "2",
+            "--target-ttft", "0.001", "--start-log", str(start_log)]  # fmt: skip
+    with LocalServer(args, artifacts / "serve-ttft-trigger.log", ready=has_standby) as server:
+        assert len([i for i in server.instances() if i["state"] == "ready"]) == 1
+        body = {"model": "tiny", "prompt": "Count slowly:", "max_tokens": 4, "temperature": 0, "stream": True}
+        ready, deadline = 1, time.monotonic() + 90
+        while ready < 2 and time.monotonic() < deadline:
+            with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as response:
+                assert response.status_code == 200
+                assert "[DONE]" in "".join(response.iter_text())
+            ready = len([i for i in server.instances() if i["state"] == "ready"])
+    assert ready == 2
+    paths = [json.loads(line)["path"] for line in start_log.read_text().splitlines()]
+    assert "standby" in paths, paths

@@ -10,7 +10,7 @@ import yaml
 from deploy.cli import Topology, roles_to_start
 from deploy.cluster import ClusterConfigError, validate_cluster_yaml
 from deploy.launcher import placement_options
-from deploy.pool import PoolSpec
+from deploy.pool import PoolSpec, wants_more
 from engine.config import Role
 from router.instances import Instance
 
@@ -86,3 +86,30 @@ def test_a_restarted_launcher_starts_only_what_adoption_did_not_cover():
     adopted = [Instance("prefill-1", Role.PREFILL, "http://127.0.0.1:1"),
                Instance("decode-1700000000-0", Role.DECODE, "http://127.0.0.1:2")]  # fmt: skip
     assert roles_to_start(wanted, adopted) == [("prefill-0", Role.PREFILL)]
+
+
+def test_the_ttft_target_goes_to_the_pool_that_prefills():
+    pd = Topology.from_args(1, 1, 1, target_ttft_s=0.5).pools()
+    assert [(p.role, p.target_ttft_s) for p in pd] == [(Role.PREFILL, 0.5), (Role.DECODE, None)]
+    assert Topology.from_args(1, 0, 0, target_ttft_s=0.5).pools()[0].target_ttft_s == 0.5
+    with pytest.raises(ValueError, match="--target-ttft"):
+        Topology.from_args(1, 0, 0, target_ttft_s=0)
+
+
+@pytest.mark.parametrize(
+    ("ready", "inflight", "queued", "growing", "ttft_p90", "grow"),
+    [
+        (0, 0, 0, 1, None, True),  # below min_ready: always, even while one starts
+        (1, 1, 0, 0, None, False),  # light load, no TTFT samples yet
+        (1, 0, 1, 0, None, True),  # a request waits
+        (1, 9, 0, 0, None, True),  # more than target_inflight per instance
+        (1, 1, 0, 0, 0.4, False),  # first tokens within target
+        (1, 1, 0, 0, 0.6, True),  # first tokens later than target
+        (1, 9, 1, 1, 0.6, False),  # every trigger, but one instance is already starting
+    ],
+)
+def test_when_a_pool_grows(ready, inflight, queued, growing, ttft_p90, grow):
+    spec = PoolSpec(role=Role.COLOCATED, min_ready=1, max_ready=4, target_inflight=8, target_ttft_s=0.5)
+    assert wants_more(spec, ready, inflight, queued, growing, ttft_p90) is grow
+    untargeted = spec.model_copy(update={"target_ttft_s": None})
+    assert wants_more(untargeted, 1, 1, 0, 0, ttft_p90=9.0) is False  # no target, no TTFT trigger

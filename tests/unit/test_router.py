@@ -14,7 +14,7 @@ from engine.lifecycle import InstanceState
 from router.app import build_app
 from router.config import RouterConfig
 from router.errors import NoInstance
-from router.instances import CapacityQueue, Instance, InstanceRegistry
+from router.instances import CapacityQueue, Instance, InstanceRegistry, LatencyWindow
 from router.policies import PolicyContext, RoutingRequest, make_policy
 
 
@@ -157,3 +157,15 @@ def test_a_request_waits_in_the_queue_then_gets_a_clean_503():
         waited = time.monotonic() - started
     assert response.status_code == 503 and response.headers["retry-after"] == "5"
     assert 0.5 <= waited < 3
+
+
+def test_latency_window_quantile_counts_only_recent_samples_after_since():
+    window = LatencyWindow(window_s=0.2)
+    assert window.quantile(0.9) is None  # no samples
+    for seconds in [0.1] * 9 + [2.0]:
+        window.observe(seconds)
+    assert window.quantile(0.9) == 0.1 and window.quantile(1.0) == 2.0
+    assert window.quantile(0.9, min_samples=11) is None
+    assert window.quantile(0.9, since=time.monotonic()) is None  # none seen after a later growth
+    time.sleep(0.25)
+    assert window.quantile(0.5, min_samples=1) is None  # all older than the window
