@@ -180,8 +180,12 @@ async def run_scenario(server: LocalServer, scenario: Scenario, requests: int) -
     await asyncio.sleep(6)
     follow_up = await burst(server.url, 8, scenario, seed=2)
     states = {i["instance_id"]: i["state"] for i in server.instances()}
+    shards_after = store_shards(server.url)
     in_flight = [s.get("leases", 0) + s.get("reserved_bytes", 0) if "error" not in s else "gone"
-                 for s in store_shards(server.url)]  # fmt: skip
+                 for s in shards_after]  # fmt: skip
+    if scenario.victim_role == "store":  # Ray restarts it: a new process, filled by the follow-up
+        restart = {"store_restarted": [s.get("pid") for s in shards_after] != [shard["pid"]],
+                   "store_chunks_after_follow_up": [s.get("chunks") for s in shards_after]}  # fmt: skip
     followed = tally(follow_up)
     return {
         "scenario": scenario.name, "victim": victim["instance_id"], "sent": requests, **tally(outcomes),
