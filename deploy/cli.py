@@ -376,9 +376,9 @@ async def _serve(engine_config, router_config, topology, address: str | None, pl
         ]
         if store_bytes:
             fault_injection = os.environ.get(STORE_FAULT_INJECTION_ENV) == "1"
-            shards = adopted.store_endpoints or await launcher.start_store_shards(
-                store_bytes, fault_injection
-            )
+            # Adopted shards are kept; nodes without one get one, now and as they join.
+            shards = await launcher.start_store_shards(store_bytes, fault_injection)
+            launcher.watch_store()
             engine_config = engine_config.model_copy(update={"kv_store_endpoints": shards})
             configs = [(i, c.model_copy(update={"kv_store_endpoints": shards})) for i, c in configs]
         await launcher.start_instances(configs, placement_timeout_s)

@@ -112,7 +112,6 @@ class Adopted:
     """What a new launcher took over from a previous one on the same Ray cluster."""
 
     instances: tuple[str, ...] = ()
-    store_endpoints: tuple[str, ...] = ()
     kv_events_endpoint: str | None = None
     """Where the adopted engines publish their KV events: the new router must bind there."""
 
@@ -129,26 +128,84 @@ class Launcher:
         self._actors: dict[str, ray.actor.ActorHandle] = {}
         self._descriptors: dict[str, dict] = {}
         """Weight descriptors of ready instances, by instance id (see peer_weights)."""
-        self._shards: list[ray.actor.ActorHandle] = []
+        self._shards: dict[str, ray.actor.ActorHandle] = {}  # by actor name (the node's)
+        self._shard_options: dict = {}  # how this launcher starts a shard (start_store_shards)
+        self._store_watch: asyncio.Task | None = None
 
     async def start_store_shards(self, capacity_bytes: int, fault_injection: bool = False,
                                  timeout_s: float = 120.0) -> tuple[str, ...]:  # fmt: skip
-        """One KV store shard on every node of the cluster; returns their endpoints. Ray restarts a
-        shard whose process dies, on its node and endpoint (an empty store: misses until refilled)."""
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        for node in (n for n in ray.nodes() if n["Alive"]):
-            strategy = NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)
-            name = f"{STORE_SHARD_PREFIX}{node['NodeID'][:16]}"
-            self._shards.append(StoreShard.options(
-                name=name, lifetime="detached", num_cpus=0, scheduling_strategy=strategy, max_restarts=-1
-            ).remote(capacity_bytes, fault_injection=fault_injection))  # fmt: skip
-        endpoints = await asyncio.wait_for(
-            asyncio.gather(*(s.endpoint.remote() for s in self._shards)), timeout_s
-        )
+        """One KV store shard on every node of the cluster (the engines are about to be placed);
+        returns their endpoints. Ray restarts a shard whose process dies, on its node and endpoint
+        (an empty store: misses until refilled). `watch_store()` then keeps one where engines run
+        as nodes join and leave (reconcile_store_shards)."""
+        self._shard_options = {"capacity_bytes": capacity_bytes, "fault_injection": fault_injection}
+        endpoints = await self.reconcile_store_shards(timeout_s, engine_nodes=set(self._all_nodes()))
+        if not endpoints:
+            raise RuntimeError(f"no KV store shard answered within {timeout_s:g} s")
         self.console.print(f"KV store: {len(endpoints)} shard(s) of {capacity_bytes / 1024**3:.1f} GiB: "
                            f"{', '.join(endpoints)}")  # fmt: skip
-        return tuple(endpoints)
+        return endpoints
+
+    async def reconcile_store_shards(self, timeout_s: float = 10.0,
+                                     engine_nodes: set[str] | None = None) -> tuple[str, ...]:  # fmt: skip
+        """Keep a shard on this process's node and on every node that hosts one of our engines
+        (`engine_nodes`; by default asked of the engines): start the missing ones (with the
+        options of `start_store_shards`), end those on nodes that host none any more (a shard
+        would keep an idle node from being scaled down; its chunks are a cache), and tell every
+        shard the list of those that answer, under a new epoch when it changed: store clients
+        follow it (ShardedStore). Returns the list."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        if engine_nodes is None:
+            engine_nodes = await self._engine_nodes(timeout_s)
+        alive = set(self._all_nodes())
+        wanted = alive & (engine_nodes | {ray.get_runtime_context().get_node_id()})
+        for node_id in wanted:
+            name = f"{STORE_SHARD_PREFIX}{node_id}"
+            if name not in self._shards and self._shard_options:
+                strategy = NodeAffinitySchedulingStrategy(node_id, soft=False)
+                self._shards[name] = StoreShard.options(
+                    name=name, lifetime="detached", num_cpus=0, scheduling_strategy=strategy, max_restarts=-1
+                ).remote(**self._shard_options)  # fmt: skip
+        on_alive_nodes = {
+            n: h for n, h in self._shards.items() if n.removeprefix(STORE_SHARD_PREFIX) in wanted
+        }
+        for name in set(self._shards) - set(on_alive_nodes):
+            ray.kill(self._shards.pop(name))
+        answers = await asyncio.gather(*(asyncio.wait_for(h.membership.remote(), timeout_s)
+                                         for h in on_alive_nodes.values()), return_exceptions=True)  # fmt: skip
+        live = {name: a for name, a in zip(on_alive_nodes, answers, strict=True) if isinstance(a, dict)}
+        members = sorted(a["endpoint"] for a in live.values())
+        newest = max(live.values(), key=lambda a: a["epoch"], default={"epoch": 0, "members": []})
+        epoch = newest["epoch"] if newest["members"] == members else newest["epoch"] + 1
+        await asyncio.gather(*(asyncio.wait_for(self._shards[name].set_members.remote(members, epoch), timeout_s)
+                               for name, a in live.items() if a["epoch"] < epoch), return_exceptions=True)  # fmt: skip
+        if epoch != newest["epoch"]:
+            log.info("KV store shards (epoch %d): %s", epoch, members)
+        return tuple(members)
+
+    @staticmethod
+    def _all_nodes() -> list[str]:
+        return [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+
+    async def _engine_nodes(self, timeout_s: float) -> set[str]:
+        answers = await asyncio.gather(*(asyncio.wait_for(a.node_id.remote(), timeout_s)
+                                         for a in self._actors.values()), return_exceptions=True)  # fmt: skip
+        return {node for node in answers if isinstance(node, str)}
+
+    def watch_store(self, interval_s: float = 5.0) -> None:
+        """Reconcile the store's shards with the cluster's nodes every `interval_s`, until
+        `shutdown()`."""
+
+        async def watch() -> None:
+            while True:
+                await asyncio.sleep(interval_s)
+                try:
+                    await self.reconcile_store_shards()
+                except Exception:  # one failed pass must not end the watch
+                    log.exception("reconciling the KV store's shards failed")
+
+        self._store_watch = asyncio.create_task(watch(), name="store-shards")
 
     async def adopt(self, config: EngineConfig, keep_store: bool, timeout_s: float = 10.0) -> Adopted:
         """Take over what a launcher that died left on this Ray cluster: its ready and standby
@@ -180,18 +237,16 @@ class Launcher:
             events_endpoints.add(info["kv_events_endpoint"])
             adopted.append(name)
         await _end_engines(ended)
-        endpoints = []
         for name, actor in shards.items():
             if keep_store and isinstance(answers[name], str):
-                self._shards.append(actor)
-                endpoints.append(answers[name])
+                self._shards[name] = actor
             else:
                 ray.kill(actor)
         if len(events_endpoints) > 1:
             raise RuntimeError(f"adopted engines publish KV events to different routers: {events_endpoints}")
-        self.console.print(f"adopted {len(adopted)} engine(s) {adopted} and {len(endpoints)} store shard(s) "
+        self.console.print(f"adopted {len(adopted)} engine(s) {adopted} and {len(self._shards)} store shard(s) "
                            f"in {time.monotonic() - started:.2f} s; stopped {len(ended)} engine(s) that did not fit")  # fmt: skip
-        return Adopted(tuple(adopted), tuple(endpoints), next(iter(events_endpoints), None))
+        return Adopted(tuple(adopted), next(iter(events_endpoints), None))
 
     def _create_actor(self, config: EngineConfig, instance_id: str) -> ray.actor.ActorHandle:
         options = placement_options(config.role, gpus=0 if is_cpu_build() else 1)
@@ -351,10 +406,13 @@ class Launcher:
         self._actors.clear()
         self.instances.clear()
         self._descriptors.clear()
+        if self._store_watch is not None:
+            self._store_watch.cancel()
+            await asyncio.gather(self._store_watch, return_exceptions=True)
         await asyncio.gather(
-            *(asyncio.wait_for(s.close.remote(), 10) for s in self._shards), return_exceptions=True
+            *(asyncio.wait_for(s.close.remote(), 10) for s in self._shards.values()), return_exceptions=True
         )
-        for shard in self._shards:
+        for shard in self._shards.values():
             ray.kill(shard)
         self._shards.clear()
 

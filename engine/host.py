@@ -97,6 +97,13 @@ class EngineHost:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
+    def node_id(self) -> str | None:
+        """The Ray node this instance runs on (None outside Ray): the launcher keeps a KV store
+        shard on every node that hosts an engine."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+
     def describe(self) -> dict:
         """What the router needs to know about this instance."""
         return {

@@ -117,6 +117,7 @@ class ShardClient:
         self._context = zmq.Context()
         self._socket = None
         self._unanswered: str | None = None  # the op whose answer is still to be read
+        self.members_epoch = 0  # the newest member list the shard has said it holds
         self._lock = threading.Lock()  # one request and one staging buffer at a time
         self.staging = np.zeros(staging_bytes, dtype=np.uint8)
         self.agent = new_agent("pdc-kv")
@@ -149,6 +150,11 @@ class ShardClient:
     def stats(self) -> dict:
         with self._lock:
             return self._call({"op": "stats"})
+
+    def members(self) -> list[str]:
+        """Every shard of the store, as the launcher last told this one (see ShardedStore)."""
+        with self._lock:
+            return self._call({"op": "members"})["members"]
 
     def put(self, keys: Sequence[str], payloads: Sequence[np.ndarray]) -> int:
         """Store chunks (uint8 arrays); returns how many were written (keys already stored, or
@@ -299,7 +305,7 @@ class ShardClient:
             if answer_later:
                 self._unanswered = request["op"]
                 return {}
-            reply = _reply(self._socket, request["op"], self.timeout_s, self.endpoint)
+            reply = self._answer(request["op"])
         except StoreUnavailable:
             self._socket.close(0)
             self._socket = None
@@ -321,11 +327,16 @@ class ShardClient:
         self.peer = self.agent.add_remote_agent(metadata)
         log.info("store shard %s was restarted: now reading from its agent %s", self.endpoint, self.peer)
 
+    def _answer(self, op: str) -> dict:
+        reply = _reply(self._socket, op, self.timeout_s, self.endpoint)
+        self.members_epoch = max(self.members_epoch, reply.get("members_epoch", 0))
+        return reply
+
     def _collect_answer(self) -> None:
         if self._unanswered is None:
             return
         op, self._unanswered = self._unanswered, None
-        reply = _reply(self._socket, op, self.timeout_s, self.endpoint)
+        reply = self._answer(op)
         if "error" in reply:
             log.warning("store shard %s refused %r: %s", self.endpoint, op, reply["error"])
 
@@ -333,12 +344,22 @@ class ShardClient:
 class ShardedStore:
     """All shards of the store as one: each key lives on the shard it hashes highest with
     (rendezvous hashing, so adding a shard moves only its share of the keys). Prefix semantics
-    as in ShardClient: a lookup or read stops at the first key that is missing."""
+    as in ShardClient: a lookup or read stops at the first key that is missing.
+
+    The shards may change: the launcher starts one on every node that joins the cluster and
+    tells every shard the new list (with a higher epoch). Shards name their list's epoch in every
+    reply; before its next call, a client that has seen a newer epoch than its own asks that shard
+    for the list and follows it. Keys whose owner changed miss once (vLLM recomputes them) and
+    are stored on their new owner."""
 
     def __init__(self, endpoints: Sequence[str], timeout_s: float = 5.0, staging_bytes: int = 64 * 1024**2):
         if not endpoints:
             raise ValueError("a store needs at least one shard")
+        self.timeout_s, self.staging_bytes = timeout_s, staging_bytes
         self.shards = {e: ShardClient(e, timeout_s, staging_bytes) for e in endpoints}
+        self.members_epoch = 0
+        self._caller_memory: list[tuple[int, int]] = []
+        self._following = threading.Lock()
 
     @property
     def rejected(self) -> int:
@@ -347,7 +368,42 @@ class ShardedStore:
     def owner(self, key: str) -> ShardClient:
         return self.shards[max(self.shards, key=lambda e: xxhash.xxh3_64_intdigest(f"{e}|{key}".encode()))]
 
+    def follow_members(self) -> None:
+        """Adopt the newest member list a shard has announced, if newer than ours. A member that
+        cannot be reached is left out until the list changes again."""
+        newest = max(self.shards.values(), key=lambda shard: shard.members_epoch)
+        if newest.members_epoch <= self.members_epoch:
+            return
+        with self._following:
+            epoch = newest.members_epoch
+            if epoch <= self.members_epoch:  # another thread followed meanwhile
+                return
+            try:
+                members = newest.members()
+            except StoreUnavailable as exc:
+                log.warning("could not read the store's new shard list from %s: %s", newest.endpoint, exc)
+                return
+            if not members:
+                return
+            shards = {e: c for e, c in self.shards.items() if e in members}
+            for endpoint in [e for e in members if e not in shards]:
+                try:
+                    shard = ShardClient(endpoint, self.timeout_s, self.staging_bytes)
+                except StoreUnavailable as exc:
+                    log.warning("new store shard %s unreachable, left out: %s", endpoint, exc)
+                    continue
+                for address, end in self._caller_memory:
+                    shard.register_caller_memory(address, end - address)
+                shards[endpoint] = shard
+            # One swap: calls under way on other threads finish with the old map.
+            gone, self.shards = [c for e, c in self.shards.items() if e not in shards], shards
+            self.members_epoch = epoch
+        for shard in gone:
+            shard.close()
+        log.info("store shards now (epoch %d): %s", epoch, sorted(self.shards))
+
     def contains(self, keys: Sequence[str]) -> int:
+        self.follow_members()
         count = 0
         for shard, run in self._runs(keys):
             found = shard.contains(run)
@@ -357,6 +413,7 @@ class ShardedStore:
         return count
 
     def get(self, keys: Sequence[str], allocate: Allocate | None = None) -> list:
+        self.follow_members()
         found: list = []
         for shard, run in self._runs(keys):
             got = shard.get(run, allocate)
@@ -366,10 +423,12 @@ class ShardedStore:
         return found
 
     def register_caller_memory(self, address: int, nbytes: int) -> None:
+        self._caller_memory.append((address, address + nbytes))
         for shard in self.shards.values():
             shard.register_caller_memory(address, nbytes)
 
     def put(self, keys: Sequence[str], payloads: Sequence[np.ndarray]) -> int:
+        self.follow_members()
         by_shard: dict[str, tuple[list[str], list[np.ndarray]]] = {}
         for key, payload in zip(keys, payloads, strict=True):
             mine = by_shard.setdefault(self.owner(key).endpoint, ([], []))

@@ -222,47 +222,64 @@ class ShardServer:
         self.base = self.arena.ctypes.data
         self.agent = new_agent("pdc-store")
         self._registration = self.agent.register_memory([(self.base, self.arena.nbytes, 0, "")], "DRAM")
+        self.members: tuple[str, ...] = ()  # every shard of the store (set_members), unknown at first
+        self.members_epoch = 0
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="pdc-store-shard", daemon=True)
         self._thread.start()
 
     def handle(self, request: dict) -> dict:
-        now = time.monotonic()
+        """The answer to one control message; every answer names the epoch of the member list
+        this shard holds, so clients learn of a newer one (members) from any reply."""
         with self._lock:
-            self.store.expire(now)
-            op = request["op"]
-            if op == "hello":
-                return {"agent": self.agent.get_agent_metadata(), "page_bytes": self.store.page_bytes}
-            if op == "reserve":
-                granted = [self.store.reserve(k, n, c, now, self.ttl_s)
-                           for k, n, c in zip(request["keys"], request["nbytes"], request["checksums"],
-                                              strict=True)]  # fmt: skip
-                return {"extents": [self._absolute(e) if e else None for e in granted],
-                        "agent_name": self.agent.name}  # fmt: skip
-            if op == "commit":
-                return {"committed": sum(self.store.commit(k) for k in request["keys"])}
-            if op == "abort":
-                for key in request["keys"]:
-                    self.store.abort(key)
-                return {}
-            if op == "contains":
-                return {"count": self.store.contains(request["keys"])}
-            if op == "lease":
-                lease_id, chunks = self.store.lease(request["keys"], now, self.ttl_s)
-                for chunk in chunks:
-                    chunk["extents"] = self._absolute(chunk["extents"])
-                return {"lease": lease_id, "chunks": chunks, "agent_name": self.agent.name}
-            if op == "release":
-                self.store.release(request["lease"])
-                for key in request.get("damaged", ()):
-                    self.store.reject(key)
-                return {}
-            if op == "stats":
-                return {**dataclasses.asdict(self.store.stats()), "pid": os.getpid()}
-            if op == "corrupt" and self.fault_injection:
-                return {"damaged": self.store.corrupt(self.arena, request["count"])}
-            return {"error": f"unknown op {op!r}"}
+            reply = self._answer(request, time.monotonic())
+            reply.setdefault("members_epoch", self.members_epoch)
+            return reply
+
+    def set_members(self, endpoints: Sequence[str], epoch: int) -> None:
+        """The store's shards as the launcher last counted them (epoch: its count's number; an
+        older one is ignored)."""
+        with self._lock:
+            if epoch > self.members_epoch:
+                self.members, self.members_epoch = tuple(endpoints), epoch
+
+    def _answer(self, request: dict, now: float) -> dict:
+        self.store.expire(now)
+        op = request["op"]
+        if op == "hello":
+            return {"agent": self.agent.get_agent_metadata(), "page_bytes": self.store.page_bytes}
+        if op == "reserve":
+            granted = [self.store.reserve(k, n, c, now, self.ttl_s)
+                       for k, n, c in zip(request["keys"], request["nbytes"], request["checksums"],
+                                          strict=True)]  # fmt: skip
+            return {"extents": [self._absolute(e) if e else None for e in granted],
+                    "agent_name": self.agent.name}  # fmt: skip
+        if op == "commit":
+            return {"committed": sum(self.store.commit(k) for k in request["keys"])}
+        if op == "abort":
+            for key in request["keys"]:
+                self.store.abort(key)
+            return {}
+        if op == "contains":
+            return {"count": self.store.contains(request["keys"])}
+        if op == "lease":
+            lease_id, chunks = self.store.lease(request["keys"], now, self.ttl_s)
+            for chunk in chunks:
+                chunk["extents"] = self._absolute(chunk["extents"])
+            return {"lease": lease_id, "chunks": chunks, "agent_name": self.agent.name}
+        if op == "release":
+            self.store.release(request["lease"])
+            for key in request.get("damaged", ()):
+                self.store.reject(key)
+            return {}
+        if op == "stats":
+            return {**dataclasses.asdict(self.store.stats()), "pid": os.getpid()}
+        if op == "members":
+            return {"members": list(self.members)}
+        if op == "corrupt" and self.fault_injection:
+            return {"damaged": self.store.corrupt(self.arena, request["count"])}
+        return {"error": f"unknown op {op!r}"}
 
     def stats(self) -> ShardStats:
         with self._lock:
@@ -327,6 +344,14 @@ class StoreShardActor:
 
     def endpoint(self) -> str:
         return self.server.endpoint
+
+    def membership(self) -> dict:
+        """This shard's endpoint and the member list it holds (see ShardServer.set_members)."""
+        return {"endpoint": self.server.endpoint, "epoch": self.server.members_epoch,
+                "members": list(self.server.members)}  # fmt: skip
+
+    def set_members(self, endpoints: list[str], epoch: int) -> None:
+        self.server.set_members(endpoints, epoch)
 
     def stats(self) -> dict:
         return dataclasses.asdict(self.server.stats())

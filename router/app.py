@@ -284,8 +284,13 @@ def build_app(
         """The KV store's shards and their memory (used, stored, in flight, leased)."""
         from kvstore.client import StoreUnavailable, request_once
 
-        shards = []
+        members: list[str] = []  # the shards as now counted (nodes join and leave), else ours
         for endpoint in store_endpoints:
+            with contextlib.suppress(StoreUnavailable):
+                members = (await asyncio.to_thread(request_once, endpoint, {"op": "members"}, 5.0))["members"]
+                break
+        shards = []
+        for endpoint in members or store_endpoints:
             try:
                 stats = await asyncio.to_thread(request_once, endpoint, {"op": "stats"}, 5.0)
             except StoreUnavailable as exc:

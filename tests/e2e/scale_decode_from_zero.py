@@ -1,6 +1,7 @@
 """Run by test_autoscaling.py in its own PID namespace (so `ray stop` there ends only this cluster):
-a Ray head with the fake multi-node provider, a decode node type with min 0 / max 2 workers,
-two actors placed like decode engines, then nothing. Prints one JSON line of what it saw."""
+a Ray head with the fake multi-node provider, a decode node type with min 0 / max 2 workers, the
+launcher's KV store (a shard per node), two actors placed like decode engines, then nothing.
+Prints one JSON line of what it saw."""
 
 from __future__ import annotations
 
@@ -52,17 +53,24 @@ def main() -> int:
                     "--object-store-memory=100000000", f"--autoscaling-config={config}"],
                    env=env, check=True, capture_output=True)  # fmt: skip
     try:
+        import asyncio
+
         import ray
 
-        from deploy.launcher import placement_options
+        from deploy.launcher import Launcher, placement_options
         from engine.config import Role
+        from kvstore.client import ShardedStore
+        from router.instances import InstanceRegistry
 
-        ray.init("auto", log_to_driver=False)
+        ray.init("auto", log_to_driver=False, namespace="pdcluster")
 
         def decode_nodes() -> int:
             return sum(1 for n in ray.nodes() if n["Alive"] and n["Resources"].get("decode"))
 
-        seen = {"decode_nodes_at_start": decode_nodes()}
+        launcher = Launcher(InstanceRegistry())
+        shards = asyncio.run(launcher.start_store_shards(32 * 1024**2))
+        store = ShardedStore(shards)  # a client from before the scale-up, as an engine's would be
+        seen = {"decode_nodes_at_start": decode_nodes(), "store_shards_at_start": len(shards)}
 
         @ray.remote
         class DecodeSlot:  # holds a decode engine's placement; the engine is not the subject here
@@ -74,10 +82,22 @@ def main() -> int:
         nodes = ray.get([s.node.remote() for s in slots], timeout=180)
         seen.update(scale_up_s=time.monotonic() - started, decode_nodes_in_use=decode_nodes(),
                     distinct_nodes=len(set(nodes)))  # fmt: skip
+        # The slots stand for engines: the launcher is told their nodes instead of asking engines.
+        shards = asyncio.run(launcher.reconcile_store_shards(60, engine_nodes=set(nodes)))
+        seen["store_shards_after_scale_up"] = len(shards)
+        store.contains(["any"])  # a reply names the new member list's epoch
+        store.contains(["any"])  # followed before this call
+        seen["client_shards_after_scale_up"] = len(store.shards)
         for slot in slots:
             ray.kill(slot)
+        # No engine left there: their shards end, or the nodes would never be idle.
+        seen["store_shards_after_engines_left"] = len(
+            asyncio.run(launcher.reconcile_store_shards(engine_nodes=set()))
+        )
         seen["scale_down_s"] = wait_for(lambda: decode_nodes() == 0, 180)
         seen["decode_nodes_at_end"] = decode_nodes()
+        store.close()
+        asyncio.run(launcher.shutdown())
         print(json.dumps(seen))
         ray.shutdown()
         return 0

@@ -1,4 +1,5 @@
-"""A decode pool scales from zero nodes and back, with Ray's fake multi-node autoscaler."""
+"""A decode pool scales from zero nodes and back, with Ray's fake multi-node autoscaler; the KV
+store keeps a shard on every node as they come and go, and a store client follows."""
 
 from __future__ import annotations
 
@@ -26,3 +27,6 @@ def test_decode_pool_scales_from_zero_nodes_and_back():
     assert seen["decode_nodes_at_start"] == 0
     assert seen["decode_nodes_in_use"] == 2 and seen["distinct_nodes"] == 2
     assert seen["decode_nodes_at_end"] == 0
+    assert seen["store_shards_at_start"] == 1  # the head's
+    assert seen["store_shards_after_scale_up"] == 3 and seen["client_shards_after_scale_up"] == 3
+    assert seen["store_shards_after_engines_left"] == 1

@@ -94,7 +94,7 @@ def test_damaged_chunks_are_rejected_by_checksum_and_recomputed(served, served_p
     before = store_shard(served_pd)
     assert before["chunks"] > 0
     damaged = request_once(before["endpoint"], {"op": "corrupt", "count": before["chunks"]}, 5.0)
-    assert damaged == {"damaged": before["chunks"]}
+    assert damaged["damaged"] == before["chunks"]
     # Straight to the decode instance: its connector finds the prompt in the store and reads it.
     got = generate(engine_url(served_pd, "decode"), {"prompt": prompt})
     after = store_shard(served_pd)

@@ -158,6 +158,36 @@ def test_keys_spread_over_shards_and_read_back_in_prefix_order():
             server.close()
 
 
+def test_clients_follow_the_shard_list_when_a_shard_joins_or_leaves():
+    """A client started when the store had one shard learns from that shard's replies that the
+    launcher added a second one (a node joined), spreads new chunks over both and reads them
+    back; then follows a list without the first (its node left)."""
+    from kvstore.client import ShardedStore
+
+    first, second = (ShardServer(4 * 1024**2, page_bytes=64 * 1024) for _ in range(2))
+    store = ShardedStore([first.endpoint], timeout_s=5.0, staging_bytes=1024**2)
+    try:
+        keys = [f"after-join-{i}" for i in range(16)]
+        payloads = [np.full(9_000 + i, i, dtype=np.uint8) for i in range(16)]
+        first.set_members([first.endpoint, second.endpoint], epoch=1)
+        first.set_members([first.endpoint], epoch=1)  # not newer: ignored
+        assert store.contains(keys) == 0  # its reply announces epoch 1
+        assert store.put(keys, payloads) == 16  # followed before this call
+        assert store.members_epoch == 1 and sorted(store.shards) == sorted([first.endpoint, second.endpoint])
+        assert first.stats().chunks > 0 and second.stats().chunks > 0
+        assert [g.tobytes() for g in store.get(keys)] == [p.tobytes() for p in payloads]
+
+        second.set_members([second.endpoint], epoch=2)
+        assert store.contains(keys) == 16  # each key found on its owner; the second announces epoch 2
+        found = store.contains(keys)  # followed first: one shard, holding only its own share
+        assert store.members_epoch == 2 and list(store.shards) == [second.endpoint]
+        assert found < 16 and len(store.get(keys)) == found
+    finally:
+        store.close()
+        first.close()
+        second.close()
+
+
 def test_an_idle_nixl_agent_does_not_spin_a_core():
     """NIXL's Python API would start UCX's progress thread polling without pause (a core per
     agent, idle or not); ours wait for events."""
