@@ -167,14 +167,11 @@ class Launcher:
                 self._shards[name] = StoreShard.options(
                     name=name, lifetime="detached", num_cpus=0, scheduling_strategy=strategy, max_restarts=-1
                 ).remote(**self._shard_options)  # fmt: skip
-        on_alive_nodes = {
-            n: h for n, h in self._shards.items() if n.removeprefix(STORE_SHARD_PREFIX) in wanted
-        }
-        for name in set(self._shards) - set(on_alive_nodes):
+        for name in [n for n in self._shards if n.removeprefix(STORE_SHARD_PREFIX) not in wanted]:
             ray.kill(self._shards.pop(name))
         answers = await asyncio.gather(*(asyncio.wait_for(h.membership.remote(), timeout_s)
-                                         for h in on_alive_nodes.values()), return_exceptions=True)  # fmt: skip
-        live = {name: a for name, a in zip(on_alive_nodes, answers, strict=True) if isinstance(a, dict)}
+                                         for h in self._shards.values()), return_exceptions=True)  # fmt: skip
+        live = {name: a for name, a in zip(self._shards, answers, strict=True) if isinstance(a, dict)}
         members = sorted(a["endpoint"] for a in live.values())
         newest = max(live.values(), key=lambda a: a["epoch"], default={"epoch": 0, "members": []})
         epoch = newest["epoch"] if newest["members"] == members else newest["epoch"] + 1
@@ -210,8 +207,9 @@ class Launcher:
     async def adopt(self, config: EngineConfig, keep_store: bool, timeout_s: float = 10.0) -> Adopted:
         """Take over what a launcher that died left on this Ray cluster: its ready and standby
         engines of `config`'s model are registered as they are (weights, KV cache and all); its
-        store shards are kept if `keep_store`. Anything else there (another model, a start cut
-        short, an actor that does not answer) is stopped."""
+        store shards are kept if `keep_store` (reconcile_store_shards then keeps those that answer,
+        where engines run). Any other engine there (another model, a start cut short, one that
+        does not answer) is stopped."""
         started = time.monotonic()
         names = ray.util.list_named_actors()
         if not names:
@@ -219,9 +217,9 @@ class Launcher:
         handles = {name: ray.get_actor(name) for name in names}
         shards = {n: h for n, h in handles.items() if n.startswith(STORE_SHARD_PREFIX)}
         engines = {n: h for n, h in handles.items() if n not in shards}
-        asks = [h.endpoint.remote() if n in shards else h.describe.remote() for n, h in handles.items()]
-        answers = dict(zip(handles, await asyncio.gather(
-            *(asyncio.wait_for(a, timeout_s) for a in asks), return_exceptions=True), strict=True))  # fmt: skip
+        answers = dict(zip(engines, await asyncio.gather(
+            *(asyncio.wait_for(h.describe.remote(), timeout_s) for h in engines.values()),
+            return_exceptions=True), strict=True))  # fmt: skip
         adopted, events_endpoints, ended = [], set(), []
         for name, actor in engines.items():
             info = answers[name]
@@ -238,7 +236,7 @@ class Launcher:
             adopted.append(name)
         await _end_engines(ended)
         for name, actor in shards.items():
-            if keep_store and isinstance(answers[name], str):
+            if keep_store:
                 self._shards[name] = actor
             else:
                 ray.kill(actor)

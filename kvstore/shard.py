@@ -342,9 +342,6 @@ class StoreShardActor:
             self.server = server()
         self._port_file.write_text(str(self.server.port))
 
-    def endpoint(self) -> str:
-        return self.server.endpoint
-
     def membership(self) -> dict:
         """This shard's endpoint and the member list it holds (see ShardServer.set_members)."""
         return {"endpoint": self.server.endpoint, "epoch": self.server.members_epoch,
