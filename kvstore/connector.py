@@ -186,7 +186,7 @@ class StoreConnector(KVConnectorBase_V1):
         # K/V layout ([blocks, block, heads, 2 * head_dim], vLLM 0.26) LMCache 0.5.6 moves only
         # half of every token (LMCache#4463, open; the H200 run saw decode answer from stale
         # KV). Whole blocks need no layout knowledge, and the copies run on vLLM's own stream,
-        # after the forward pass that wrote them.
+        # after the forward pass that wrote them (tests/e2e/test_pd_cuda.py passes on the H200).
         if caches[0][0].numel() != math.prod(layout.block_shape):
             raise ValueError(f"KV cache blocks of shape {tuple(caches[0].shape[1:])} do not hold "
                              f"{layout.block_shape} elements: the block copier cannot move them")  # fmt: skip
@@ -233,8 +233,8 @@ class StoreConnector(KVConnectorBase_V1):
         return failed
 
     def _slots(self, block_ids: list[int], tokens: int) -> torch.Tensor:
-        """Each token's slot in the KV cache, on the cache's device (LMCache's CUDA kernels read it
-        there)."""
+        """Each token's slot in the KV cache, on the cache's device (the block copier indexes the
+        cache tensors with them)."""
         device = self._kv_caches[0].device
         blocks = torch.tensor(block_ids[: -(-tokens // self._block_size)], dtype=torch.long, device=device)
         offsets = torch.arange(self._block_size, device=device)
