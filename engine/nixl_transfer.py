@@ -49,6 +49,14 @@ def new_agent(prefix: str):
     return nixl_agent(f"{prefix}-{uuid.uuid4().hex[:8]}", nixl_agent_config(backends=["UCX"]))
 
 
+def add_peer(agent, metadata: bytes) -> str:
+    """Load a remote agent's metadata into `agent`; returns the remote agent's name. As a str:
+    NIXL's binding returns it as bytes, while agents know their own name (`agent.name`) as str,
+    and the two never compare equal."""
+    name = agent.add_remote_agent(metadata)
+    return name.decode() if isinstance(name, bytes) else name
+
+
 def split(extents: Sequence[Extent], piece_bytes: int = PIECE_BYTES) -> list[Extent]:
     return [
         (address + start, min(piece_bytes, length - start))

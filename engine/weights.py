@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.nixl_transfer import new_agent, transfer
+from engine.nixl_transfer import add_peer, new_agent, transfer
 
 ALIGNMENT = 4096
 READ_CHUNK_BYTES = 16 * 1024**2
@@ -387,7 +387,7 @@ def _nixl_read(remote: dict, buffer: np.ndarray, timeout_s: float) -> np.ndarray
     agent = new_agent("pdc-fetch")
     registration = agent.register_memory([(buffer.ctypes.data, buffer.nbytes, 0, "")], "DRAM")
     try:
-        peer = agent.add_remote_agent(base64.b64decode(remote["metadata"]))
+        peer = add_peer(agent, base64.b64decode(remote["metadata"]))
         transfer(agent, "READ", [(buffer.ctypes.data, buffer.nbytes)], [(remote["address"], buffer.nbytes)],
                  peer, timeout_s)  # fmt: skip
         agent.remove_remote_agent(peer)

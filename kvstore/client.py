@@ -22,7 +22,7 @@ import msgpack
 import numpy as np
 import xxhash
 
-from engine.nixl_transfer import NixlTransferError, PostedTransfer, new_agent, transfer
+from engine.nixl_transfer import NixlTransferError, PostedTransfer, add_peer, new_agent, transfer
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +124,7 @@ class ShardClient:
         self._registration = self.agent.register_memory(
             [(self.staging.ctypes.data, self.staging.nbytes, 0, "")], "DRAM"
         )
-        self.peer = self.agent.add_remote_agent(self._call({"op": "hello"})["agent"])
+        self.peer = add_peer(self.agent, self._call({"op": "hello"})["agent"])
         self._verifier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pdc-kv-verify")
         self.rejected = 0  # chunks whose checksum did not match
         self._caller_memory: list[tuple[int, int]] = []  # caller memory transfers use directly
@@ -324,7 +324,7 @@ class ShardClient:
         metadata = self._call({"op": "hello"})["agent"]
         with contextlib.suppress(Exception):  # the old agent is gone; forgetting it may complain
             self.agent.remove_remote_agent(self.peer)
-        self.peer = self.agent.add_remote_agent(metadata)
+        self.peer = add_peer(self.agent, metadata)
         log.info("store shard %s was restarted: now reading from its agent %s", self.endpoint, self.peer)
 
     def _answer(self, op: str) -> dict:

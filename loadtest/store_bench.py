@@ -6,7 +6,7 @@ A store shard runs in a child process; this process is the client. For each chun
 defaults are one 256-token chunk of the tiny model and of SmolLM2), in the same run:
   raw_read    - one NIXL READ of the chunks' bytes straight from the shard's arena into a
                 registered buffer of ours (the extents come from a lease; nothing else)
-  store_get   - ShardClient.get: lease, the same READ in 8 MiB pieces straight into the caller's
+  store_get   - ShardClient.get: lease, the same READ in 4 MiB pieces straight into the caller's
                 registered memory (as into LMCache's memory objects), xxh3 check per chunk
                 while later pieces fly, release
   raw_write   - one NIXL WRITE of the same bytes into pages the shard reserved
@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from engine.environment import UCX_LOOPBACK_ENV
-from engine.nixl_transfer import new_agent, transfer
+from engine.nixl_transfer import add_peer, new_agent, transfer
 from kvstore.client import ShardClient, request_once
 
 
@@ -59,7 +59,7 @@ def measure(endpoint: str, chunk_bytes: int, chunks: int, runs: int) -> dict[str
     raw_agent = new_agent("pdc-bench")
     buffer = np.zeros(chunk_bytes * chunks, dtype=np.uint8)
     registration = raw_agent.register_memory([(buffer.ctypes.data, buffer.nbytes, 0, "")], "DRAM")
-    peer = raw_agent.add_remote_agent(request_once(endpoint, {"op": "hello"}, 10)["agent"])
+    peer = add_peer(raw_agent, request_once(endpoint, {"op": "hello"}, 10)["agent"])
     rng = np.random.default_rng(0)
     # Payloads and destinations stand for LMCache's buffer of memory objects, registered with the
     # client as the plugin registers it.
