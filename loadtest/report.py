@@ -35,6 +35,20 @@ def _prefix_hit_rate(samples: list[dict]) -> float | None:
     return hits / queries if queries else None
 
 
+def _remote_prefills(samples: list[dict]) -> dict | None:
+    """How many requests the router prefilled on a prefill instance between the first and last
+    sample, and their mean duration (the prefill part of a P/D request's time to first token)."""
+    name = "pdcluster_router_remote_prefill_seconds"
+    if len(samples) < 2:
+        return None
+    first, last = samples[0]["router"], samples[-1]["router"]
+    count = last.get(f"{name}_count", 0.0) - first.get(f"{name}_count", 0.0)
+    if not count:
+        return None
+    seconds = last[f"{name}_sum"] - first.get(f"{name}_sum", 0.0)
+    return {"count": int(count), "mean_ms": 1e3 * seconds / count}
+
+
 def summarize(run: LoadRun, slo_ttft_s: float, slo_tpot_s: float, label: str = "") -> dict:
     ok = [r for r in run.results if r.ok]
     tpots = [t for r in ok if (t := r.time_per_output_token_s()) is not None]
@@ -58,6 +72,7 @@ def summarize(run: LoadRun, slo_ttft_s: float, slo_tpot_s: float, label: str = "
         "tpot": _stats(tpots),
         "e2e": _stats([r.e2e_s for r in ok if r.e2e_s is not None]),
         "prefix_hit_rate": _prefix_hit_rate(run.samples),
+        "remote_prefills": _remote_prefills(run.samples),
         "max_queue_depth": max(queue, default=0),
     }
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 
 import aiohttp
@@ -68,6 +69,7 @@ class RemotePrefill:
             "remote_block_ids": None, "remote_host": None, "remote_port": None})  # fmt: skip
         instance.inflight += 1
         pending = PendingPrefill(instance, tokens)
+        started = time.monotonic()
         try:
             async with asyncio.timeout(self.config.prefill_timeout_s):
                 async with self.session().post(f"{instance.url}{endpoint}", json=prefill_body) as response:
@@ -77,6 +79,7 @@ class RemotePrefill:
             params = answer.get("kv_transfer_params")
             if not params:
                 raise RuntimeError("the prefill instance returned no kv_transfer_params")
+            metrics.REMOTE_PREFILL.observe(time.monotonic() - started)
             return params
         except (aiohttp.ClientError, TimeoutError, RuntimeError, ValueError) as exc:
             if isinstance(exc, aiohttp.ClientConnectionError):

@@ -68,8 +68,7 @@ def test_decode_counts_the_transferred_kv_as_external_prefix_hits(served_pd):
     prompt_tokens = delta["vllm:prompt_tokens_total"]
     assert prompt_tokens > 500, shown
     assert hits >= prompt_tokens - 32, shown  # all full blocks came from the prefill instance
-    router = scrape(served_pd.url)
-    assert router['pdcluster_router_prefills_total{where="remote"}'.split("{")[0]] > 0
+    assert delta["pdcluster_router_remote_prefill_seconds_count"] == 1, shown  # prefilled remotely
 
     # The prefill's connector tells the router (through vLLM's KV events) what the store now holds.
     def store_blocks() -> int:
@@ -81,6 +80,24 @@ def test_decode_counts_the_transferred_kv_as_external_prefix_hits(served_pd):
     while store_blocks() < (prompt_tokens - 32) // 32:
         assert time.monotonic() < deadline, store_blocks()
         time.sleep(0.2)
+
+
+def test_a_load_report_splits_off_the_remote_prefill_part_of_ttft(served_pd):
+    """The router times each remote prefill; a load run's summary reports them beside TTFT (what
+    loadtest.pd_bench shows per topology)."""
+    from loadtest.arrivals import FixedConcurrency
+    from loadtest.report import summarize
+    from loadtest.runner import Limits, run_load
+    from loadtest.workloads import RandomLengths
+
+    jobs = RandomLengths(input_tokens=300, output_tokens=4, seed=5).jobs("tiny")
+    run = asyncio.run(
+        run_load(served_pd.url, jobs, FixedConcurrency(2), Limits(max_requests=4), scrape_interval_s=0.5)
+    )
+    summary = summarize(run, slo_ttft_s=5, slo_tpot_s=1)
+    assert summary["completed"] == 4, summary["errors"]
+    assert summary["remote_prefills"]["count"] == 4  # threshold 0: every request prefilled remotely
+    assert 0 < summary["remote_prefills"]["mean_ms"] < summary["ttft"]["mean_ms"]  # a part of TTFT
 
 
 def store_shard(server) -> dict:
