@@ -49,6 +49,12 @@ def _add_serve_parser(subparsers, name: str = "serve", help: str = "serve a mode
     )
     parser.add_argument("--served-model-name", help="name clients send (default: the model's)")
     parser.add_argument("--instances", type=int, default=1, help="colocated engine instances")
+    parser.add_argument(
+        "--colocated",
+        action="store_true",
+        help="colocated engines, each prefilling and decoding its own requests (the default without "
+        "--prefill/--decode; --instances sets how many)",
+    )
     parser.add_argument("--prefill", type=int, default=0, help="prefill instances (P/D topology)")
     parser.add_argument("--decode", type=int, default=0, help="decode instances (P/D topology)")
     parser.add_argument(
@@ -246,8 +252,10 @@ class Topology:
     """The prefilling pool's TTFT trigger (PoolSpec.target_ttft_s)."""
 
     @classmethod
-    def from_args(cls, instances: int, prefill: int, decode: int, standby: int = 0,
-                  max_instances: int = 0, target_ttft_s: float | None = None) -> Topology:  # fmt: skip
+    def from_args(cls, instances: int, prefill: int, decode: int, standby: int = 0, max_instances: int = 0,
+                  target_ttft_s: float | None = None, colocated: bool = False) -> Topology:  # fmt: skip
+        if colocated and (prefill or decode):
+            raise ValueError("--colocated and --prefill/--decode exclude each other")
         if standby < 0 or max_instances < 0:
             raise ValueError("--standby and --max-instances cannot be negative")
         if target_ttft_s is not None and target_ttft_s <= 0:
@@ -327,9 +335,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             rate_limit_per_s=args.rate_limit, max_concurrency_per_key=args.max_concurrency_per_key,
             queue_timeout_s=args.queue_timeout,
         )  # fmt: skip
-        topology = Topology.from_args(
-            args.instances, args.prefill, args.decode, args.standby, args.max_instances, args.target_ttft
-        )
+        topology = Topology.from_args(args.instances, args.prefill, args.decode, args.standby, args.max_instances,
+                                      args.target_ttft, args.colocated)  # fmt: skip
     except (ValidationError, ValueError) as exc:
         console.print(f"[red]invalid configuration:[/] {exc}")
         return 2

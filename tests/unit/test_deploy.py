@@ -63,6 +63,9 @@ def test_topology_from_flags():
     assert [r for _, r in Topology.from_args(1, 1, 2).roles()] == [Role.PREFILL, Role.DECODE, Role.DECODE]
     with pytest.raises(ValueError, match="prefill"):
         Topology.from_args(1, 1, 0)
+    assert Topology.from_args(2, 0, 0, colocated=True) == Topology.from_args(2, 0, 0)
+    with pytest.raises(ValueError, match="--colocated"):
+        Topology.from_args(1, 1, 1, colocated=True)
 
 
 def test_topology_pools_scale_to_zero_only_with_a_standby():
