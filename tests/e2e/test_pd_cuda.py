@@ -53,13 +53,15 @@ def engines(cuda_model, artifacts):
     logs' tails are kept in the artifacts folder."""
     shard = ShardServer(2 * 1024**3, host="127.0.0.1")
 
-    # float32: a random-weight model's greedy choices are near-ties, and the P/D engines run vLLM's
-    # V1 model runner where the colocated one runs V2 (engine/host.py): in bf16 any difference of
-    # kernels between them could flip a tie. (What the H200 runs saw was not that: the same wrong
-    # tokens came in bf16 and in float32; docs/gpu-notes.md, session 6.)
+    # float32 by default: a random-weight model's greedy choices are near-ties, and the P/D engines
+    # run vLLM's V1 model runner where the colocated one runs V2 (engine/host.py): in bf16 any
+    # difference of kernels between them could flip a tie. PDC_CUDA_DTYPE=bfloat16 runs the same
+    # tests in the dtype GPUs serve in (docs/gpu-notes.md, session 7).
+    dtype = os.environ.get("PDC_CUDA_DTYPE", "float32")
+
     def config(role: Role) -> EngineConfig:
         return EngineConfig(model=cuda_model, served_model_name="tiny", role=role, max_model_len=2048,
-                            gpu_memory_utilization=0.15, keep_host_weights=False, extra_args=("--dtype", "float32"),
+                            gpu_memory_utilization=0.15, keep_host_weights=False, extra_args=("--dtype", dtype),
                             kv_store_endpoints=() if role is Role.COLOCATED else (shard.endpoint,))  # fmt: skip
 
     hosts = [EngineHost(config(role), f"cuda-{role.value}", host="127.0.0.1")
