@@ -37,8 +37,8 @@ PREFILLS = Counter(
 REMOTE_PREFILL = Histogram(
     "pdcluster_router_remote_prefill_seconds",
     "Remote prefills that handed KV over: from sending the request to a prefill instance to its "
-    "answer (its KV is in the store by then). The rest of a P/D request's time to first token is "
-    "the decode instance's: loading that KV and its first step.",
+    "answer (through the store, its KV is stored by then). The rest of a P/D request's time to "
+    "first token is the decode instance's: loading that KV and its first step.",
     buckets=LATENCY_BUCKETS,
 )
 QUEUED = Gauge("pdcluster_router_queued_requests", "Requests waiting for an instance to become ready.")

@@ -15,8 +15,12 @@ import httpx
 import pytest
 
 from kvstore.client import request_once
+from loadtest.arrivals import FixedConcurrency
 from loadtest.faults import kill_engine
+from loadtest.report import summarize
+from loadtest.runner import Limits, run_load
 from loadtest.scrape import scrape
+from loadtest.workloads import RandomLengths
 
 pytestmark = pytest.mark.slow
 LONG = " ".join(f"line {k}: the quick brown fox jumps over the lazy dog." for k in range(60))
@@ -85,11 +89,6 @@ def test_decode_counts_the_transferred_kv_as_external_prefix_hits(served_pd):
 def test_a_load_report_splits_off_the_remote_prefill_part_of_ttft(served_pd):
     """The router times each remote prefill; a load run's summary reports them beside TTFT (what
     loadtest.pd_bench shows per topology)."""
-    from loadtest.arrivals import FixedConcurrency
-    from loadtest.report import summarize
-    from loadtest.runner import Limits, run_load
-    from loadtest.workloads import RandomLengths
-
     jobs = RandomLengths(input_tokens=300, output_tokens=4, seed=5).jobs("tiny")
     run = asyncio.run(
         run_load(served_pd.url, jobs, FixedConcurrency(2), Limits(max_requests=4), scrape_interval_s=0.5)
