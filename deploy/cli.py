@@ -100,6 +100,13 @@ def _add_serve_parser(subparsers, name: str = "serve", help: str = "serve a mode
         help="below this many uncached prompt tokens, decode prefills locally",
     )
     parser.add_argument(
+        "--remote-prefill-max-queued-tokens",
+        type=int,
+        default=None,
+        help="P/D: when the prefill instance has more prompt tokens queued, decode prefills locally "
+        "(shorter TTFT while prefill is the bottleneck; decode steps wait behind those prefills)",
+    )
+    parser.add_argument(
         "--kv-transfer",
         choices=("store", "direct"),
         default=_env("KV_TRANSFER", "store"),
@@ -331,8 +338,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             host=args.host, port=args.port, served_model_name=name,
             max_model_len=args.max_model_len, policy=args.policy, tokenizer=model_path,
             block_size=engine_config.block_size, allow_remote=args.address is not None,
-            remote_prefill_min_tokens=args.remote_prefill_min_tokens, api_keys=parse_api_keys(args.api_keys),
-            rate_limit_per_s=args.rate_limit, max_concurrency_per_key=args.max_concurrency_per_key,
+            remote_prefill_min_tokens=args.remote_prefill_min_tokens,
+            remote_prefill_max_queued_tokens=args.remote_prefill_max_queued_tokens,
+            api_keys=parse_api_keys(args.api_keys), rate_limit_per_s=args.rate_limit,
+            max_concurrency_per_key=args.max_concurrency_per_key,
             queue_timeout_s=args.queue_timeout,
         )  # fmt: skip
         topology = Topology.from_args(args.instances, args.prefill, args.decode, args.standby, args.max_instances,

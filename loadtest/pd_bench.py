@@ -2,11 +2,13 @@
 
     python -m loadtest.pd_bench [--runs 3 --requests 40 --concurrency 4 --input-tokens 1536 --output-tokens 128]
 
-Starts `pdcluster serve --model tiny` three times: two colocated instances; one prefill and one
+Starts `pdcluster serve --model tiny` four times: two colocated instances; one prefill and one
 decode instance handing KV over through the store shard; the same handing it over directly
-(vLLM's NixlConnector). Runs the same mixed workload (long random-token prompts, long
-generations; lengths +-50%) at a fixed concurrency against each, --runs times per server with a
-new seed each time (fresh prompts: no run finds another's KV). Prints a table of medians over the
+(vLLM's NixlConnector); the store topology again, with the decode instance prefilling itself
+while the prefill instance has more than one average prompt queued
+(`--remote-prefill-max-queued-tokens`). Runs the same mixed workload (long random-token prompts,
+long generations; lengths +-50%) at a fixed concurrency against each, --runs times per server
+with a new seed each time (fresh prompts: no run finds another's KV). Prints a table of medians over the
 runs, with ratios to colocated and the router's mean remote-prefill time (the prefill part of a
 P/D request's TTFT); writes JSON (every run's summary) and a PNG. On a 2-core CPU machine the
 engines share the cores the load generator also needs: read the ratios, not the absolute times.
@@ -30,11 +32,17 @@ from loadtest.report import summarize
 from loadtest.runner import Limits, run_load
 from loadtest.workloads import RandomLengths
 
-TOPOLOGIES = {
-    "colocated x2": ["--instances", "2"],
-    "P/D 1+1, KV via store": ["--prefill", "1", "--decode", "1", "--kv-transfer", "store"],
-    "P/D 1+1, KV direct (NIXL)": ["--prefill", "1", "--decode", "1", "--kv-transfer", "direct"],
-}
+
+def topologies(input_tokens: int) -> dict[str, list[str]]:
+    """Two engines in each. The last one prefills on the decode instance whenever the prefill
+    instance already has more than one average prompt queued."""
+    store = ["--prefill", "1", "--decode", "1", "--kv-transfer", "store"]
+    return {
+        "colocated x2": ["--instances", "2"],
+        "P/D 1+1, KV via store": store,
+        "P/D 1+1, KV direct (NIXL)": ["--prefill", "1", "--decode", "1", "--kv-transfer", "direct"],
+        "P/D 1+1, store, local when busy": [*store, "--remote-prefill-max-queued-tokens", str(input_tokens)],
+    }
 
 
 # (column, summary path) of the table and the plot; the medians over runs of each.
@@ -62,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     console = Console(width=150)
     runs: dict[str, list[dict]] = {}
-    for name, flags in TOPOLOGIES.items():
+    for name, flags in topologies(args.input_tokens).items():
         slug = "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-")
         with LocalServer(["--model", "tiny", *flags], args.out.parent / f"pd_bench-{slug}.log") as server:
             for run in range(args.runs):
@@ -111,7 +119,11 @@ def plot(runs: dict[str, list[dict]], path: Path) -> None:
         errors = [[m - min(v) for m, v in zip(medians, values, strict=True)],
                   [max(v) - m for m, v in zip(medians, values, strict=True)]]  # fmt: skip
         axis.bar(
-            range(len(runs)), medians, yerr=errors, capsize=4, color=["tab:gray", "tab:blue", "tab:orange"]
+            range(len(runs)),
+            medians,
+            yerr=errors,
+            capsize=4,
+            color=["tab:gray", "tab:blue", "tab:orange", "tab:green"],
         )
         axis.set_xticks(range(len(runs)), [n.replace(", ", "\n") for n in runs], fontsize=8)
         axis.set_title(column)

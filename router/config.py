@@ -48,6 +48,10 @@ class RouterConfig(BaseModel):
     health_failure_threshold: int = Field(2, ge=1)
     remote_prefill_min_tokens: int = Field(256, ge=0)
     """P/D: a request whose uncached prompt part is shorter is prefilled by its decode instance."""
+    remote_prefill_max_queued_tokens: int | None = Field(None, ge=0)
+    """P/D: when the chosen prefill instance already has more prompt tokens routed to it and not
+    yet prefilled, the decode instance prefills locally: shorter TTFT while the prefill pool is
+    the bottleneck, at the cost of decode steps that wait behind that prefill. None: always remote."""
     prefill_timeout_s: float = Field(60.0, gt=0)
     """P/D: longest wait for a prefill instance; past it the decode instance prefills locally."""
     queue_max_waiting: int = Field(256, ge=0)

@@ -7,6 +7,7 @@ decode instance with the original request; the decode instance's connector reads
 (NIXL over UCX) and vLLM counts them as external prefix-cache hits. Degrade, don't fail: no
 ready prefill instance, a short uncached suffix, a prefill error or timeout all mean the decode
 instance prefills locally, and a failed KV read there is recomputed (`kv_load_failure_policy`).
+Optionally, so does a prefill pool with too much queued (`remote_prefill_max_queued_tokens`).
 """
 
 from __future__ import annotations
@@ -55,6 +56,10 @@ class RemotePrefill:
             metrics.PREFILLS.labels("local").inc()
             return body
         chosen = self.policy.choose(prefills, request).instance
+        limit = self.config.remote_prefill_max_queued_tokens
+        if limit is not None and chosen.pending_prefill_tokens > limit:
+            metrics.PREFILLS.labels("local_busy").inc()
+            return body
         params = await self._prefill(chosen, endpoint, body, request.num_tokens)
         if params is None:
             metrics.PREFILLS.labels("fallback_local").inc()

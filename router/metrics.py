@@ -31,6 +31,7 @@ INSTANCES = Gauge(
 PREFILLS = Counter(
     "pdcluster_router_prefills",
     "Where requests to decode instances were prefilled: remote, local (short or no prefill pool), "
+    "local_busy (the prefill instance had more queued than --remote-prefill-max-queued-tokens), "
     "fallback_local (the remote prefill failed).",
     ["where"],
 )

@@ -5,17 +5,20 @@ from __future__ import annotations
 import asyncio
 import time
 
+import aiohttp
 import pytest
 from fastapi.testclient import TestClient
+from prometheus_client import REGISTRY
 
 from engine.config import Role
 from engine.environment import free_port
 from engine.lifecycle import InstanceState
 from router.app import build_app
 from router.config import RouterConfig
+from router.disagg import RemotePrefill
 from router.errors import NoInstance
-from router.instances import CapacityQueue, Instance, InstanceRegistry, LatencyWindow
-from router.policies import PolicyContext, RoutingRequest, make_policy
+from router.instances import CapacityQueue, Instance, InstanceRegistry, LatencyWindow, PendingPrefill
+from router.policies import PolicyContext, RoutingDecision, RoutingRequest, make_policy
 
 
 def make_client(instances: list[Instance]) -> TestClient:
@@ -169,3 +172,27 @@ def test_latency_window_quantile_counts_only_recent_samples_after_since():
     assert window.quantile(0.9, since=time.monotonic()) is None  # none seen after a later growth
     time.sleep(0.25)
     assert window.quantile(0.5, min_samples=1) is None  # all older than the window
+
+
+async def test_a_prefill_instance_with_too_much_queued_leaves_the_prefill_to_decode():
+    def prefilled(where: str) -> float:
+        return REGISTRY.get_sample_value("pdcluster_router_prefills_total", {"where": where}) or 0.0
+
+    registry = InstanceRegistry()
+    prefill, decode = dead_instance("prefill-0"), Instance("decode-0", Role.DECODE, "http://127.0.0.1:1")
+    prefill.role = Role.PREFILL
+    registry.add(prefill)
+    registry.add(decode)
+    config = RouterConfig(served_model_name="m", max_model_len=4096, remote_prefill_min_tokens=0,
+                          remote_prefill_max_queued_tokens=1000, prefill_timeout_s=5)  # fmt: skip
+    body, request = {"prompt": "p"}, RoutingRequest((), 600, 32)
+    async with aiohttp.ClientSession() as session:
+        remote = RemotePrefill(config, registry, make_policy("least_loaded"), lambda: session)
+        queued = PendingPrefill(prefill, 1200)  # another request's prompt, not yet prefilled
+        busy = prefilled("local_busy")
+        assert await remote.prepare("/v1/completions", body, request, RoutingDecision(decode)) == body
+        assert prefilled("local_busy") == busy + 1
+        queued.done()  # now under the limit: the router tries the prefill instance (refused: local)
+        fallback = prefilled("fallback_local")
+        assert await remote.prepare("/v1/completions", body, request, RoutingDecision(decode)) == body
+        assert prefilled("fallback_local") == fallback + 1 and prefilled("local_busy") == busy + 1
