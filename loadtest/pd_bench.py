@@ -8,10 +8,11 @@ decode instance handing KV over through the store shard; the same handing it ove
 while the prefill instance has more than one average prompt queued
 (`--remote-prefill-max-queued-tokens`). Runs the same mixed workload (long random-token prompts,
 long generations; lengths +-50%) at a fixed concurrency against each, --runs times per server
-with a new seed each time (fresh prompts: no run finds another's KV). Prints a table of medians over the
-runs, with ratios to colocated and the router's mean remote-prefill time (the prefill part of a
-P/D request's TTFT); writes JSON (every run's summary) and a PNG. On a 2-core CPU machine the
-engines share the cores the load generator also needs: read the ratios, not the absolute times.
+with a new seed each time (fresh prompts: no run finds another's KV). Prints a table of medians
+over the runs, with ratios to colocated and the router's mean remote-prefill time (the prefill
+part of a P/D request's TTFT); writes JSON (every run's summary) and a PNG. On a 2-core CPU
+machine the engines share the cores the load generator also needs: read the ratios, not the
+absolute times.
 """
 
 from __future__ import annotations
