@@ -32,9 +32,9 @@ def make_client(instances: list[Instance]) -> TestClient:
     return TestClient(build_app(config, registry))
 
 
-def dead_instance(instance_id: str = "dead-0") -> Instance:
+def dead_instance(instance_id: str = "dead-0", role: Role = Role.COLOCATED) -> Instance:
     """An instance whose port nothing listens on: a real refused connection."""
-    return Instance(instance_id, Role.COLOCATED, f"http://127.0.0.1:{free_port('127.0.0.1')}")
+    return Instance(instance_id, role, f"http://127.0.0.1:{free_port('127.0.0.1')}")
 
 
 def test_no_instance_is_a_503_with_retry_after():
@@ -179,8 +179,10 @@ async def test_a_prefill_instance_with_too_much_queued_leaves_the_prefill_to_dec
         return REGISTRY.get_sample_value("pdcluster_router_prefills_total", {"where": where}) or 0.0
 
     registry = InstanceRegistry()
-    prefill, decode = dead_instance("prefill-0"), Instance("decode-0", Role.DECODE, "http://127.0.0.1:1")
-    prefill.role = Role.PREFILL
+    prefill, decode = (
+        dead_instance("prefill-0", Role.PREFILL),
+        Instance("decode-0", Role.DECODE, "http://127.0.0.1:1"),
+    )
     registry.add(prefill)
     registry.add(decode)
     config = RouterConfig(served_model_name="m", max_model_len=4096, remote_prefill_min_tokens=0,
