@@ -78,8 +78,10 @@ def _trained_tokenizer(target: Path, vocab_size: int):
 
 
 def _random_llama(target: Path, seed: int, layers: int, hidden: int, intermediate: int, heads: int,
-                  kv_heads: int) -> None:  # fmt: skip
-    """A Llama with random weights and the trained tokenizer."""
+                  kv_heads: int, tied: bool = False) -> None:  # fmt: skip
+    """A Llama with random weights and the trained tokenizer; `tied` shares the input embeddings
+    with the output head (no lm_head.weight in the checkpoint), as SmolLM2, Llama-3.2-1B/3B and
+    small Qwen2.5 models do."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -96,7 +98,7 @@ def _random_llama(target: Path, seed: int, layers: int, hidden: int, intermediat
         bos_token_id=fast.bos_token_id,
         eos_token_id=fast.eos_token_id,
         pad_token_id=fast.pad_token_id,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,
         torch_dtype="bfloat16",
     )
     model = LlamaForCausalLM(config).to(torch.bfloat16)
@@ -108,9 +110,20 @@ def build_tiny(target: Path, seed: int = 0) -> None:
     _random_llama(target, seed, layers=4, hidden=256, intermediate=512, heads=4, kv_heads=2)
 
 
-def build_llama1b(target: Path, seed: int = 0) -> None:
+def build_tiny_tied(target: Path, seed: int = 0) -> None:
+    """The tiny Llama with tied word embeddings: the checkpoint feature that vLLM's in-place
+    reload mishandles on the CPU build (docs/conformance.md)."""
+    _random_llama(target, seed, layers=4, hidden=256, intermediate=512, heads=4, kv_heads=2, tied=True)
+
+
+def build_llama1b(target: Path, seed: int = 0, tied: bool = False) -> None:
     """A ~1B-parameter Llama (16 layers, hidden 2048) with random weights: cold-start yardstick."""
-    _random_llama(target, seed, layers=16, hidden=2048, intermediate=8192, heads=32, kv_heads=8)
+    _random_llama(target, seed, layers=16, hidden=2048, intermediate=8192, heads=32, kv_heads=8, tied=tied)
+
+
+def build_llama1b_tied(target: Path, seed: int = 0) -> None:
+    """The ~1B Llama with tied word embeddings (the GPU conformance check)."""
+    build_llama1b(target, seed, tied=True)
 
 
 def _smollm2_gguf() -> Path:
@@ -145,8 +158,10 @@ def build_smollm2(target: Path) -> None:
 
 BUILDERS: dict[str, Callable[[Path], None]] = {
     "tiny": build_tiny,
+    "tiny-tied": build_tiny_tied,
     "smollm2": build_smollm2,
     "llama1b": build_llama1b,
+    "llama1b-tied": build_llama1b_tied,
 }
 
 

@@ -13,6 +13,12 @@ keeps every tensor's address (captured CUDA graphs stay valid). Two planes:
   over NVLink) into ours in kernel format, checked with on-device checksums; the disk path streams
   safetensors through pinned slots to the device.
 
+Tied layers: vLLM's in-place reload re-processes a layer once its own checkpoint tensors have
+arrived. A layer whose parameters are another layer's (the output head tied to the input
+embeddings) receives none, so state derived from its weights is not rebuilt: on the CPU build the
+head keeps multiplying by a copy packed from the dummy weights, and the engine answers nonsense.
+`reprocess_tied_layers` rebuilds it after every checkpoint-format reload (docs/conformance.md).
+
 Arguments and results are JSON, as the endpoint passes only strings.
 """
 
@@ -54,6 +60,29 @@ def _key() -> str | None:
 
 def _sign(key: str, *parts: str) -> str:
     return hmac.new(key.encode(), "\n".join(parts).encode(), hashlib.sha256).hexdigest()
+
+
+def reprocess_tied_layers(model) -> list[str]:
+    """Re-run weight processing on every layer that shares a parameter with another layer; returns
+    their names. Only unquantized embeddings and heads are known to be safe to process twice: a
+    quantized tied layer raises rather than serve weights nobody checked."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    holders: dict[int, list] = {}
+    for name, module in model.named_modules():
+        for parameter in module.parameters(recurse=False):
+            holders.setdefault(id(parameter), []).append((name, module))
+    reprocessed: list[str] = []
+    for name, module in {n: m for group in holders.values() if len(group) > 1 for n, m in group}.items():
+        method = getattr(module, "quant_method", None)
+        if method is None:
+            continue
+        if not isinstance(method, UnquantizedEmbeddingMethod):
+            raise WeightTransferError(f"{name} shares its weights with another layer and is processed by "
+                                      f"{type(method).__name__}: reloading it in place is not supported")  # fmt: skip
+        method.process_weights_after_loading(module)
+        reprocessed.append(name)
+    return reprocessed
 
 
 class WeightPlaneExtension:
@@ -114,14 +143,14 @@ class WeightPlaneExtension:
         if self._pdc_on_cuda():
             tensors = stream_to_device(self._pdc_model_dir(), self.device)
             read = time.perf_counter()
-            self.reload_weights(weights_iterator=iter(tensors), is_checkpoint_format=True)
+            self._pdc_reload(iter(tensors))
             nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
             del tensors  # the staging device buffer
         else:
             shm_path = Path(request["shm_path"]) if request.get("shm_path") else None
             weights = read_from_disk(self._pdc_model_dir(), shm_path)
             read = time.perf_counter()
-            self.reload_weights(weights_iterator=weights.tensors(), is_checkpoint_format=True)
+            self._pdc_reload(weights.tensors())
             nbytes = weights.manifest.total_bytes
             self._pdc_keep(weights if shm_path is not None else None)
         return {"source": "disk", "read_s": read - started, "reload_s": time.perf_counter() - read,
@@ -137,11 +166,16 @@ class WeightPlaneExtension:
             timeout_s=request.get("timeout_s", 60.0), shm_path=shm_path,
         )  # fmt: skip
         started = time.perf_counter()
-        self.reload_weights(weights_iterator=weights.tensors(), is_checkpoint_format=True)
+        self._pdc_reload(weights.tensors())
         reloaded = time.perf_counter() - started
         self._pdc_keep(weights)
         return {"source": "peer", "transport": fetched.transport, "transfer_s": fetched.transfer_s,
                 "verify_s": fetched.verify_s, "reload_s": reloaded, "bytes": fetched.nbytes}  # fmt: skip
+
+    def _pdc_reload(self, tensors) -> None:
+        """vLLM's in-place reload of checkpoint tensors, then the tied layers it leaves stale."""
+        self.reload_weights(weights_iterator=tensors, is_checkpoint_format=True)
+        reprocess_tied_layers(self.model_runner.get_model())
 
     def _pdc_keep(self, weights: WeightSet | None) -> None:
         self.pdc_release_weights()
