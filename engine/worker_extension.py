@@ -54,6 +54,21 @@ if importlib.util.find_spec("nixl") is not None:
     quiet_progress_threads()
 
 
+def _allow_amx() -> None:
+    """Ask Linux for the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM) in this worker process.
+    vLLM 0.32's CPU attention picks its AMX kernel wherever the CPU has AMX but never asks for
+    it; until something else does (oneDNN does, for GEMMs large enough to use AMX), its first
+    tile instruction kills the worker with SIGILL: a small model's first short prompt did, on
+    every start (docs/conformance.md)."""
+    import torch
+
+    if torch.cpu._is_amx_tile_supported():
+        torch._C._cpu._init_amx()
+
+
+_allow_amx()
+
+
 def _key() -> str | None:
     return os.environ.get(WEIGHTS_KEY_ENV) or None
 
