@@ -83,9 +83,10 @@ def _add_serve_parser(subparsers, name: str = "serve", help: str = "serve a mode
         help="longest a request waits for an instance to become ready (s)",
     )
     parser.add_argument(
-        "--weights-key",
-        default=os.environ.get("PDCLUSTER_WEIGHTS_KEY"),
-        help="key that signs weight transfers between instances (env PDCLUSTER_WEIGHTS_KEY)",
+        "--secret-file",
+        type=Path,
+        help="the cluster's secret (default: env PDCLUSTER_SECRET, else ~/.config/pdcluster/secret, "
+        "made by `pdcluster serve` when missing); every credential is derived from it",
     )
     parser.add_argument(
         "--start-log",
@@ -124,9 +125,10 @@ def _add_serve_parser(subparsers, name: str = "serve", help: str = "serve a mode
     )
     parser.add_argument("--policy", default="kv_aware", help="routing policy (router.policies.POLICIES)")
     parser.add_argument(
-        "--api-keys",
-        default=os.environ.get("PDCLUSTER_API_KEYS", ""),
-        help="KEY:TENANT,KEY:TENANT (env PDCLUSTER_API_KEYS); none: open endpoint",
+        "--api-keys-file",
+        type=Path,
+        help="a file of KEY:TENANT lines (or env PDCLUSTER_API_KEYS=KEY:TENANT,...); none: an open "
+        "endpoint, on loopback only. Keys never go on the command line (`ps` shows it)",
     )
     parser.add_argument("--rate-limit", type=float, help="requests/s per API key")
     parser.add_argument("--max-concurrency-per-key", type=int, help="requests in flight per API key")
@@ -169,6 +171,7 @@ def _add_cluster_parsers(subparsers) -> None:
     down.set_defaults(func=_cmd_down)
     status = subparsers.add_parser("status", help="pools, instances and their states")
     status.add_argument("--url", default=f"http://127.0.0.1:{_env('PORT', '8000')}")
+    status.add_argument("--secret-file", type=Path, help="the cluster's secret (as for serve)")
     status.set_defaults(func=_cmd_status)
 
 
@@ -200,10 +203,15 @@ def _cmd_status(args: argparse.Namespace) -> int:
     import httpx
     from rich.table import Table
 
+    from security.credentials import ClusterCredentials
+
     try:
+        headers = ClusterCredentials.load(args.secret_file).admin_headers()
         health = httpx.get(f"{args.url}/health", timeout=5).json()
-        instances = httpx.get(f"{args.url}/admin/instances", timeout=5).json()["instances"]
-    except httpx.HTTPError as exc:
+        response = httpx.get(f"{args.url}/admin/instances", headers=headers, timeout=5)
+        response.raise_for_status()
+        instances = response.json()["instances"]
+    except (httpx.HTTPError, RuntimeError) as exc:
         console.print(f"[red]no router at {args.url}:[/] {exc!r}")
         return 1
     table = Table(title=f"pdcluster at {args.url}: {health['status']}")
@@ -231,6 +239,13 @@ def resolve_model(model: str) -> tuple[Path, str]:
         return path, model
     path = Path(model)
     return path, path.name
+
+
+def load_api_keys(path: Path | None) -> dict[str, str]:
+    """The API keys from `path` (KEY:TENANT per line or comma-separated), else from env
+    PDCLUSTER_API_KEYS."""
+    spec = path.read_text() if path else os.environ.get("PDCLUSTER_API_KEYS", "")
+    return parse_api_keys(spec.replace("\n", ","))
 
 
 def parse_api_keys(spec: str) -> dict[str, str]:
@@ -320,10 +335,14 @@ def roles_to_start(wanted: list[tuple[str, Role]], present: list) -> list[tuple[
 def _cmd_serve(args: argparse.Namespace) -> int:
     from engine.config import EngineConfig
     from router.config import RouterConfig
+    from security.credentials import ClusterCredentials, CredentialsError
 
     model_path, default_name = resolve_model(args.model)
     name = args.served_model_name or default_name
     try:
+        # One machine makes its own secret; a cluster's head must be given one (README, cluster steps).
+        credentials = ClusterCredentials.load(args.secret_file, create=args.address is None)
+        secret = credentials.secret.hex()
         engine_config = EngineConfig(
             model=model_path,
             served_model_name=name,
@@ -331,7 +350,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             kv_cache_gib=args.kv_cache_gib,
             enforce_eager=not args.no_eager,
             start_timeout_s=args.start_timeout,
-            weights_key=args.weights_key,
+            cluster_secret=secret,
             log_dir=args.engine_log_dir.resolve() if args.engine_log_dir else None,
         )
         router_config = RouterConfig(
@@ -340,13 +359,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             block_size=engine_config.block_size, allow_remote=args.address is not None,
             remote_prefill_min_tokens=args.remote_prefill_min_tokens,
             remote_prefill_max_queued_tokens=args.remote_prefill_max_queued_tokens,
-            api_keys=parse_api_keys(args.api_keys), rate_limit_per_s=args.rate_limit,
+            api_keys=load_api_keys(args.api_keys_file), rate_limit_per_s=args.rate_limit, cluster_secret=secret,
             max_concurrency_per_key=args.max_concurrency_per_key,
             queue_timeout_s=args.queue_timeout,
         )  # fmt: skip
         topology = Topology.from_args(args.instances, args.prefill, args.decode, args.standby, args.max_instances,
                                       args.target_ttft, args.colocated)  # fmt: skip
-    except (ValidationError, ValueError) as exc:
+    except (ValidationError, ValueError, OSError, CredentialsError) as exc:
         console.print(f"[red]invalid configuration:[/] {exc}")
         return 2
     if args.address is None or is_loopback(args.address.rpartition(":")[0]):

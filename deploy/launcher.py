@@ -60,6 +60,7 @@ def start_ray(address: str | None, resources: dict[str, float] | None = None) ->
         ray.init(address=address, namespace=RAY_NAMESPACE, log_to_driver=False)
         return False
     ray.init(
+        address="local",  # a head of its own, never another Ray found on this machine
         _node_ip_address="127.0.0.1",
         namespace=RAY_NAMESPACE,
         include_dashboard=False,

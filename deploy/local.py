@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 
 from engine.environment import RAY_LOOPBACK_ENV, UCX_LOOPBACK_ENV, free_port
+from security.credentials import ClusterCredentials
 
 
 class LocalServer:
@@ -72,8 +73,15 @@ class LocalServer:
             raise RuntimeError("not started")
         return self._process.pid
 
+    @property
+    def credentials(self) -> ClusterCredentials:
+        """The cluster's credentials, as the server loaded them (the environment or its file)."""
+        return ClusterCredentials.load()
+
     def instances(self) -> list[dict]:
-        return httpx.get(f"{self.url}/admin/instances", timeout=5).json()["instances"]
+        response = httpx.get(f"{self.url}/admin/instances", headers=self.credentials.admin_headers(), timeout=5)
+        response.raise_for_status()
+        return response.json()["instances"]
 
     def kill(self) -> None:
         """SIGKILL the `pdcluster serve` process alone, as a crash would. On a Ray cluster it

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import secrets
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
@@ -55,9 +56,10 @@ class EngineConfig(BaseModel):
     one instead of from disk; costs the checkpoint's size in host memory per instance."""
     weights_dir: Path = Path("/dev/shm")
     """Folder of that host copy: shared memory, so peers on the node map it without a copy."""
-    weights_key: SecretStr | None = None
-    """Cluster key: peers sign their weight manifests with it and receivers reject unsigned or
-    wrongly signed ones. None accepts any peer of the same model (digests are still checked)."""
+    cluster_secret: SecretStr = Field(default_factory=lambda: SecretStr(secrets.token_hex(32)))
+    """The cluster's secret (hex; security/credentials.py): the engine admits only requests with
+    the engine token derived from it and signs and checks weight transfers with its weights key.
+    The default, a secret of this config's own, shuts out everyone but the engine's host."""
     weight_transfer_timeout_s: float = Field(60.0, gt=0)
     """Longest a weight transfer from a peer may take before the instance falls back to disk."""
     log_dir: Path | None = None

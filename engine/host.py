@@ -28,14 +28,15 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 
 from engine.config import EngineConfig, Role
 from engine.environment import engine_process_env, free_port, is_cpu_build
 from engine.lifecycle import InstanceState, StartTimeline
-from engine.worker_extension import WEIGHTS_KEY_ENV
+from engine.weights import new_weights_file
+from engine.worker_extension import WEIGHTS_DIR_ENV, WEIGHTS_FILE_ENV
+from security.credentials import ClusterCredentials
 
 # vLLM log lines that end a start-up stage, in the order they appear, with the seconds vLLM
 # itself reports where it does.
@@ -87,6 +88,9 @@ class EngineHost:
         self.kv_events_replay_endpoint = (
             f"tcp://{self.host}:{free_port(self.host)}" if config.kv_events_endpoint else None
         )
+        self.credentials = ClusterCredentials.from_hex(config.cluster_secret.get_secret_value())
+        self.weights_file = new_weights_file(config.weights_dir) if config.keep_host_weights else None
+        """Where the engine keeps the host copy of its weights that its node's peers may map."""
         self.state = InstanceState.STOPPED
         self.timeline = StartTimeline()
         self.weights_record: dict = {}
@@ -135,6 +139,7 @@ class EngineHost:
             "--disable-uvicorn-access-log",
             "--load-format", "dummy",
             "--worker-extension-cls", "engine.worker_extension.WeightPlaneExtension",
+            "--middleware", "engine.http_auth.EngineAuthMiddleware",
         ]  # fmt: skip
         if c.enforce_eager:
             command.append("--enforce-eager")
@@ -168,13 +173,6 @@ class EngineHost:
         return {**shared, "kv_connector": "NixlConnector",
                 "kv_buffer_device": "cpu" if is_cpu_build() else "cuda"}  # fmt: skip
 
-    @property
-    def shm_path(self) -> str | None:
-        """Where this instance keeps the host copy of its weights that peers may read."""
-        if not self.config.keep_host_weights:
-            return None
-        return str(self.config.weights_dir / f"pdcluster-weights-{self.instance_id}")
-
     async def start(self, standby: bool = False, peer: dict | None = None) -> dict:
         """Start the server and wait for /health. Then, unless `standby`, load the weights (from
         `peer`, a descriptor of `export_weights()`, else from disk) and send a warm-up request.
@@ -184,9 +182,12 @@ class EngineHost:
         self.timeline = StartTimeline()
         self.state = InstanceState.LOADING
         env = engine_process_env(self.host, self.config.kv_cache_gib, self.config.cpu_cores)
-        env["VLLM_SERVER_DEV_MODE"] = "1"  # /collective_rpc and /reset_prefix_cache, for weights
-        if self.config.weights_key is not None:
-            env[WEIGHTS_KEY_ENV] = self.config.weights_key.get_secret_value()
+        # /collective_rpc and /reset_prefix_cache, for weights; like every route, behind the token
+        env["VLLM_SERVER_DEV_MODE"] = "1"
+        env.update(self.credentials.as_env())
+        env[WEIGHTS_DIR_ENV] = str(self.config.weights_dir)
+        if self.weights_file is not None:
+            env[WEIGHTS_FILE_ENV] = str(self.weights_file)
         if self.config.role != Role.COLOCATED:
             env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port(self.host))
             env["VLLM_USE_V2_MODEL_RUNNER"] = "0"  # see server_command
@@ -223,11 +224,12 @@ class EngineHost:
         await self._guarded(self._load_and_warm(peer), self.config.start_timeout_s, "activation")
         return self.timeline.as_record()
 
-    async def export_weights(self, use_nixl: bool = True) -> dict:
-        """How a peer reads this instance's weights (shared memory on this node, NIXL anywhere)."""
+    async def export_weights(self, use_nixl: bool = True, offer_file: bool = True) -> dict:
+        """How a peer reads this instance's weights (shared memory on this node unless not
+        `offer_file`, NIXL anywhere): a descriptor signed with the cluster's weights key."""
         if self.state != InstanceState.READY:
             raise EngineStartError(f"{self.instance_id} is {self.state.value}; no weights to offer")
-        request = {"host": self.host, "use_nixl": use_nixl}
+        request = {"use_nixl": use_nixl, "offer_file": offer_file}
         return await self._worker_call("pdc_export_weights", request, timeout_s=30)
 
     async def _guarded(self, work, timeout_s: float, what: str) -> None:
@@ -249,8 +251,7 @@ class EngineHost:
 
     async def _load_and_warm(self, peer: dict | None) -> None:
         self.state = InstanceState.LOADING
-        request = {"peer": peer, "host": self.host, "shm_path": self.shm_path,
-                   "timeout_s": self.config.weight_transfer_timeout_s}  # fmt: skip
+        request = {"peer": peer, "timeout_s": self.config.weight_transfer_timeout_s}
         record = await self._worker_call("pdc_load_weights", request, self.config.start_timeout_s)
         self.weights_record = record
         self.timeline.mark("weights")
@@ -258,7 +259,7 @@ class EngineHost:
         self.timeline.details.update(weights_source=source, weights_bytes=record["bytes"])
         if record["fallback_reason"]:
             self.timeline.details["weights_fallback_reason"] = record["fallback_reason"]
-        async with _local_client(60.0) as client:
+        async with self._client(60.0) as client:
             # Blocks cached before the real weights arrived would hold wrong KV.
             (await client.post(f"{self.url}/reset_prefix_cache")).raise_for_status()
         self.state = InstanceState.WARMING
@@ -269,7 +270,7 @@ class EngineHost:
         """Readiness means a request has really run through the engine, not just /health. It asks
         for logprobs: vLLM's first logprobs request costs ~2 s of lazy set-up on the CPU build,
         which no user's first request should pay."""
-        async with _local_client(60.0) as client:
+        async with self._client(60.0) as client:
             response = await client.post(
                 f"{self.url}/v1/completions",
                 json={"model": self.config.served_model_name, "prompt": "warm up",
@@ -279,7 +280,7 @@ class EngineHost:
 
     async def _worker_call(self, method: str, request: dict, timeout_s: float) -> dict:
         """Call a WeightPlaneExtension method on the engine's worker (one per engine here)."""
-        async with _local_client(timeout_s + 5) as client:
+        async with self._client(timeout_s + 5) as client:
             response = await client.post(
                 f"{self.url}/collective_rpc",
                 json={"method": method, "args": [json.dumps(request)], "timeout": timeout_s},
@@ -314,7 +315,7 @@ class EngineHost:
                     self.timeline.details[f"{stage}_reported_s"] = float(match["s"])
 
     async def _wait_until_healthy(self) -> None:
-        async with _local_client(5.0) as client:
+        async with self._client(5.0) as client:
             while not await self._healthy(client):
                 if self._process is None or self._process.poll() is not None:
                     code = self._process.returncode if self._process else None
@@ -332,7 +333,7 @@ class EngineHost:
         """The instance's state, re-checked against its process and /health."""
         if self.state in (InstanceState.READY, InstanceState.STANDBY):
             alive = self._process is not None and self._process.poll() is None
-            async with _local_client(2.0) as client:
+            async with self._client(2.0) as client:
                 if not alive or not await self._healthy(client):
                     self.state = InstanceState.FAILED
         return self.describe()
@@ -361,8 +362,17 @@ class EngineHost:
         except ProcessLookupError:
             pass
         process.wait()
-        if self.shm_path:
-            Path(self.shm_path).unlink(missing_ok=True)
+        if self.weights_file is not None:
+            self.weights_file.unlink(missing_ok=True)
+
+    @property
+    def auth_headers(self) -> dict[str, str]:
+        """What every request to this engine must carry (engine/http_auth.py)."""
+        return self.credentials.engine_headers()
+
+    def _client(self, timeout_s: float) -> httpx.AsyncClient:
+        """A client for this instance's engine server, with the engine token."""
+        return _local_client(timeout_s, self.auth_headers)
 
 
 @functools.cache
@@ -370,11 +380,12 @@ def _ssl_context() -> ssl.SSLContext:
     return ssl.create_default_context()
 
 
-def _local_client(timeout_s: float) -> httpx.AsyncClient:
+def _local_client(timeout_s: float, headers: dict[str, str]) -> httpx.AsyncClient:
     """A client for this node's engine server (plain HTTP, no proxy). Every new httpx client
     builds an SSL context and loads the CA certificates unless given one: 20-55 ms here, and an
     activation makes three clients on its way to READY."""
-    return httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), verify=_ssl_context(), trust_env=False)
+    return httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), verify=_ssl_context(), trust_env=False,
+                             headers=headers)  # fmt: skip
 
 
 def node_address() -> str:

@@ -4,8 +4,11 @@ A buffer is filled from disk (parallel reads of the safetensors files, `read_fro
 a warm peer that holds the same model (`fetch_from_peer`): mapped read-only from the peer's shared
 memory file when both run on one node, read one-sided over NIXL/UCX otherwise (RDMA on clusters,
 TCP here). Every buffer carries per-tensor digests; a received buffer is checked tensor by tensor,
-and when a cluster key is set the manifest (digests included) is signed by the peer with HMAC, so
-a transfer can neither be corrupted nor forged unnoticed. The engine then takes the tensors through
+and every descriptor a peer offers (manifest, digests, where to read) is signed with the cluster's
+weights key (security/credentials.py), so a transfer can neither be corrupted nor forged
+unnoticed. A shared-memory file is created 0600 under an unguessable name; a descriptor names it
+by that name alone, which the receiver checks and looks up in its own weights folder: no path
+ever comes from a caller. The engine then takes the tensors through
 vLLM's own in-place `reload_weights` (engine/worker_extension.py).
 
 The buffer keeps the checkpoint layout, not the engine's kernel layout: on the CPU build vLLM
@@ -24,6 +27,8 @@ import importlib.util
 import json
 import mmap
 import os
+import re
+import secrets
 import struct
 import time
 from collections.abc import Callable, Iterator
@@ -34,6 +39,8 @@ import numpy as np
 from engine.nixl_transfer import add_peer, new_agent, transfer
 
 ALIGNMENT = 4096
+WEIGHTS_FILE_PREFIX = "pdcluster-weights-"
+_WEIGHTS_FILE_NAME = re.compile(rf"{WEIGHTS_FILE_PREFIX}[0-9a-f]{{32}}")
 READ_CHUNK_BYTES = 16 * 1024**2
 # safetensors dtype names -> torch dtype attribute names
 _DTYPES = {
@@ -80,9 +87,22 @@ class WeightManifest:
         )
         return cls(raw["model_id"], tensors, raw["total_bytes"], tuple(raw["digests"]))
 
-    def sign(self, key: str) -> str:
-        """HMAC-SHA256 over the canonical manifest, digests included."""
-        return hmac.new(key.encode(), self.to_json().encode(), hashlib.sha256).hexdigest()
+
+
+def sign(key: str, descriptor: dict) -> str:
+    """HMAC-SHA256 of a descriptor's canonical JSON, its `signature` field left out."""
+    body = json.dumps({k: v for k, v in descriptor.items() if k != "signature"}, sort_keys=True)
+    return hmac.new(key.encode(), body.encode(), hashlib.sha256).hexdigest()
+
+
+def check_signature(key: str, descriptor: dict) -> None:
+    if not hmac.compare_digest(str(descriptor.get("signature") or ""), sign(key, descriptor)):
+        raise WeightTransferError("the peer's weight descriptor is not signed with the cluster's weights key")
+
+
+def new_weights_file(weights_dir: Path) -> Path:
+    """Where an instance keeps the host copy it offers its node's peers: an unguessable name."""
+    return weights_dir / f"{WEIGHTS_FILE_PREFIX}{secrets.token_hex(16)}"
 
 
 def model_id(model_dir: Path) -> str:
@@ -141,11 +161,26 @@ class WeightSet:
 
 
 def _allocate(nbytes: int, shm_path: Path | None) -> np.ndarray:
+    """A buffer of `nbytes`: private memory, or a new file at `shm_path` only its owner may read
+    (created, never reused: O_EXCL, no links followed)."""
     if shm_path is None:
         return np.empty(nbytes, np.uint8)
-    with open(shm_path, "w+b") as handle:
+    descriptor = os.open(shm_path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(descriptor, "w+b") as handle:
         handle.truncate(max(nbytes, 1))
         return np.frombuffer(mmap.mmap(handle.fileno(), max(nbytes, 1)), np.uint8)[:nbytes]
+
+
+def _map_peer_file(weights_dir: Path, name: str, nbytes: int) -> np.ndarray:
+    """A peer's host copy on this node, mapped copy-on-write (pages stay shared with the peer
+    unless someone writes to them). Only a name of our own making (checked by the caller), in
+    our own weights folder, never through a link."""
+    descriptor = os.open(weights_dir / name, os.O_RDONLY | os.O_NOFOLLOW)
+    with os.fdopen(descriptor, "rb") as handle:
+        mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+    if len(mapped) < nbytes:
+        raise WeightTransferError(f"the peer's weights file holds {len(mapped)} bytes, the manifest {nbytes}")
+    return np.frombuffer(mapped, np.uint8)[:nbytes]
 
 
 def _safetensors_layout(model_dir: Path) -> tuple[list[TensorEntry], list[tuple[Path, int, int, int]]]:
@@ -287,26 +322,25 @@ class WeightExporter:
     """Offers a WeightSet to peers: its shared-memory file (same node) and a NIXL agent that has
     the buffer registered for one-sided reads (any node). Owned by the serving worker."""
 
-    def __init__(self, weights: WeightSet, host: str, key: str | None):
+    def __init__(self, weights: WeightSet, host: str, key: str):
         self.weights = weights
         self.host = host
         self.key = key
         self._agent = None
         self._registration = None
 
-    def descriptor(self, use_nixl: bool = True) -> dict:
-        """For `fetch_from_peer`; NIXL is offered where it is installed (not needed on one node)."""
-        manifest = self.weights.manifest
+    def descriptor(self, use_nixl: bool = True, offer_file: bool = True) -> dict:
+        """For `fetch_from_peer`, signed; NIXL is offered where it is installed (not needed on
+        one node), the shared-memory file unless `offer_file` is False (for peers elsewhere)."""
+        own_file = self.weights.shm_path if self.weights.owns_file and offer_file else None
         described: dict = {
+            "kind": "host_copy",
             "host": self.host,
-            "manifest": manifest.to_json(),
-            "signature": manifest.sign(self.key) if self.key else None,
-            "shm_path": str(self.weights.shm_path) if self.weights.owns_file else None,
-            "nixl": None,
+            "manifest": self.weights.manifest.to_json(),
+            "shm_name": own_file.name if own_file is not None else None,
+            "nixl": self._nixl_descriptor() if use_nixl and importlib.util.find_spec("nixl") else None,
         }
-        if use_nixl and importlib.util.find_spec("nixl") is not None:
-            described["nixl"] = self._nixl_descriptor()
-        return described
+        return described | {"signature": sign(self.key, described)}
 
     def _nixl_descriptor(self) -> dict:
         if self._agent is None:
@@ -340,38 +374,35 @@ class FetchRecord:
 def fetch_from_peer(
     descriptor: dict,
     expected_model_id: str,
-    key: str | None,
+    key: str,
     local_host: str,
+    weights_dir: Path,
     timeout_s: float = 60.0,
     threads: int = 8,
-    shm_path: Path | None = None,
+    own_file: Path | None = None,
 ) -> tuple[WeightSet, FetchRecord]:
-    """Get a peer's weights and check them: signature (when this side has a key), model, digests.
-    Same host and a readable shared-memory file: map it; otherwise read it over NIXL (into this
-    side's own shared-memory file at `shm_path`, when given, so it can serve peers in turn)."""
+    """Get a peer's weights and check them: signature, model, digests. On the peer's node with
+    its file there: map it; otherwise read it over NIXL (into a new file of ours at `own_file`,
+    when given, so this instance can serve peers in turn)."""
+    check_signature(key, descriptor)
     manifest = WeightManifest.from_json(descriptor["manifest"])
-    if key is not None:
-        signature = descriptor.get("signature") or ""
-        if not hmac.compare_digest(signature, manifest.sign(key)):
-            raise WeightTransferError("the peer's weight manifest is not signed with the cluster key")
     if manifest.model_id != expected_model_id:
         raise WeightTransferError(
             f"the peer holds model {manifest.model_id}, this instance needs {expected_model_id}"
         )
     started = time.perf_counter()
-    shm_path = descriptor.get("shm_path")
-    if shm_path and descriptor["host"] == local_host and Path(shm_path).exists():
-        with open(shm_path, "rb") as handle:
-            # Copy-on-write: pages stay shared with the peer unless someone writes to them.
-            mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
-        buffer = np.frombuffer(mapped, np.uint8)[: manifest.total_bytes]
-        weights, transport = WeightSet(manifest, buffer, Path(shm_path)), "shm"
+    name = descriptor.get("shm_name")
+    if name is not None and not _WEIGHTS_FILE_NAME.fullmatch(str(name)):
+        raise WeightTransferError(f"the peer names no weights file of ours: {str(name)[:80]!r}")
+    if name and descriptor["host"] == local_host and (weights_dir / name).exists():
+        buffer = _map_peer_file(weights_dir, name, manifest.total_bytes)
+        weights, transport = WeightSet(manifest, buffer, weights_dir / name), "shm"
     elif descriptor.get("nixl"):
-        buffer = _nixl_read(descriptor["nixl"], _allocate(manifest.total_bytes, shm_path), timeout_s)
-        weights = WeightSet(manifest, buffer, shm_path, owns_file=shm_path is not None)
+        buffer = _nixl_read(descriptor["nixl"], _allocate(manifest.total_bytes, own_file), timeout_s)
+        weights = WeightSet(manifest, buffer, own_file, owns_file=own_file is not None)
         transport = "nixl"
     else:
-        raise WeightTransferError("the peer offers neither a local shared-memory file nor NIXL")
+        raise WeightTransferError("the peer offers neither a weights file on this node nor NIXL")
     transferred = time.perf_counter()
     weights.verify(threads)
     return weights, FetchRecord(transport, manifest.total_bytes, transferred - started,

@@ -24,29 +24,35 @@ Arguments and results are JSON, as the endpoint passes only strings.
 
 from __future__ import annotations
 
-import base64
-import hashlib
-import hmac
+import dataclasses
+import functools
 import importlib.util
 import json
 import os
-import pickle
 import time
 from pathlib import Path
 
+from engine.cuda_ipc import IpcTensor
 from engine.nixl_transfer import quiet_progress_threads
 from engine.weights import (
     WeightExporter,
     WeightIntegrityError,
     WeightSet,
     WeightTransferError,
+    check_signature,
     fetch_from_peer,
     model_id,
     read_from_disk,
+    sign,
     stream_to_device,
 )
+from security.credentials import ClusterCredentials
 
-WEIGHTS_KEY_ENV = "PDCLUSTER_WEIGHTS_KEY"
+# Set by the engine's host (engine/host.py): the node's folder of weights files, and where this
+# worker keeps the host copy of its weights that its node's peers may map (a name of the host's
+# making, never a caller's; unset: no copy).
+WEIGHTS_DIR_ENV = "PDCLUSTER_WEIGHTS_DIR"
+WEIGHTS_FILE_ENV = "PDCLUSTER_WEIGHTS_FILE"
 
 # vLLM loads this module when it builds the worker, before the worker's KV connector makes its
 # NIXL agents: from here on they do not spin a core each (engine/nixl_transfer.py says why).
@@ -69,12 +75,19 @@ def _allow_amx() -> None:
 _allow_amx()
 
 
-def _key() -> str | None:
-    return os.environ.get(WEIGHTS_KEY_ENV) or None
+@functools.cache
+def _weights_key() -> str:
+    """The cluster's weights key, from the secret the engine's host put in this process's
+    environment."""
+    return ClusterCredentials.load().weights_key
 
 
-def _sign(key: str, *parts: str) -> str:
-    return hmac.new(key.encode(), "\n".join(parts).encode(), hashlib.sha256).hexdigest()
+def _own_file() -> Path | None:
+    return Path(os.environ[WEIGHTS_FILE_ENV]) if os.environ.get(WEIGHTS_FILE_ENV) else None
+
+
+def _node_host() -> str:
+    return os.environ.get("VLLM_HOST_IP", "127.0.0.1")
 
 
 def reprocess_tied_layers(model) -> list[str]:
@@ -107,8 +120,9 @@ class WeightPlaneExtension:
     _pdc_exporter: WeightExporter | None = None
 
     def pdc_load_weights(self, request_json: str) -> dict:
-        """Load weights from `peer` (a descriptor of a peer's `pdc_export_weights`) or, when there
-        is none or it fails, from disk. Returns where they came from and what each step took."""
+        """Load weights from `peer` (a signed descriptor of a peer's `pdc_export_weights`) or,
+        when there is none or it fails, from disk. Returns where they came from and what each
+        step took."""
         request = json.loads(request_json)
         record: dict = {"source": "disk", "fallback_reason": None}
         started = time.perf_counter()
@@ -121,21 +135,21 @@ class WeightPlaneExtension:
                 except Exception as exc:  # any failure of the peer path: disk rewrites every weight
                     record["fallback_reason"] = f"{type(exc).__name__}: {exc}"
             if record["source"] == "disk":
-                record.update(self._pdc_load_from_disk(request))
+                record.update(self._pdc_load_from_disk())
         record["total_s"] = time.perf_counter() - started
         return record
 
     def pdc_export_weights(self, request_json: str) -> dict:
-        """A descriptor peers pass to `pdc_load_weights`: CUDA IPC handles of the parameters on a
-        GPU, this worker's host copy on the CPU build."""
+        """A signed descriptor peers pass to `pdc_load_weights`: CUDA IPC handles of the
+        parameters on a GPU, this worker's host copy on the CPU build."""
         request = json.loads(request_json)
         if self._pdc_on_cuda():
-            return self._pdc_ipc_descriptor(request["host"])
+            return self._pdc_ipc_descriptor()
         if self._pdc_weights is None:
             raise RuntimeError("this worker keeps no host copy of its weights to offer")
         if self._pdc_exporter is None:
-            self._pdc_exporter = WeightExporter(self._pdc_weights, request["host"], _key())
-        return self._pdc_exporter.descriptor(use_nixl=request.get("use_nixl", True))
+            self._pdc_exporter = WeightExporter(self._pdc_weights, _node_host(), _weights_key())
+        return self._pdc_exporter.descriptor(bool(request.get("use_nixl", True)), bool(request.get("offer_file", True)))
 
     def pdc_release_weights(self) -> None:
         """Drop the host copy (and stop offering it)."""
@@ -153,7 +167,7 @@ class WeightPlaneExtension:
     def _pdc_model_dir(self) -> Path:
         return Path(self.vllm_config.model_config.model)
 
-    def _pdc_load_from_disk(self, request: dict) -> dict:
+    def _pdc_load_from_disk(self) -> dict:
         started = time.perf_counter()
         if self._pdc_on_cuda():
             tensors = stream_to_device(self._pdc_model_dir(), self.device)
@@ -162,23 +176,23 @@ class WeightPlaneExtension:
             nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
             del tensors  # the staging device buffer
         else:
-            shm_path = Path(request["shm_path"]) if request.get("shm_path") else None
-            weights = read_from_disk(self._pdc_model_dir(), shm_path)
+            own_file = self._pdc_release_own_file()
+            weights = read_from_disk(self._pdc_model_dir(), own_file)
             read = time.perf_counter()
             self._pdc_reload(weights.tensors())
             nbytes = weights.manifest.total_bytes
-            self._pdc_keep(weights if shm_path is not None else None)
+            self._pdc_keep(weights if own_file is not None else None)
         return {"source": "disk", "read_s": read - started, "reload_s": time.perf_counter() - read,
                 "bytes": nbytes}  # fmt: skip
 
     def _pdc_load_from_peer(self, request: dict) -> dict:
         peer = request["peer"]
         if peer.get("kind") == "cuda_ipc":
-            return self._pdc_load_ipc(peer, request["host"])
-        shm_path = Path(request["shm_path"]) if request.get("shm_path") else None
+            return self._pdc_load_ipc(peer)
+        own_file = self._pdc_release_own_file()
         weights, fetched = fetch_from_peer(
-            peer, model_id(self._pdc_model_dir()), _key(), request["host"],
-            timeout_s=request.get("timeout_s", 60.0), shm_path=shm_path,
+            peer, model_id(self._pdc_model_dir()), _weights_key(), _node_host(),
+            Path(os.environ.get(WEIGHTS_DIR_ENV, "/dev/shm")), float(request.get("timeout_s", 60.0)), own_file=own_file,
         )  # fmt: skip
         started = time.perf_counter()
         self._pdc_reload(weights.tensors())
@@ -196,44 +210,42 @@ class WeightPlaneExtension:
         self.pdc_release_weights()
         self._pdc_weights = weights
 
+    def _pdc_release_own_file(self) -> Path | None:
+        """This worker's weights file, free to be created afresh (a previous copy is dropped)."""
+        self.pdc_release_weights()
+        return _own_file()
+
     def _pdc_parameters(self) -> dict:
         return {name: p.data for name, p in self.model_runner.get_model().named_parameters()}
 
-    def _pdc_ipc_descriptor(self, host: str) -> dict:
-        from torch.multiprocessing.reductions import reduce_tensor
-
+    def _pdc_ipc_descriptor(self) -> dict:
         from engine.device_weights import region_checksum
 
         params = self._pdc_parameters()
-        blob = base64.b64encode(pickle.dumps({n: reduce_tensor(t) for n, t in params.items()})).decode()
-        sums = json.dumps({n: region_checksum(t) for n, t in params.items()}, sort_keys=True)
-        ident = model_id(self._pdc_model_dir())
-        key = _key()
-        return {"kind": "cuda_ipc", "host": host, "model_id": ident, "handles": blob, "checksums": sums,
-                "signature": _sign(key, ident, blob, sums) if key else None}  # fmt: skip
+        described = {
+            "kind": "cuda_ipc", "host": _node_host(), "model_id": model_id(self._pdc_model_dir()),
+            "tensors": {n: dataclasses.asdict(IpcTensor.of(t)) for n, t in params.items()},
+            "checksums": {n: list(region_checksum(t)) for n, t in params.items()},
+        }  # fmt: skip
+        return described | {"signature": sign(_weights_key(), described)}
 
-    def _pdc_load_ipc(self, peer: dict, host: str) -> dict:
+    def _pdc_load_ipc(self, peer: dict) -> dict:
         import torch
 
         from engine.device_weights import region_checksum
 
-        key = _key()
-        if key is not None and not hmac.compare_digest(
-            peer.get("signature") or "", _sign(key, peer["model_id"], peer["handles"], peer["checksums"])
-        ):
-            raise WeightTransferError("the peer's weight handles are not signed with the cluster key")
-        if peer["host"] != host:
+        check_signature(_weights_key(), peer)
+        if peer["host"] != _node_host():
             raise WeightTransferError("CUDA IPC reaches only peers on this node")
         if peer["model_id"] != model_id(self._pdc_model_dir()):
             raise WeightTransferError("the peer holds another model")
         started = time.perf_counter()
-        # Unpickled only from a signed descriptor when a key is set: an unkeyed cluster trusts its node.
-        handles = pickle.loads(base64.b64decode(peer["handles"]))
-        opened = [(name, rebuild(*args)) for name, (rebuild, args) in handles.items()]
+        handles = {name: IpcTensor.from_json(raw) for name, raw in peer["tensors"].items()}
+        opened = [(name, handle.open()) for name, handle in handles.items()]
         self.reload_weights(weights_iterator=iter(opened), is_checkpoint_format=False)
         torch.cuda.synchronize(self.device)
         copied = time.perf_counter()
-        expected = {n: tuple(v) for n, v in json.loads(peer["checksums"]).items()}
+        expected = {n: tuple(v) for n, v in peer["checksums"].items()}
         mine = {n: region_checksum(t) for n, t in self._pdc_parameters().items()}
         bad = [n for n in expected if mine.get(n) != expected[n]]
         if bad or mine.keys() != expected.keys():

@@ -37,6 +37,7 @@ from rich.table import Table
 from deploy.local import LocalServer, RayHead
 from loadtest.client import stream_request
 from loadtest.workloads import random_text
+from security.credentials import ClusterCredentials
 
 HANG_TIMEOUT_S = 120.0
 
@@ -126,7 +127,8 @@ def tally(outcomes: list[tuple[str, str]]) -> dict:
 
 
 def store_shards(url: str) -> list[dict]:
-    return httpx.get(f"{url}/admin/store", timeout=10).json()["shards"]
+    admin = ClusterCredentials.load().admin_headers()
+    return httpx.get(f"{url}/admin/store", headers=admin, timeout=10).json()["shards"]
 
 
 def index_blocks(server: LocalServer) -> int:

@@ -26,13 +26,14 @@ from rich.progress import track
 from rich.table import Table
 
 from deploy.local import LocalServer
+from security.credentials import ClusterCredentials
 
 
-def timed_stream(client: httpx.Client, base_url: str, body: dict) -> tuple[float, float]:
+def timed_stream(client: httpx.Client, base_url: str, body: dict, headers: dict | None = None) -> tuple[float, float]:
     """(seconds to the first streamed token, seconds to the end) of one streamed completion."""
     started = time.perf_counter()
     first = None
-    with client.stream("POST", f"{base_url}/v1/completions", json=body) as response:
+    with client.stream("POST", f"{base_url}/v1/completions", json=body, headers=headers) as response:
         response.raise_for_status()
         for line in response.iter_lines():
             if first is None and line.startswith("data: {"):
@@ -40,16 +41,20 @@ def timed_stream(client: httpx.Client, base_url: str, body: dict) -> tuple[float
     return first if first is not None else float("nan"), time.perf_counter() - started
 
 
-def measure(router_url: str, engine_url: str, model: str, rounds: int, max_tokens: int) -> dict:
+def measure(router_url: str, engine_url: str, model: str, rounds: int, max_tokens: int,
+            engine_headers: dict | None = None) -> dict:  # fmt: skip
+    """Alternating requests through the router and straight to the engine (with the engine
+    token, which the router presents too)."""
     body = {"model": model, "prompt": "Measure the router's overhead, please.", "max_tokens": max_tokens,
             "temperature": 0, "stream": True, "ignore_eos": True}  # fmt: skip
     samples: dict[str, dict[str, list[float]]] = {p: {"ttft": [], "total": []} for p in ("router", "engine")}
     with httpx.Client(timeout=60) as client:
-        for url in (router_url, engine_url) * 5:  # warm both paths' connections and caches
-            timed_stream(client, url, body)
+        paths = (("router", router_url, None), ("engine", engine_url, engine_headers))
+        for _, url, headers in paths * 5:  # warm both paths' connections and caches
+            timed_stream(client, url, body, headers)
         for _ in track(range(rounds), description="router vs engine"):
-            for path, url in (("router", router_url), ("engine", engine_url)):
-                ttft, total = timed_stream(client, url, body)
+            for path, url, headers in paths:
+                ttft, total = timed_stream(client, url, body, headers)
                 samples[path]["ttft"].append(ttft)
                 samples[path]["total"].append(total)
     summary = {
@@ -163,10 +168,12 @@ def main(argv: list[str] | None = None) -> int:
     if not args.null_engine:
         try:
             router_url = args.url or server.url
-            (instance,) = httpx.get(f"{router_url}/admin/instances", timeout=5).json()["instances"][:1]
+            credentials = ClusterCredentials.load()  # the cluster's, on this machine
+            admin = credentials.admin_headers()
+            (instance,) = httpx.get(f"{router_url}/admin/instances", headers=admin, timeout=5).json()["instances"][:1]
             model = httpx.get(f"{router_url}/v1/models", timeout=5).json()["data"][0]["id"]
-            runs = [measure(router_url, instance["url"], model, args.rounds, args.max_tokens)
-                    for _ in range(args.runs)]  # fmt: skip
+            runs = [measure(router_url, instance["url"], model, args.rounds, args.max_tokens,
+                            credentials.engine_headers()) for _ in range(args.runs)]  # fmt: skip
         finally:
             if server:
                 server.stop()

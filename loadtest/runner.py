@@ -57,10 +57,11 @@ class MetricsSampler:
         self.url = url
         self.interval_s = interval_s
         self.samples: list[dict] = []
+        self.admin_headers, self.engine_headers = _cluster_headers()
 
     def engine_urls(self) -> list[str]:
         try:
-            response = httpx.get(f"{self.url}/admin/instances", timeout=5)
+            response = httpx.get(f"{self.url}/admin/instances", headers=self.admin_headers, timeout=5)
         except httpx.HTTPError:
             return [self.url]
         if response.status_code != 200:
@@ -71,12 +72,12 @@ class MetricsSampler:
         entry: dict = {"t": time.perf_counter() - started, "engines": {}, "router": {}}
         for url in self.engine_urls():
             try:
-                values = scrape(url, self.ENGINE_KEYS)
+                values = scrape(url, self.ENGINE_KEYS, headers=self.engine_headers if url != self.url else None)
             except (httpx.HTTPError, ValueError):
                 continue
             entry["engines"][url] = {k: values.get(k, 0.0) for k in self.ENGINE_KEYS}
         try:
-            entry["router"] = scrape(self.url, ("pdcluster_router_",))
+            entry["router"] = scrape(self.url, ("pdcluster_router_",), headers=self.admin_headers)
         except (httpx.HTTPError, ValueError):
             pass
         self.samples.append(entry)
@@ -86,6 +87,18 @@ class MetricsSampler:
         while True:
             await asyncio.sleep(self.interval_s)
             await asyncio.to_thread(self.sample, started)
+
+
+def _cluster_headers() -> tuple[dict[str, str], dict[str, str]]:
+    """The admin and engine credentials of a pdcluster on this machine (its secret in the
+    environment or its file); none for a plain vLLM server or a cluster elsewhere."""
+    from security.credentials import ClusterCredentials, CredentialsError
+
+    try:
+        credentials = ClusterCredentials.load()
+    except (CredentialsError, OSError):
+        return {}, {}
+    return credentials.admin_headers(), credentials.engine_headers()
 
 
 async def run_job(client: aiohttp.ClientSession, url: str, job: Job, timeout_s: float) -> list[RequestResult]:

@@ -1,15 +1,15 @@
 """Admission: who may send requests, how many, and which tenant's cache they use.
 
 API keys map to tenants. With no keys configured the endpoint is open (the launcher warns). Each
-tenant's requests carry a cache salt derived from the tenant, which vLLM folds into the first
-block's hash, and so does the router's index: one tenant never hits (nor times) another's cached
+tenant's requests carry a cache salt derived from the tenant under the cluster secret (an HMAC:
+no one can compute another tenant's), which vLLM folds into the first block's hash, and so do the
+router's index and the KV store's keys: one tenant never hits (nor times) another's cached
 prompt. Per key, a token bucket bounds the request rate and a counter the requests in flight;
 beyond either the answer is 429 with Retry-After.
 """
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import time
 from collections.abc import AsyncIterator, Callable
@@ -36,10 +36,10 @@ class _Bucket:
 
 
 class Admission:
-    def __init__(
-        self, api_keys: dict[str, str], rate_per_s: float | None, max_concurrency: int | None
-    ) -> None:
+    def __init__(self, api_keys: dict[str, str], rate_per_s: float | None, max_concurrency: int | None,
+                 tenant_salt: Callable[[str], str]) -> None:  # fmt: skip
         self.api_keys = api_keys
+        self.tenant_salt = tenant_salt
         self.rate_per_s = rate_per_s
         self.max_concurrency = max_concurrency
         self._buckets: dict[str, _Bucket] = {}
@@ -68,8 +68,8 @@ class Admission:
         """The salt the request's KV blocks are hashed with: the tenant's, then the client's own."""
         if self.open:
             return client_salt
-        tenant_salt = hashlib.sha256(f"pdcluster-tenant:{self.tenant(key)}".encode()).hexdigest()[:32]
-        return f"{tenant_salt}:{client_salt}" if client_salt else tenant_salt
+        salt = self.tenant_salt(self.tenant(key))
+        return f"{salt}:{client_salt}" if client_salt else salt
 
     def admit(self, key: str) -> Callable[[], None]:
         """Take one of `key`'s request slots; returns the function that gives it back (once)."""

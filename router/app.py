@@ -2,33 +2,31 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
-import jinja2
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.config import Role
 from engine.lifecycle import InstanceState
-from router import metrics
+from router.admin import add_admin_routes
 from router.admission import Admission, release_after
+from router.analysis import RequestAnalyzer
 from router.config import RouterConfig
 from router.disagg import RemotePrefill
 from router.errors import BadRequest, ModelNotFound, PayloadTooLarge, RouterError, error_body
-from router.hashing import PromptHasher
 from router.instances import CapacityQueue, HealthMonitor, InstanceRegistry
 from router.kv_events import STORE_HOLDER, KVEventListener
 from router.kv_index import KVIndex
-from router.policies import PolicyContext, RoutingRequest, make_policy
+from router.policies import PolicyContext, make_policy
 from router.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from router.proxy import Forwarder
 
@@ -69,49 +67,6 @@ def _validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
     return f"{param or 'body'}: {first.get('msg', 'invalid value')}", param
 
 
-class RequestAnalyzer:
-    """Turns a validated request into what routing policies see (tokens, block hashes, text)."""
-
-    # Tokenizing a long prompt takes milliseconds: off the event loop beyond this many chars.
-    INLINE_CHARS = 2048
-
-    def __init__(self, config: RouterConfig) -> None:
-        self.block_size = config.block_size
-        self.hasher = (
-            PromptHasher(config.tokenizer, config.block_size, config.hash_seed) if config.tokenizer else None
-        )
-
-    async def analyze(self, request: SamplingRequest) -> RoutingRequest:
-        text = _prompt_text(request)
-        if self.hasher is None:
-            return RoutingRequest((), 0, self.block_size, text)
-        try:
-            if len(text) > self.INLINE_CHARS:
-                tokens = await asyncio.to_thread(self.token_ids, request)
-            else:
-                tokens = self.token_ids(request)
-        except (TypeError, ValueError, jinja2.TemplateError) as exc:  # e.g. a message with no content
-            param = "messages" if isinstance(request, ChatCompletionRequest) else "prompt"
-            raise BadRequest(f"the {param} cannot be tokenized for this model: {exc}", param=param) from None
-        hashes = self.hasher.block_hashes(tokens, getattr(request, "cache_salt", None))
-        return RoutingRequest(hashes, len(tokens), self.block_size, text)
-
-    def token_ids(self, request: SamplingRequest) -> list[int]:
-        assert self.hasher is not None
-        if isinstance(request, ChatCompletionRequest):
-            messages = [m.model_dump(exclude_unset=True) for m in request.messages]
-            return self.hasher.chat_tokens(messages, request.model_extra or {})
-        assert isinstance(request, CompletionRequest)
-        return self.hasher.completion_tokens(request.prompt)
-
-
-def _prompt_text(request: SamplingRequest) -> str:
-    if isinstance(request, ChatCompletionRequest):
-        return "\n".join(str(m.content) for m in request.messages if m.content)
-    prompt = request.prompt  # type: ignore[attr-defined]
-    return prompt if isinstance(prompt, str) else ""
-
-
 def build_app(
     config: RouterConfig, registry: InstanceRegistry, store_endpoints: tuple[str, ...] = ()
 ) -> FastAPI:
@@ -123,17 +78,18 @@ def build_app(
         prefill_tokens_per_s=config.prefill_tokens_per_s, fetch_cost=config.fetch_cost,
     )  # fmt: skip
     policy = make_policy(config.policy, context)
+    credentials = config.credentials()
     analyzer = RequestAnalyzer(config)
-    admission = Admission(config.api_keys, config.rate_limit_per_s, config.max_concurrency_per_key)
+    admission = Admission(config.api_keys, config.rate_limit_per_s, config.max_concurrency_per_key,
+                          credentials.tenant_salt)  # fmt: skip
     if admission.open:
         log.warning("no API keys configured: anyone who reaches %s:%d may use it", config.host, config.port)
     prefill_policy = make_policy(config.policy, context)
     queue = CapacityQueue(config.queue_max_waiting, config.queue_timeout_s)
-    forwarder = Forwarder(config, registry, policy, queue)
+    forwarder = Forwarder(config, registry, policy, queue, credentials.engine_headers())
     forwarder.prepare = RemotePrefill(config, registry, prefill_policy, lambda: forwarder.session).prepare
-    monitor = HealthMonitor(
-        registry, config.health_interval_s, config.health_timeout_s, config.health_failure_threshold
-    )
+    monitor = HealthMonitor(registry, config.health_interval_s, config.health_timeout_s,
+                            config.health_failure_threshold, credentials.engine_headers())  # fmt: skip
     listener = (
         KVEventListener(index, config.kv_events_endpoint, registry.replay_endpoint_of)
         if config.kv_events_endpoint
@@ -152,6 +108,7 @@ def build_app(
             if listener:
                 await listener.stop()
             await forwarder.close()
+            analyzer.close()
 
     app = FastAPI(title="pdcluster router", lifespan=lifespan)
     app.state.registry = registry
@@ -177,8 +134,9 @@ def build_app(
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-        log.exception("unexpected error")
-        return JSONResponse(error_body(f"internal error: {exc!r}", "InternalServerError", 500), 500)
+        incident = uuid.uuid4().hex[:12]  # the log has the exception; the client only this id
+        log.exception("unexpected error (incident %s)", incident)
+        return JSONResponse(error_body(f"internal error (incident {incident})", "InternalServerError", 500), 500)
 
     def check_model(request: SamplingRequest) -> None:
         if request.model != config.served_model_name:
@@ -197,16 +155,31 @@ def build_app(
         check_model(parsed)
         return parsed
 
-    async def admitted_request(request: Request, model: type[SamplingRequest]) -> tuple[str, SamplingRequest]:
-        """Authenticate, bound the body, validate, and salt the cache with the caller's tenant."""
-        key = admission.authenticate(request.headers.get("authorization"))
+    async def bounded_body(request: Request) -> bytes:
+        """The body, read as it arrives and refused once past the cap (chunked bodies too)."""
+        too_large = PayloadTooLarge(f"request bodies are limited to {config.max_body_bytes} bytes")
         declared = request.headers.get("content-length")
         if declared and declared.isdigit() and int(declared) > config.max_body_bytes:
-            raise PayloadTooLarge(f"request bodies are limited to {config.max_body_bytes} bytes")
-        body = await request.body()
-        if len(body) > config.max_body_bytes:
-            raise PayloadTooLarge(f"request bodies are limited to {config.max_body_bytes} bytes")
-        parsed = parse(body, model)
+            raise too_large
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > config.max_body_bytes:
+                raise too_large
+        return bytes(body)
+
+    async def admitted_request(request: Request, model: type[SamplingRequest]) -> tuple[str, SamplingRequest]:
+        """Authenticate, bound the body and the work, validate, and salt the cache with the
+        caller's tenant."""
+        key = admission.authenticate(request.headers.get("authorization"))
+        parsed = parse(await bounded_body(request), model)
+        if parsed.sequences() > config.max_sequences_per_request:
+            raise BadRequest(f"at most {config.max_sequences_per_request} sequences (prompts x n) per request",
+                             param="n")  # fmt: skip
+        asked = getattr(parsed, "max_completion_tokens", None) or parsed.max_tokens
+        if asked is not None and asked > config.max_model_len:
+            raise BadRequest(f"max_tokens is limited to the model's {config.max_model_len} tokens",
+                             param="max_tokens")  # fmt: skip
         salt = admission.cache_salt(key, getattr(parsed, "cache_salt", None))
         if salt is not None:
             parsed.cache_salt = salt  # an extra field: forwarded to vLLM, hashed by the analyzer
@@ -238,7 +211,8 @@ def build_app(
         return await serve(request, ChatCompletionRequest, "/v1/chat/completions")
 
     @app.get("/v1/models")
-    async def models() -> dict:
+    async def models(request: Request) -> dict:
+        admission.authenticate(request.headers.get("authorization"))
         card = {
             "id": config.served_model_name,
             "object": "model",
@@ -261,55 +235,5 @@ def build_app(
                 "standby_instances": standby}  # fmt: skip
         return JSONResponse(body, status)
 
-    @app.get("/metrics")
-    async def prometheus_metrics() -> Response:
-        metrics.INSTANCES.clear()
-        for instance in registry.all():
-            metrics.INSTANCES.labels(instance.role.value, instance.state.value).inc()
-        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/admin/instances")
-    async def instances() -> dict:
-        """The instances behind this router (for `pdcluster status` and benchmarks)."""
-        return {
-            "instances": [
-                {"instance_id": i.instance_id, "role": i.role.value, "url": i.url,
-                 "state": i.state.value, "inflight": i.inflight, "index_blocks": index.num_blocks(i.instance_id)}
-                for i in registry.all()
-            ]
-        }  # fmt: skip
-
-    @app.get("/admin/store")
-    async def store() -> dict:
-        """The KV store's shards and their memory (used, stored, in flight, leased)."""
-        from kvstore.client import StoreUnavailable, request_once
-
-        members: list[str] = []  # the shards as now counted (nodes join and leave), else ours
-        for endpoint in store_endpoints:
-            with contextlib.suppress(StoreUnavailable):
-                members = (await asyncio.to_thread(request_once, endpoint, {"op": "members"}, 5.0))["members"]
-                break
-        shards = []
-        for endpoint in members or store_endpoints:
-            try:
-                stats = await asyncio.to_thread(request_once, endpoint, {"op": "stats"}, 5.0)
-            except StoreUnavailable as exc:
-                stats = {"error": str(exc)}
-            shards.append({"endpoint": endpoint, **stats})
-        return {"shards": shards}
-
-    @app.post("/admin/explain")
-    async def explain(request: Request) -> dict:
-        """What the router sees of a request: its tokens, block hashes, and which instances hold
-        how many of its leading blocks. Routes nothing."""
-        kind = ChatCompletionRequest if b'"messages"' in await request.body() else CompletionRequest
-        _, parsed = await admitted_request(request, kind)
-        routing = await analyzer.analyze(parsed)
-        return {
-            "token_ids": analyzer.token_ids(parsed) if analyzer.hasher else None,
-            "block_hashes": [str(h) for h in routing.block_hashes],
-            "matched_blocks": index.match(routing.block_hashes),
-            "kv_event_batches": listener.batches_applied if listener else 0,
-        }
-
+    add_admin_routes(app, credentials, analyzer, admitted_request, store_endpoints)
     return app

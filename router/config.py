@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import secrets
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from engine.environment import KV_HASH_SEED, is_loopback
+from security.credentials import ClusterCredentials
 
 
 class RouterConfig(BaseModel):
@@ -65,12 +67,30 @@ class RouterConfig(BaseModel):
     max_concurrency_per_key: int | None = Field(None, ge=1)
     """Requests in flight per API key; None: unlimited."""
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
-    """Largest request body accepted (413 beyond)."""
+    """Largest request body accepted (413 beyond), counted as it arrives (chunked bodies too)."""
+    tokenize_threads: int = Field(2, ge=1)
+    """Threads that tokenize long prompts (short ones are tokenized on the event loop)."""
+    tokenize_max_waiting: int = Field(64, ge=0)
+    """Long prompts that may wait for a tokenizing thread; beyond, 503 with Retry-After."""
+    tokenize_timeout_s: float = Field(10.0, gt=0)
+    """Longest a prompt may take to tokenize (400 beyond)."""
+    max_sequences_per_request: int = Field(16, ge=1)
+    """Prompts x n of one request at most (400 beyond): one request's work stays bounded."""
     allow_remote: bool = False
-    """Allow binding beyond loopback (for a cluster's head node)."""
+    """Allow binding beyond loopback (for a cluster's head node; needs API keys)."""
+    cluster_secret: SecretStr = Field(default_factory=lambda: SecretStr(secrets.token_hex(32)))
+    """The cluster's secret (security/credentials.py), the engines' too: the router presents the
+    engine token to them, checks the admin token on /admin/* and /metrics, and derives tenant
+    salts from it."""
 
     @model_validator(mode="after")
     def _loopback_unless_allowed(self) -> RouterConfig:
         if not self.allow_remote and not is_loopback(self.host):
             raise ValueError(f"host {self.host} is not loopback; set allow_remote to bind it")
+        if not is_loopback(self.host) and not self.api_keys:
+            raise ValueError(f"the router would serve anyone who reaches {self.host}: give it API keys "
+                             "(--api-keys-file) to bind beyond loopback")  # fmt: skip
         return self
+
+    def credentials(self) -> ClusterCredentials:
+        return ClusterCredentials.from_hex(self.cluster_secret.get_secret_value())

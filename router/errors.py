@@ -63,6 +63,13 @@ class NoInstance(RouterError):
     type = "ServiceUnavailableError"
 
 
+class Overloaded(RouterError):
+    """The router itself is at a bound (long prompts being tokenized); retry shortly."""
+
+    status = 503
+    type = "ServiceUnavailableError"
+
+
 class EngineFailed(RouterError):
     """The engine broke while serving and no other instance could take the request over."""
 

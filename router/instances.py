@@ -95,8 +95,10 @@ class HealthMonitor:
         interval_s: float,
         timeout_s: float,
         failure_threshold: int,
+        engine_headers: dict[str, str],
     ) -> None:
         self.registry = registry
+        self.engine_headers = engine_headers
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self.failure_threshold = failure_threshold
@@ -111,7 +113,7 @@ class HealthMonitor:
             await asyncio.gather(self._task, return_exceptions=True)
 
     async def _run(self) -> None:
-        async with httpx.AsyncClient(timeout=httpx.Timeout(self.timeout_s)) as client:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(self.timeout_s), headers=self.engine_headers) as client:
             while True:
                 instances = [
                     i for i in self.registry.all()

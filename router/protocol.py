@@ -1,16 +1,42 @@
 """The OpenAI request shapes the router accepts.
 
 The router validates what it must understand (model, prompt or messages, the sampling limits a
-typo would turn into a surprise) and passes every other field through to vLLM untouched, so
-vLLM's own extensions (`ignore_eos`, `min_tokens`, `kv_transfer_params`...) keep working.
-Types are strict: `"max_tokens": "8"` is an error, as it is at OpenAI.
+typo would turn into a surprise) and passes on, untouched, the other OpenAI fields and the vLLM
+sampling extensions a client may use (`ignore_eos`, `min_tokens`, `top_k`, structured outputs...),
+an allowlist. Fields that steer the cluster itself are refused, never forwarded: KV transfer
+parameters (a client could make a decode engine pull or pin blocks it names), request ids and
+priorities, logits processors, and client chat templates (a template is code the router and the
+engine would run). Types are strict: `"max_tokens": "8"` is an error, as it is at OpenAI.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+# Fields a client may set beyond the ones declared below, passed to vLLM as they are.
+PASSED_THROUGH = frozenset({
+    "presence_penalty", "frequency_penalty", "logit_bias", "top_k", "min_p", "repetition_penalty",
+    "length_penalty", "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "min_tokens",
+    "skip_special_tokens", "spaces_between_special_tokens", "truncate_prompt_tokens", "allowed_token_ids",
+    "bad_words", "prompt_logprobs", "return_token_ids", "return_tokens_as_token_ids", "response_format",
+    "structured_outputs", "tools", "tool_choice", "parallel_tool_calls", "add_generation_prompt",
+    "continue_final_message", "add_special_tokens", "chat_template_kwargs", "cache_salt", "suffix", "echo",
+    "reasoning_effort", "documents", "metadata", "store", "service_tier",
+})  # fmt: skip
+# Fields that steer the cluster or run code: refused with a 400 naming the field.
+REFUSED = {
+    "kv_transfer_params": "KV transfer parameters are the router's to set",
+    "chat_template": "client chat templates are not accepted; the model's own is used",
+    "request_id": "request ids are assigned by the server",
+    "priority": "scheduling priorities are not a client's to set",
+    "logits_processors": "logits processors are not accepted",
+    "vllm_xargs": "vllm_xargs are not accepted",
+    "mm_processor_kwargs": "multimodal processor options are not accepted",
+}
+# chat_template_kwargs: a few scalar options for the model's own template (e.g. enable_thinking).
+MAX_TEMPLATE_OPTIONS, MAX_TEMPLATE_OPTION_CHARS = 8, 256
 
 StopSequences = Annotated[str, Field(max_length=1024)] | list[Annotated[str, Field(max_length=1024)]]
 
@@ -31,9 +57,35 @@ class SamplingRequest(BaseModel):
     stream_options: dict[str, Any] | None = None
     user: str | None = None
 
+    @model_validator(mode="after")
+    def _allowed_extras(self) -> SamplingRequest:
+        for name in self.model_extra or {}:
+            if name in REFUSED:
+                raise ValueError(f"{name}: {REFUSED[name]}")
+            if name not in PASSED_THROUGH:
+                raise ValueError(f"{name}: unsupported field")
+        options = (self.model_extra or {}).get("chat_template_kwargs")
+        if options is not None and not (
+            isinstance(options, dict) and len(options) <= MAX_TEMPLATE_OPTIONS
+            and all(isinstance(v, bool | int | float) or (isinstance(v, str) and len(v) <= MAX_TEMPLATE_OPTION_CHARS)
+                    for v in options.values())
+        ):  # fmt: skip
+            raise ValueError(f"chat_template_kwargs: at most {MAX_TEMPLATE_OPTIONS} scalar options")
+        return self
+
     def forwarded(self) -> dict[str, Any]:
-        """The body sent to the engine: exactly what the client set, extras included."""
+        """The body sent to the engine: exactly what the client set."""
         return self.model_dump(exclude_unset=True)
+
+    def sequences(self) -> int:
+        """How many sequences the request asks the engines for (prompts x n)."""
+        return self.n
+
+    def template_options(self) -> dict[str, Any]:
+        """The chat-template options a client may set (a chat's rendering depends on them)."""
+        extra = self.model_extra or {}
+        return {k: extra[k] for k in ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")
+                if k in extra}  # fmt: skip
 
 
 TokenId = Annotated[int, Field(ge=0)]
@@ -47,6 +99,10 @@ class CompletionRequest(SamplingRequest):
     )
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
+
+    def sequences(self) -> int:
+        prompts = len(self.prompt) if isinstance(self.prompt, list) and not isinstance(self.prompt[0], int) else 1
+        return prompts * self.n
 
 
 class ChatMessage(BaseModel):

@@ -43,6 +43,7 @@ class Forwarder:
         registry: InstanceRegistry,
         policy: RoutingPolicy,
         queue: CapacityQueue,
+        engine_headers: dict[str, str],
         prepare: Prepare | None = None,
     ):
         self.config = config
@@ -51,6 +52,8 @@ class Forwarder:
         self.queue = queue
         self.first_tokens = LatencyWindow()
         self.prepare = prepare
+        self.engine_headers = engine_headers
+        """Sent with every request to an engine: the cluster's engine token."""
         self.timeout = aiohttp.ClientTimeout(
             total=config.max_request_s,
             connect=config.connect_timeout_s,
@@ -63,7 +66,8 @@ class Forwarder:
         # Created lazily: aiohttp binds a session to the event loop that first uses it.
         if self._session is None:
             connector = aiohttp.TCPConnector(limit=4096, keepalive_timeout=30)
-            self._session = aiohttp.ClientSession(connector=connector, timeout=self.timeout)
+            self._session = aiohttp.ClientSession(connector=connector, timeout=self.timeout,
+                                                  headers=self.engine_headers)  # fmt: skip
         return self._session
 
     async def close(self) -> None:

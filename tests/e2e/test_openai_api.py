@@ -140,7 +140,8 @@ def test_openai_client_sees_typed_errors(client):
 def test_health_and_metrics(served, client):
     assert httpx.get(f"{served.url}/health", timeout=5).json()["ready_instances"] == 1
     client.completions.create(model=MODEL, prompt="count me", max_tokens=2)
-    text = httpx.get(f"{served.url}/metrics", timeout=5).text
+    assert httpx.get(f"{served.url}/metrics", timeout=5).status_code == 401  # operators only
+    text = httpx.get(f"{served.url}/metrics", headers=served.credentials.admin_headers(), timeout=5).text
     assert 'pdcluster_router_requests_total{endpoint="/v1/completions",status="200"}' in text
     assert 'pdcluster_router_instances{role="colocated",state="ready"} 1.0' in text
 

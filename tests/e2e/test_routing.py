@@ -28,21 +28,21 @@ def engine_prompt_tokens(answer: dict) -> list[int]:
 def test_router_tokens_and_block_hashes_are_the_engines(served, endpoint, body):
     answer = httpx.post(f"{served.url}{endpoint}", json={**body, "max_tokens": 1, "return_token_ids": True},
                         timeout=60).json()  # fmt: skip
-    explained = httpx.post(f"{served.url}/admin/explain", json=body, timeout=10).json()
+    explained = httpx.post(f"{served.url}/admin/explain", json=body, headers=served.credentials.admin_headers(), timeout=10).json()
     assert explained["token_ids"] == engine_prompt_tokens(answer)
     full_blocks = len(explained["token_ids"]) // BLOCK
     assert full_blocks >= 5
     # Past the speculative TTL only blocks the engine itself reported (KV events) still match,
     # so equal counts mean the router's hashes are the engine's, block for block.
     time.sleep(2.5)
-    explained = httpx.post(f"{served.url}/admin/explain", json=body, timeout=10).json()
+    explained = httpx.post(f"{served.url}/admin/explain", json=body, headers=served.credentials.admin_headers(), timeout=10).json()
     (instance,) = served.instances()
     assert explained["matched_blocks"] == {instance["instance_id"]: full_blocks}
     assert explained["kv_event_batches"] > 0
 
 
 def test_salted_prompts_share_no_blocks_with_unsalted_ones(served):
-    plain = httpx.post(f"{served.url}/admin/explain", json=REQUESTS[0][1], timeout=10).json()
-    salted = httpx.post(f"{served.url}/admin/explain", json=REQUESTS[1][1], timeout=10).json()
+    plain = httpx.post(f"{served.url}/admin/explain", json=REQUESTS[0][1], headers=served.credentials.admin_headers(), timeout=10).json()
+    salted = httpx.post(f"{served.url}/admin/explain", json=REQUESTS[1][1], headers=served.credentials.admin_headers(), timeout=10).json()
     assert plain["token_ids"] == salted["token_ids"]
     assert not set(plain["block_hashes"]) & set(salted["block_hashes"])

@@ -13,8 +13,10 @@ from loadtest.scrape import scrape
 from router.app import build_app
 from router.config import RouterConfig
 from router.instances import Instance, InstanceRegistry
+from security.credentials import ClusterCredentials
 
 pytestmark = pytest.mark.slow
+ENGINE = ClusterCredentials.load().engine_headers()  # the session's secret (tests/conftest.py)
 HITS = "vllm:prefix_cache_hits_total"
 
 
@@ -23,15 +25,16 @@ def test_one_tenant_never_hits_anothers_cached_prompt(served, tiny_model):
     registry = InstanceRegistry()
     registry.add(Instance(engine["instance_id"], Role.COLOCATED, engine["url"]))
     config = RouterConfig(served_model_name="tiny", max_model_len=4096, tokenizer=tiny_model, health_interval_s=60,
-                          api_keys={"key-a": "tenant-a", "key-b": "tenant-b"})  # fmt: skip
+                          api_keys={"key-a": "tenant-a", "key-b": "tenant-b"},
+                          cluster_secret=ClusterCredentials.load().secret.hex())  # fmt: skip
     prompt = f"A private prompt {uuid.uuid4()} " + "with a long shared body. " * 60
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 2, "temperature": 0}
 
     def hits_after(key: str) -> float:
-        before = scrape(engine["url"], (HITS,))[HITS]
+        before = scrape(engine["url"], (HITS,), headers=ENGINE)[HITS]
         response = router.post("/v1/completions", json=body, headers={"authorization": f"Bearer {key}"})
         assert response.status_code == 200, response.text
-        return scrape(engine["url"], (HITS,))[HITS] - before
+        return scrape(engine["url"], (HITS,), headers=ENGINE)[HITS] - before
 
     with TestClient(build_app(config, registry)) as router:
         assert hits_after("key-a") == 0  # a fresh prompt

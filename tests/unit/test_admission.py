@@ -11,6 +11,7 @@ from router.app import build_app
 from router.config import RouterConfig
 from router.errors import RateLimited, Unauthorized
 from router.instances import InstanceRegistry
+from security.credentials import ClusterCredentials
 
 BODY = {"model": "m", "prompt": "x"}
 
@@ -48,7 +49,7 @@ def test_rate_limit_answers_429_with_retry_after():
 
 
 def test_concurrency_slots_are_given_back():
-    admission = Admission({"k": "t"}, rate_per_s=None, max_concurrency=1)
+    admission = Admission({"k": "t"}, rate_per_s=None, max_concurrency=1, tenant_salt=str)
     release = admission.admit("k")
     with pytest.raises(RateLimited):
         admission.admit("k")
@@ -58,19 +59,27 @@ def test_concurrency_slots_are_given_back():
 
 
 def test_tenant_salts_differ_per_tenant_and_keep_the_clients_own():
-    admission = Admission({"ka": "a", "ka2": "a", "kb": "b"}, None, None)
+    keys = {"ka": "a", "ka2": "a", "kb": "b"}
+    admission = Admission(keys, None, None, ClusterCredentials.generate().tenant_salt)
     assert admission.cache_salt("ka", None) == admission.cache_salt("ka2", None)  # same tenant
     assert admission.cache_salt("ka", None) != admission.cache_salt("kb", None)
     assert admission.cache_salt("ka", "mine").endswith(":mine")
-    assert Admission({}, None, None).cache_salt("", "mine") == "mine"
+    assert Admission({}, None, None, str).cache_salt("", "mine") == "mine"
     with pytest.raises(Unauthorized):
         admission.authenticate("Bearer kc")
+    # Another cluster's secret gives other salts: no one can compute a tenant's salt from its name.
+    other = Admission(keys, None, None, ClusterCredentials.generate().tenant_salt)
+    assert other.cache_salt("ka", None) != admission.cache_salt("ka", None)
 
 
 def test_oversized_bodies_are_refused_with_413():
     with client(max_body_bytes=1024) as c:
         response = c.post("/v1/completions", json={"model": "m", "prompt": "x" * 5000})
-    assert response.status_code == 413
+        assert response.status_code == 413
+        # Chunked, with no length declared: counted as it arrives.
+        chunks = iter([b'{"model": "m", "prompt": "', *([b"x" * 512] * 8), b'"}'])
+        response = c.post("/v1/completions", content=chunks, headers={"content-type": "application/json"})
+        assert response.status_code == 413
 
 
 def test_api_keys_flag():

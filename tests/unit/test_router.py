@@ -119,7 +119,10 @@ def test_registry_serves_only_ready_instances_of_serving_roles():
 def test_router_refuses_a_non_loopback_bind_unless_allowed():
     with pytest.raises(ValueError, match="not loopback"):
         RouterConfig(host="0.0.0.0", served_model_name="m", max_model_len=1)
-    assert RouterConfig(host="0.0.0.0", served_model_name="m", max_model_len=1, allow_remote=True)
+    with pytest.raises(ValueError, match="API keys"):  # beyond loopback, only with keys
+        RouterConfig(host="0.0.0.0", served_model_name="m", max_model_len=1, allow_remote=True)
+    assert RouterConfig(host="0.0.0.0", served_model_name="m", max_model_len=1, allow_remote=True,
+                        api_keys={"k": "t"})  # fmt: skip
 
 
 async def test_capacity_queue_hands_over_the_instance_that_becomes_ready():

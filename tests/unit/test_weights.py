@@ -1,5 +1,5 @@
 """The weight plane without engines: disk reads, peer transfers (shared memory and NIXL over UCX),
-digests, signatures, and a peer that dies mid-offer."""
+digests, signatures, weights files no stranger can read or name, and a peer that dies mid-offer."""
 
 from __future__ import annotations
 
@@ -18,10 +18,13 @@ from engine.weights import (
     WeightTransferError,
     fetch_from_peer,
     model_id,
+    new_weights_file,
     read_from_disk,
+    sign,
 )
 
 HOST = "127.0.0.1"
+KEY = "cluster-weights-key"
 OTHER_MODEL_ID = "0" * 24  # no checkpoint has it
 
 
@@ -33,11 +36,16 @@ def _ucx_on_loopback(monkeypatch):
 
 @pytest.fixture
 def served_weights(tiny_model, tmp_path):
-    """A peer's weights read from disk into a shared-memory file, offered with a key."""
-    weights = read_from_disk(tiny_model, shm_path=tmp_path / "peer-weights")
-    exporter = WeightExporter(weights, HOST, key="cluster-key")
+    """A peer's weights read from disk into a shared-memory file of its own, offered signed."""
+    weights = read_from_disk(tiny_model, shm_path=new_weights_file(tmp_path))
+    exporter = WeightExporter(weights, HOST, KEY)
     yield weights, exporter
     exporter.close()
+
+
+def fetch(descriptor, tiny_model, tmp_path, key=KEY, expected=None, **options):
+    return fetch_from_peer(descriptor, expected or model_id(tiny_model), key, HOST, tmp_path, timeout_s=30,
+                           **options)  # fmt: skip
 
 
 def checkpoint(model_dir) -> dict[str, torch.Tensor]:
@@ -49,6 +57,7 @@ def checkpoint(model_dir) -> dict[str, torch.Tensor]:
 
 def test_disk_read_holds_exactly_the_checkpoint(tiny_model, served_weights):
     weights, _ = served_weights
+    assert weights.shm_path.stat().st_mode & 0o777 == 0o600  # its owner's alone
     expected, got = checkpoint(tiny_model), dict(weights.tensors())
     assert got.keys() == expected.keys()
     for name, tensor in expected.items():
@@ -59,11 +68,8 @@ def test_disk_read_holds_exactly_the_checkpoint(tiny_model, served_weights):
 @pytest.mark.parametrize("transport", ["shm", "nixl"])
 def test_peer_transfer_is_bit_identical_and_verified(tiny_model, served_weights, transport, tmp_path):
     weights, exporter = served_weights
-    descriptor = exporter.descriptor()
-    if transport == "nixl":
-        descriptor["shm_path"] = None  # as seen from another node
-    received, record = fetch_from_peer(descriptor, model_id(tiny_model), "cluster-key", HOST,
-                                       timeout_s=30, shm_path=tmp_path / "mine")  # fmt: skip
+    descriptor = exporter.descriptor(offer_file=transport == "shm")  # NIXL: as for another node
+    received, record = fetch(descriptor, tiny_model, tmp_path, own_file=new_weights_file(tmp_path))
     assert record.transport == transport and record.nbytes == weights.manifest.total_bytes
     mine = dict(received.tensors())
     for name, tensor in checkpoint(tiny_model).items():
@@ -71,31 +77,45 @@ def test_peer_transfer_is_bit_identical_and_verified(tiny_model, served_weights,
     received.close()
 
 
-def test_a_corrupted_peer_buffer_is_detected(tiny_model, served_weights):
+def test_a_corrupted_peer_buffer_is_detected(tiny_model, served_weights, tmp_path):
     weights, exporter = served_weights
     victim = weights.manifest.tensors[len(weights.manifest.tensors) // 2]
     weights.buffer[victim.offset + 7] ^= 0x10  # one bit of one tensor, after the digests were taken
-    for shm in (True, False):
-        descriptor = exporter.descriptor()
-        if not shm:
-            descriptor["shm_path"] = None
+    for offer_file in (True, False):
         with pytest.raises(WeightIntegrityError, match=victim.name):
-            fetch_from_peer(descriptor, model_id(tiny_model), "cluster-key", HOST, timeout_s=30)
+            fetch(exporter.descriptor(offer_file=offer_file), tiny_model, tmp_path)
 
 
-def test_signatures_and_model_identity_are_enforced(tiny_model, served_weights):
+def test_signatures_and_model_identity_are_enforced(tiny_model, served_weights, tmp_path):
     _, exporter = served_weights
     descriptor = exporter.descriptor(use_nixl=False)
-    with pytest.raises(WeightTransferError, match="not signed with the cluster key"):
-        fetch_from_peer(descriptor, model_id(tiny_model), "another-key", HOST)
-    unsigned = {**descriptor, "signature": None}
-    with pytest.raises(WeightTransferError, match="not signed"):
-        fetch_from_peer(unsigned, model_id(tiny_model), "cluster-key", HOST)
+    with pytest.raises(WeightTransferError, match="not signed with the cluster's weights key"):
+        fetch(descriptor, tiny_model, tmp_path, key="another-key")
+    for tampered in ({**descriptor, "signature": None}, {**descriptor, "host": "10.0.0.9"}):
+        with pytest.raises(WeightTransferError, match="not signed"):
+            fetch(tampered, tiny_model, tmp_path)
     with pytest.raises(WeightTransferError, match="needs"):
-        fetch_from_peer(descriptor, OTHER_MODEL_ID, "cluster-key", HOST)
-    # Without a key on the receiving side the digests still guard the bytes.
-    received, _ = fetch_from_peer(unsigned, model_id(tiny_model), None, HOST)
-    received.close()
+        fetch(descriptor, tiny_model, tmp_path, expected=OTHER_MODEL_ID)
+
+
+@pytest.mark.parametrize("name", ["../../etc/passwd", "/etc/shadow", "pdcluster-weights-x", "peer-weights"])
+def test_a_descriptor_cannot_name_a_file_of_its_choice(tiny_model, served_weights, tmp_path, name):
+    """Even signed (a key leaked, a peer compromised), a descriptor names a weights file only by
+    a name of the shape we make, looked up in our own weights folder: never a path."""
+    _, exporter = served_weights
+    descriptor = {**exporter.descriptor(use_nixl=False), "shm_name": name}
+    (tmp_path / "peer-weights").write_bytes(b"\0" * 64)  # a real file there, of the wrong name
+    with pytest.raises(WeightTransferError, match="names no weights file"):
+        fetch({**descriptor, "signature": sign(KEY, descriptor)}, tiny_model, tmp_path)
+
+
+def test_weights_files_are_never_reused_or_followed(tiny_model, tmp_path):
+    target = new_weights_file(tmp_path)
+    (tmp_path / "elsewhere").write_text("not ours")
+    target.symlink_to(tmp_path / "elsewhere")  # planted where our next file would go
+    with pytest.raises(FileExistsError):
+        read_from_disk(tiny_model, shm_path=target)
+    assert (tmp_path / "elsewhere").read_text() == "not ours"
 
 
 PEER_SCRIPT = """
@@ -103,12 +123,12 @@ import json, sys, time
 from pathlib import Path
 from engine.weights import WeightExporter, read_from_disk
 weights = read_from_disk(Path(sys.argv[1]))
-print(json.dumps(WeightExporter(weights, "127.0.0.1", None).descriptor()), flush=True)
+print(json.dumps(WeightExporter(weights, "127.0.0.1", "cluster-weights-key").descriptor()), flush=True)
 time.sleep(600)
 """
 
 
-def test_a_peer_that_died_costs_a_clean_error_not_a_hang(tiny_model):
+def test_a_peer_that_died_costs_a_clean_error_not_a_hang(tiny_model, tmp_path):
     peer = subprocess.Popen([sys.executable, "-c", PEER_SCRIPT, str(tiny_model)],
                             stdout=subprocess.PIPE, text=True)  # fmt: skip
     try:
@@ -121,5 +141,5 @@ def test_a_peer_that_died_costs_a_clean_error_not_a_hang(tiny_model):
         peer.wait()
     started = time.monotonic()
     with pytest.raises(WeightTransferError):
-        fetch_from_peer(descriptor, model_id(tiny_model), None, HOST, timeout_s=5)
+        fetch_from_peer(descriptor, model_id(tiny_model), KEY, HOST, tmp_path, timeout_s=5)
     assert time.monotonic() - started < 30

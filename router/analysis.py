@@ -1,0 +1,83 @@
+"""A validated request -> what routing sees of it: token ids, KV block hashes, text.
+
+Tokenizing (a chat rendered with the model's own template, never a client's) costs time in
+proportion to the prompt: short prompts are tokenized on the event loop (a thread hop costs more
+than they do), long ones on a small pool of threads with a deadline and a bounded wait, so a
+client sending huge prompts slows only its own requests, never the event loop that streams
+everyone else's tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+
+import jinja2
+
+from router.config import RouterConfig
+from router.errors import BadRequest, Overloaded
+from router.hashing import PromptHasher
+from router.policies import RoutingRequest
+from router.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
+
+
+class RequestAnalyzer:
+    # Tokenizing a long prompt takes milliseconds: off the event loop beyond this many chars.
+    INLINE_CHARS = 2048
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.block_size = config.block_size
+        self.hasher = (
+            PromptHasher(config.tokenizer, config.block_size, config.hash_seed) if config.tokenizer else None
+        )
+        self.timeout_s = config.tokenize_timeout_s
+        self._pool = concurrent.futures.ThreadPoolExecutor(config.tokenize_threads, "tokenize")
+        self._capacity = config.tokenize_threads + config.tokenize_max_waiting
+        self._pending = 0  # long prompts in the pool, running or waiting
+
+    async def analyze(self, request: SamplingRequest) -> RoutingRequest:
+        text = _prompt_text(request)
+        if self.hasher is None:
+            return RoutingRequest((), 0, self.block_size, text)
+        try:
+            if len(text) > self.INLINE_CHARS:
+                tokens = await self._off_loop(request)
+            else:
+                tokens = self.token_ids(request)
+        except (TypeError, ValueError, jinja2.TemplateError) as exc:  # e.g. a message with no content
+            param = "messages" if isinstance(request, ChatCompletionRequest) else "prompt"
+            raise BadRequest(f"the {param} cannot be tokenized for this model: {exc}", param=param) from None
+        hashes = self.hasher.block_hashes(tokens, getattr(request, "cache_salt", None))
+        return RoutingRequest(hashes, len(tokens), self.block_size, text)
+
+    async def _off_loop(self, request: SamplingRequest) -> list[int]:
+        if self._pending >= self._capacity:
+            raise Overloaded("too many long prompts are being tokenized; retry shortly", retry_after_s=1)
+        self._pending += 1
+        future = asyncio.get_running_loop().run_in_executor(self._pool, self.token_ids, request)
+        future.add_done_callback(lambda _: self._release())  # when the thread is done, not the wait
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), self.timeout_s)
+        except TimeoutError:
+            raise BadRequest(f"the prompt took over {self.timeout_s:g} s to tokenize") from None
+
+    def _release(self) -> None:
+        self._pending -= 1
+
+    def token_ids(self, request: SamplingRequest) -> list[int]:
+        assert self.hasher is not None
+        if isinstance(request, ChatCompletionRequest):
+            messages = [m.model_dump(exclude_unset=True) for m in request.messages]
+            return self.hasher.chat_tokens(messages, request.template_options())
+        assert isinstance(request, CompletionRequest)
+        return self.hasher.completion_tokens(request.prompt)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _prompt_text(request: SamplingRequest) -> str:
+    if isinstance(request, ChatCompletionRequest):
+        return "\n".join(str(m.content) for m in request.messages if m.content)
+    prompt = request.prompt  # type: ignore[attr-defined]
+    return prompt if isinstance(prompt, str) else ""

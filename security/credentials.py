@@ -1,0 +1,142 @@
+"""The cluster's credentials: one secret, and every key a component needs derived from it.
+
+A cluster has one secret of 32 random bytes. Each use gets its own key, HMAC-SHA256 of the
+secret over a label, so the values that must agree (the token the router presents and the one
+every engine checks, a store shard's CURVE keys and its clients') come from one place and cannot
+drift apart, and knowing one derived key reveals neither the secret nor another key:
+
+- `engine_token`: every HTTP route of every engine (engine/http_auth.py); only the router and
+  the engine's own host hold it, so no client reaches an engine past the router's admission;
+- `admin_token`: the router's /admin/* and /metrics;
+- `weights_key`: signs weight manifests and CUDA IPC handles between engines;
+- `tenant_salt(tenant)`: the cache salt of a tenant's requests, which no one without the secret
+  can compute for another tenant (a hash of the tenant's name could be);
+- `curve(plane)`: ZMQ CURVE key pairs (server and client) for the store's control sockets and
+  the KV event sockets (security/zmq_curve.py).
+
+The secret comes from the environment (PDCLUSTER_SECRET, hex) or a file (PDCLUSTER_SECRET_FILE,
+default ~/.config/pdcluster/secret, mode 0600). `pdcluster serve` on one machine creates the file
+when there is none; on a cluster the head's launcher reads it and hands the components what they
+need through Ray (itself behind Ray's token auth), never on a command line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import hmac
+import os
+import secrets
+from pathlib import Path
+
+SECRET_ENV = "PDCLUSTER_SECRET"
+SECRET_FILE_ENV = "PDCLUSTER_SECRET_FILE"
+SECRET_BYTES = 32
+
+
+class CredentialsError(RuntimeError):
+    """No usable cluster secret."""
+
+
+def default_secret_file() -> Path:
+    configured = os.environ.get(SECRET_FILE_ENV)
+    if configured:
+        return Path(configured).expanduser()
+    return Path(os.environ.get("XDG_CONFIG_HOME", Path.home() / ".config")) / "pdcluster" / "secret"
+
+
+@dataclasses.dataclass(frozen=True)
+class CurveKeys:
+    """A plane's CURVE key pairs (z85): the server's, and the one every client of the plane uses."""
+
+    server_public: bytes
+    server_secret: bytes = dataclasses.field(repr=False)
+    client_public: bytes
+    client_secret: bytes = dataclasses.field(repr=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterCredentials:
+    secret: bytes = dataclasses.field(repr=False)
+
+    def __post_init__(self) -> None:
+        if len(self.secret) < SECRET_BYTES:
+            raise CredentialsError(f"the cluster secret must be at least {SECRET_BYTES} bytes")
+
+    @classmethod
+    def generate(cls) -> ClusterCredentials:
+        return cls(secrets.token_bytes(SECRET_BYTES))
+
+    @classmethod
+    def from_hex(cls, text: str) -> ClusterCredentials:
+        try:
+            return cls(bytes.fromhex(text.strip()))
+        except ValueError:
+            raise CredentialsError("the cluster secret is not hex") from None
+
+    @classmethod
+    def load(cls, path: Path | None = None, create: bool = False) -> ClusterCredentials:
+        """From PDCLUSTER_SECRET, else from `path` (default: default_secret_file()). With
+        `create`, a missing file is made (random secret, 0600, its folder 0700)."""
+        if os.environ.get(SECRET_ENV):
+            return cls.from_hex(os.environ[SECRET_ENV])
+        path = path or default_secret_file()
+        if not path.exists():
+            if not create:
+                raise CredentialsError(f"no cluster secret: set {SECRET_ENV} or create {path} "
+                                       "(`pdcluster secret`)")  # fmt: skip
+            return cls.generate().save(path)
+        if path.stat().st_mode & 0o077:
+            raise CredentialsError(f"{path} is readable by others: chmod 600 {path}")
+        return cls.from_hex(path.read_text())
+
+    def save(self, path: Path) -> ClusterCredentials:
+        """Write the secret to `path`, readable by its owner only; never overwrites."""
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(descriptor, "w") as handle:
+            handle.write(self.secret.hex() + "\n")
+        return self
+
+    def as_env(self) -> dict[str, str]:
+        """How a child process of ours (an engine) receives the secret: environment, not argv."""
+        return {SECRET_ENV: self.secret.hex()}
+
+    def derive(self, label: str, size: int = 32) -> bytes:
+        return hmac.new(self.secret, f"pdcluster:{label}".encode(), hashlib.sha256).digest()[:size]
+
+    @property
+    def engine_token(self) -> str:
+        return self.derive("engine-token").hex()
+
+    @property
+    def admin_token(self) -> str:
+        return self.derive("admin-token").hex()
+
+    @property
+    def weights_key(self) -> str:
+        return self.derive("weights-key").hex()
+
+    def engine_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.engine_token}"}
+
+    def admin_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.admin_token}"}
+
+    def tenant_salt(self, tenant: str) -> str:
+        return hmac.new(self.derive("tenant-salt"), tenant.encode(), hashlib.sha256).hexdigest()[:32]
+
+    def curve(self, plane: str) -> CurveKeys:
+        import zmq
+        from zmq.utils import z85
+
+        server_secret = z85.encode(self.derive(f"curve:{plane}:server"))
+        client_secret = z85.encode(self.derive(f"curve:{plane}:client"))
+        return CurveKeys(zmq.curve_public(server_secret), server_secret, zmq.curve_public(client_secret),
+                         client_secret)  # fmt: skip
+
+
+def bearer_matches(authorization: str | None, token: str) -> bool:
+    """Whether an Authorization header carries `token` as its Bearer credential (constant time)."""
+    scheme, _, given = (authorization or "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())

@@ -1,0 +1,65 @@
+"""On a CUDA GPU: a random ~1B Llama with tied word embeddings, loaded by our disk streaming
+loader and by a standby over CUDA IPC from that peer, answers as plain vLLM does on the same
+checkpoint (issue #18, item 4; docs/gpu-notes.md).
+
+Needs a GPU and vLLM's CUDA build (on the lent H200: docs/gpu/h200/run_conformance.sh); skipped
+anywhere else, CI included. Three servers share GPU 0: plain vLLM, our peer, our standby.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+pytest.importorskip("vllm")
+
+from oracle import ask_all, assert_conforms, differences, oracle_answers  # noqa: E402
+
+from engine.config import EngineConfig  # noqa: E402
+from engine.host import EngineHost  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def tied_1b(tmp_path_factory) -> Path:
+    """Built in its own process: torch work before vLLM starts can hang an engine."""
+    path = Path(os.environ.get("PDC_CUDA_MODEL_DIR", tmp_path_factory.mktemp("models"))) / "llama1b-tied"
+    code = ("import sys; from pathlib import Path; from engine.models import build_llama1b_tied; "
+            "build_llama1b_tied(Path(sys.argv[1]))")  # fmt: skip
+    if not (path / "config.json").exists():
+        subprocess.run([sys.executable, "-c", code, str(path)], check=True, timeout=600)
+    return path
+
+
+def test_disk_loader_and_cuda_ipc_standby_answer_as_plain_vllm(tied_1b, artifacts):
+    config = EngineConfig(model=tied_1b, served_model_name="llama1b-tied", gpu_memory_utilization=0.25,
+                          enforce_eager=os.environ.get("PDC_CUDA_EAGER", "1") == "1", max_model_len=2048,
+                          log_dir=artifacts / "conformance-gpu")  # fmt: skip
+    want = oracle_answers(config, artifacts / "plain-vllm-llama1b-tied-cuda.log")
+    print({name: answer.token_ids for name, answer in want.items()})
+    peer = EngineHost(config, "peer-1b", host="127.0.0.1")
+    standby = EngineHost(config, "standby-1b", host="127.0.0.1")
+
+    async def start_both() -> None:
+        await asyncio.gather(peer.start(), standby.start(standby=True))
+
+    try:
+        asyncio.run(start_both())
+        assert peer.weights_record["source"] == "disk"  # the pinned streaming loader (stream_to_device)
+        assert_conforms(peer.url, "llama1b-tied", want, peer.auth_headers)
+        assert differences(ask_all(standby.url, "llama1b-tied", headers=standby.auth_headers), want)  # dummy weights: the check can fail
+        asyncio.run(standby.activate(asyncio.run(peer.export_weights())))
+        assert standby.weights_record["transport"] == "cuda_ipc"
+        assert_conforms(standby.url, "llama1b-tied", want, standby.auth_headers)
+    finally:
+        asyncio.run(standby.stop())
+        asyncio.run(peer.stop())

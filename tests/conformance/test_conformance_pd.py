@@ -1,0 +1,29 @@
+"""Prefill/decode disaggregation answers as plain vLLM does, with the KV really handed over:
+SmolLM2 through the LMCache-backed store, the tiny tied model directly prefill -> decode with
+vLLM's NixlConnector. (The tiny model through the store: tests/e2e/test_pd.py.)"""
+
+from __future__ import annotations
+
+import pytest
+from oracle import assert_conforms
+
+from deploy.local import LocalServer
+from loadtest.scrape import scrape
+from security.credentials import ClusterCredentials
+
+pytestmark = pytest.mark.slow
+ENGINE = ClusterCredentials.load().engine_headers()  # the session's secret (tests/conftest.py)
+HITS = "vllm:external_prefix_cache_hits_total"
+
+
+@pytest.mark.parametrize(("model", "transfer"), [("smollm2", "store"), ("tiny-tied", "direct")])
+def test_pd_answers_as_plain_vllm(model, transfer, oracle, artifacts):
+    want = oracle(model)
+    args = ["--model", model, "--prefill", "1", "--decode", "1", "--kv-transfer", transfer,
+            "--remote-prefill-min-tokens", "0"]  # fmt: skip
+    with LocalServer(args, artifacts / f"serve-conformance-pd-{model}.log") as server:
+        (decode,) = [i["url"] for i in server.instances() if i["role"] == "decode"]
+        hits = scrape(decode, (HITS,), headers=ENGINE).get(HITS, 0.0)
+        assert_conforms(server.url, model, want)
+        # The long prompts' KV came from the prefill instance (vLLM counts it as external hits).
+        assert scrape(decode, (HITS,), headers=ENGINE)[HITS] - hits >= 2 * 600

@@ -1,0 +1,186 @@
+"""Plain vLLM as the oracle: the same checkpoint served by vLLM's own OpenAI server, started the
+plain way (weights from disk, no worker extension, no KV connector, no pdcluster code), with the
+settings our engines use; the same requests; greedy token ids and top-5 logprobs compared.
+
+A test that compares pdcluster only with pdcluster cannot catch a mistake both sides share (the
+tied-embedding reload did exactly that): every serving path is checked against this.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from engine.config import EngineConfig
+from engine.environment import engine_env, free_port
+
+MAX_TOKENS = 16
+TOP_LOGPROBS = 5
+# A greedy answer may leave vLLM's own token only where two candidates are this close (nats):
+# computing KV in a different batch or loading it instead of computing it moves logprobs by
+# rounding (measured below 0.02 on these models), and a near-tie can then flip.
+NEAR_TIE = 0.05
+# Logprobs of the same top-5 tokens agree within LOGPROB_ABS + LOGPROB_REL x |logprob|, where the
+# tokens agree: bf16 logits of magnitude 16-32 are 0.125 apart, and batching the same request with
+# others (or not) moves them by that (measured: up to 0.125 on SmolLM2, 0 on the tiny models).
+LOGPROB_ABS, LOGPROB_REL = 0.15, 0.02
+LONG_TEXT = " ".join(f"Section {k}: the prefill computes this sentence once and the decode reads it back."
+                     for k in range(40))  # fmt: skip
+WARM_UP = "A warm-up request that shares no prefix with the prompts under test. " * 8
+QUESTION = "What is the capital of France? One word."
+# name -> request body without model and sampling fields: completions and chats, a prompt shorter
+# than a KV block, one of many blocks (~700 tokens: 20+ blocks of 32).
+PROMPTS: dict[str, dict] = {
+    "completion-short": {"prompt": "Hello, my name is"},
+    "completion-long": {"prompt": LONG_TEXT},
+    "chat-question": {"messages": [{"role": "user", "content": QUESTION}]},
+    "chat-long-system": {"messages": [{"role": "system", "content": LONG_TEXT[:1800]},
+                                      {"role": "user", "content": "Which section comes first?"}]},  # fmt: skip
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Answer:
+    """A greedy answer: its token ids and, per generated token, the top-5 alternatives."""
+
+    token_ids: tuple[int, ...]
+    top_logprobs: tuple[dict[str, float], ...]
+    text: str
+
+
+def request_body(model: str, prompt: dict) -> tuple[str, dict]:
+    """The endpoint and the whole greedy request for one of PROMPTS."""
+    body = {"model": model, **prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "return_token_ids": True}
+    if "messages" in prompt:
+        return "/v1/chat/completions", body | {"logprobs": True, "top_logprobs": TOP_LOGPROBS}
+    return "/v1/completions", body | {"logprobs": TOP_LOGPROBS}
+
+
+def ask(url: str, model: str, prompt: dict, headers: dict | None = None) -> Answer:
+    endpoint, body = request_body(model, prompt)
+    response = httpx.post(f"{url}{endpoint}", json=body, headers=headers, timeout=300)
+    assert response.status_code == 200, f"{url}{endpoint}: {response.status_code} {response.text[:500]}"
+    choice = response.json()["choices"][0]
+    if "messages" in prompt:
+        tops = tuple({t["token"]: t["logprob"] for t in c["top_logprobs"]} for c in choice["logprobs"]["content"])
+        text = choice["message"]["content"]
+    else:
+        tops = tuple(choice["logprobs"]["top_logprobs"])
+        text = choice["text"]
+    return Answer(tuple(choice["token_ids"]), tops, text)
+
+
+def ask_all(url: str, model: str, concurrently: bool = False, headers: dict | None = None) -> dict[str, Answer]:
+    """Every prompt of PROMPTS, one after the other or all at once."""
+    if not concurrently:
+        return {name: ask(url, model, prompt, headers) for name, prompt in PROMPTS.items()}
+    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+        futures = {name: pool.submit(ask, url, model, prompt, headers) for name, prompt in PROMPTS.items()}
+        return {name: future.result() for name, future in futures.items()}
+
+
+def differences(ours: dict[str, Answer], oracle: dict[str, Answer]) -> list[str]:
+    """Where our answers leave the oracle's, as readable lines (empty: they conform).
+
+    Token ids must be equal; past a position where the oracle itself saw a near-tie (its top two
+    within NEAR_TIE nats) and we took the other of the two, the rest is not compared (vLLM's own
+    `check_logprobs_close` stops there too). Where tokens agree, the logprobs of the top-5 tokens
+    both sides list agree within LOGPROB_ABS + LOGPROB_REL x |logprob|."""
+    found = []
+    for name, want in oracle.items():
+        got = ours[name]
+        for position, (mine, theirs) in enumerate(zip(got.token_ids, want.token_ids, strict=False)):
+            tops_want, tops_got = want.top_logprobs[position], got.top_logprobs[position]
+            if mine != theirs:
+                ranked = sorted(tops_want.values(), reverse=True)
+                if len(ranked) > 1 and ranked[0] - ranked[1] <= NEAR_TIE and len(got.token_ids) > position:
+                    break  # a near-tie taken the other way: the rest follows from a different token
+                found.append(f"{name}: token {position} is {mine}, vLLM's is {theirs} "
+                             f"(ours {got.text!r}, vLLM's {want.text!r})")  # fmt: skip
+                break
+            off = {t: (tops_got[t], p) for t, p in tops_want.items()
+                   if t in tops_got and abs(tops_got[t] - p) > LOGPROB_ABS + LOGPROB_REL * abs(p)}  # fmt: skip
+            if off:
+                found.append(f"{name}: token {position}: top logprobs differ (ours, vLLM's): {off}")
+                break
+        else:
+            if len(got.token_ids) != len(want.token_ids):
+                found.append(f"{name}: {len(got.token_ids)} tokens, vLLM gave {len(want.token_ids)}")
+    return found
+
+
+class PlainVLLM:
+    """vLLM's OpenAI server on a checkpoint, started as vLLM's docs say, with `config`'s model
+    settings and one CPU core, as each of our engines gets on a 2-core machine (thread counts
+    change how reductions are split, so they are held equal). Owns its process."""
+
+    def __init__(self, config: EngineConfig, log_path: Path, core: str = "1", start_timeout_s: float = 300):
+        self.config = config
+        self.log_path = log_path
+        self.core = core
+        self.start_timeout_s = start_timeout_s
+        self.port = free_port("127.0.0.1")
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._process: subprocess.Popen | None = None
+
+    def command(self) -> list[str]:
+        c = self.config
+        command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(c.model),
+                   "--served-model-name", c.served_model_name, "--host", "127.0.0.1", "--port", str(self.port),
+                   "--max-model-len", str(c.max_model_len), "--block-size", str(c.block_size),
+                   "--gpu-memory-utilization", str(c.gpu_memory_utilization)]  # fmt: skip
+        return command + (["--enforce-eager"] if c.enforce_eager else [])
+
+    def __enter__(self) -> PlainVLLM:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, **engine_env("127.0.0.1", self.config.kv_cache_gib, self.core)}
+        with self.log_path.open("w") as log:
+            self._process = subprocess.Popen(self.command(), env=env, stdout=log, stderr=subprocess.STDOUT,
+                                             start_new_session=True)  # fmt: skip
+        deadline = time.monotonic() + self.start_timeout_s
+        while time.monotonic() < deadline:
+            if self._process.poll() is not None:
+                raise RuntimeError(f"plain vLLM exited ({self._process.returncode}); see {self.log_path}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.__exit__()
+        raise TimeoutError(f"plain vLLM not up in {self.start_timeout_s} s; see {self.log_path}")
+
+    def __exit__(self, *exc) -> None:
+        if self._process is not None and self._process.poll() is None:
+            os.killpg(self._process.pid, 15)
+            try:
+                self._process.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self._process.pid, 9)
+                self._process.wait()
+
+
+def oracle_answers(config: EngineConfig, log_path: Path) -> dict[str, Answer]:
+    """Plain vLLM's answers to PROMPTS, each computed from scratch (one after the other, each
+    prompt a first: no prefix-cache hit between them)."""
+    with PlainVLLM(config, log_path) as server:
+        # vLLM 0.32's CPU attention uses AMX without asking Linux for it: a short first prompt
+        # kills a small model's worker (SIGILL); a long one runs oneDNN first, which asks.
+        ask(server.url, config.served_model_name, {"prompt": WARM_UP})
+        return ask_all(server.url, config.served_model_name)
+
+
+def assert_conforms(url: str, model: str, oracle: dict[str, Answer], headers: dict | None = None) -> None:
+    """PROMPTS through `url` give plain vLLM's answers, sent one after the other and all at once."""
+    for concurrently in (False, True):
+        found = differences(ask_all(url, model, concurrently, headers), oracle)
+        assert not found, f"{url} ({'concurrent' if concurrently else 'sequential'}) differs from plain vLLM:\n" + (
+            "\n".join(found)
+        )
