@@ -21,7 +21,7 @@ from pydantic import ValidationError
 from rich.console import Console
 
 from engine.config import Role
-from engine.environment import is_loopback, use_loopback_ray
+from engine.environment import is_loopback, use_ray
 from engine.models import BUILDERS, COMPLETE_MARKER, default_model_root
 
 console = Console(stderr=True)
@@ -368,8 +368,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     except (ValidationError, ValueError, OSError, CredentialsError) as exc:
         console.print(f"[red]invalid configuration:[/] {exc}")
         return 2
-    if args.address is None or is_loopback(args.address.rpartition(":")[0]):
-        use_loopback_ray()  # else Ray swaps a loopback address for the machine's routable one
+    # Loopback: else Ray swaps a loopback address for the machine's routable one.
+    use_ray(credentials.ray_auth_env(), loopback=args.address is None or is_loopback(args.address.rpartition(":")[0]))
     pd = topology.prefill or topology.decode
     store_bytes = int(args.store_gib * 1024**3) if pd and args.kv_transfer == "store" else 0
     return asyncio.run(_serve(engine_config, router_config, topology, args.address, args.placement_timeout,
@@ -386,10 +386,12 @@ async def _serve(engine_config, router_config, topology, address: str | None, pl
     from engine.host import node_address
     from router.app import build_app
     from router.instances import InstanceRegistry
+    from router.kv_events import STORE_HOLDER
 
     started_head = start_ray(address, resources=topology.ray_resources())
+    failed = True
     registry = InstanceRegistry()
-    launcher = Launcher(registry, console, start_log)
+    launcher = Launcher(registry, router_config.credentials(), console, start_log)
     controller = None
     try:
         # A router restarted on a running cluster takes over the engines its predecessor left.
@@ -418,6 +420,7 @@ async def _serve(engine_config, router_config, topology, address: str | None, pl
             configs = [(i, c.model_copy(update={"kv_store_endpoints": shards})) for i, c in configs]
         await launcher.start_instances(configs, placement_timeout_s)
         app = build_app(router_config, registry, store_endpoints=engine_config.kv_store_endpoints)
+        launcher.on_store_restart.append(lambda: app.state.index.clear(STORE_HOLDER))
         # Instances the controller adds get the core sets the initial ones left (all, if none).
         controller = PoolController(launcher, registry, app.state.queue, topology.pools(), engine_config,
                                     core_sets=cores[len(roles):] or cores or None,
@@ -435,6 +438,9 @@ async def _serve(engine_config, router_config, topology, address: str | None, pl
         )
         _keep_cleanup_on_signals()
         await server.serve()
+        if not server.started:  # it could not listen (uvicorn logged why)
+            raise RuntimeError(f"the router could not serve on {url}")
+        failed = False
         return 0
     except Exception as exc:  # a failed start: say why, stop what started, exit non-zero
         console.print(f"[red]pdcluster serve failed:[/] {exc or repr(exc)}")  # some errors have no message
@@ -443,7 +449,8 @@ async def _serve(engine_config, router_config, topology, address: str | None, pl
         console.print("stopping engines...")
         if controller is not None:
             await controller.stop()
-        await launcher.shutdown()
+        # A failed restart leaves the fleet it adopted serving: the next attempt adopts it again.
+        await launcher.shutdown(keep_adopted=failed)
         if started_head:
             import ray
 

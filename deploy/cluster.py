@@ -19,7 +19,7 @@ import yaml
 
 REMOTE_BIN = "${PDCLUSTER_HOME:-$HOME/pdcluster}/.venv/bin"
 REMOTE_PDCLUSTER = f"{REMOTE_BIN}/pdcluster"
-RAY_UP_ENV = {"RAY_UP_enable_autoscaler_v2": "0", "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
+RAY_UP_ENV = {"RAY_UP_enable_autoscaler_v2": "0", "RAY_USAGE_STATS_ENABLED": "0"}
 
 
 class ClusterConfigError(ValueError):

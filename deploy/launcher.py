@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 import os
+import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,11 +31,12 @@ from rich.live import Live
 from rich.table import Table
 
 from engine.config import EngineConfig, Role
-from engine.environment import RAY_ENV, RAY_LOOPBACK_ENV, UCX_LOOPBACK_ENV, is_cpu_build
+from engine.environment import RAY_LOOPBACK_ENV, UCX_LOOPBACK_ENV, is_cpu_build
 from engine.host import EngineHost
 from engine.lifecycle import InstanceState
 from kvstore.shard import StoreShardActor
 from router.instances import Instance, InstanceRegistry
+from security.credentials import ClusterCredentials
 
 log = logging.getLogger(__name__)
 RAY_NAMESPACE = "pdcluster"
@@ -49,14 +53,13 @@ START_SECONDS = Histogram(
 
 def start_ray(address: str | None, resources: dict[str, float] | None = None) -> bool:
     """Join the Ray cluster at `address`, or start a one-node head on loopback (the caller ran
-    `engine.environment.use_loopback_ray()` before importing this module).
+    `engine.environment.use_ray()` before importing this module: token auth, loopback).
 
     Returns True when this call started the head (and so should stop it).
     """
     if ray.is_initialized():
         return False
     if address:
-        os.environ.update(RAY_ENV)
         ray.init(address=address, namespace=RAY_NAMESPACE, log_to_driver=False)
         return False
     ray.init(
@@ -68,7 +71,7 @@ def start_ray(address: str | None, resources: dict[str, float] | None = None) ->
         resources=resources or {},
         object_store_memory=256 * 1024**2,
         log_to_driver=False,
-        runtime_env={"env_vars": {**RAY_LOOPBACK_ENV, **UCX_LOOPBACK_ENV}},
+        runtime_env={"env_vars": {**RAY_LOOPBACK_ENV, **UCX_LOOPBACK_ENV}},  # auth: inherited
     )
     return True
 
@@ -120,17 +123,24 @@ class Adopted:
 class Launcher:
     """Creates engine actors, waits for them to be ready, registers them with the router."""
 
-    def __init__(self, registry: InstanceRegistry, console: Console | None = None,
+    def __init__(self, registry: InstanceRegistry, credentials: ClusterCredentials, console: Console | None = None,
                  start_log: Path | None = None):  # fmt: skip
         self.registry = registry
+        self.credentials = credentials
+        """The cluster's: shards get its secret; adopted actors must prove they hold it too."""
         self.console = console or Console(stderr=True)
         self.start_log = start_log
         self.instances: dict[str, StartedInstance] = {}
         self._actors: dict[str, ray.actor.ActorHandle] = {}
+        self._adopted: set[str] = set()  # engines a launcher before this one started
         self._descriptors: dict[str, dict] = {}
         """Weight descriptors of ready instances, by instance id (see peer_weights)."""
         self._shards: dict[str, ray.actor.ActorHandle] = {}  # by actor name (the node's)
         self._shard_options: dict = {}  # how this launcher starts a shard (start_store_shards)
+        self._shard_boots: dict[str, str] = {}  # the boot id each shard last answered with
+        self.on_store_restart: list[Callable[[], None]] = []
+        """Called when a shard answers as a new one (restarted, empty): the router's index
+        forgets what it thought the store held."""
         self._store_watch: asyncio.Task | None = None
 
     async def start_store_shards(self, capacity_bytes: int, fault_injection: bool = False,
@@ -139,7 +149,8 @@ class Launcher:
         returns their endpoints. Ray restarts a shard whose process dies, on its node and endpoint
         (an empty store: misses until refilled). `watch_store()` then keeps one where engines run
         as nodes join and leave (reconcile_store_shards)."""
-        self._shard_options = {"capacity_bytes": capacity_bytes, "fault_injection": fault_injection}
+        self._shard_options = {"capacity_bytes": capacity_bytes, "fault_injection": fault_injection,
+                               "cluster_secret": self.credentials.secret.hex()}  # fmt: skip
         endpoints = await self.reconcile_store_shards(timeout_s, engine_nodes=set(self._all_nodes()))
         if not endpoints:
             raise RuntimeError(f"no KV store shard answered within {timeout_s:g} s")
@@ -173,6 +184,12 @@ class Launcher:
         answers = await asyncio.gather(*(asyncio.wait_for(h.membership.remote(), timeout_s)
                                          for h in self._shards.values()), return_exceptions=True)  # fmt: skip
         live = {name: a for name, a in zip(self._shards, answers, strict=True) if isinstance(a, dict)}
+        restarted = [n for n, a in live.items() if self._shard_boots.get(n, a["boot_id"]) != a["boot_id"]]
+        self._shard_boots.update((n, a["boot_id"]) for n, a in live.items())
+        if restarted:
+            log.warning("KV store shard(s) restarted, empty: %s", restarted)
+            for callback in self.on_store_restart:
+                callback()
         members = sorted(a["endpoint"] for a in live.values())
         newest = max(live.values(), key=lambda a: a["epoch"], default={"epoch": 0, "members": []})
         epoch = newest["epoch"] if newest["members"] == members else newest["epoch"] + 1
@@ -209,15 +226,16 @@ class Launcher:
         """Take over what a launcher that died left on this Ray cluster: its ready and standby
         engines of `config`'s model are registered as they are (weights, KV cache and all); its
         store shards are kept if `keep_store` (reconcile_store_shards then keeps those that answer,
-        where engines run). Any other engine there (another model, a start cut short, one that
-        does not answer) is stopped."""
+        where engines run). Any other engine of ours there (another model, a start cut short, one
+        that does not answer) is stopped. Only actors that prove they hold the cluster's secret
+        are ours: a named actor anyone else put in the namespace is neither adopted nor used."""
         started = time.monotonic()
-        names = ray.util.list_named_actors()
-        if not names:
+        handles = {name: ray.get_actor(name) for name in ray.util.list_named_actors()}
+        if not handles:
             return Adopted()
-        handles = {name: ray.get_actor(name) for name in names}
-        shards = {n: h for n, h in handles.items() if n.startswith(STORE_SHARD_PREFIX)}
-        engines = {n: h for n, h in handles.items() if n not in shards}
+        ours = await self._proven(handles, timeout_s)
+        shards = {n: h for n, h in ours.items() if n.startswith(STORE_SHARD_PREFIX)}
+        engines = {n: h for n, h in ours.items() if n not in shards}
         answers = dict(zip(engines, await asyncio.gather(
             *(asyncio.wait_for(h.describe.remote(), timeout_s) for h in engines.values()),
             return_exceptions=True), strict=True))  # fmt: skip
@@ -230,6 +248,7 @@ class Launcher:
                 ended.append(actor)
                 continue
             self._actors[name] = actor
+            self._adopted.add(name)
             self.instances[name] = StartedInstance(name, actor, info["url"], Role(info["role"]), {})
             self.registry.add(Instance(name, Role(info["role"]), info["url"], InstanceState(info["state"]),
                                        kv_events_replay_endpoint=info["kv_events_replay_endpoint"]))  # fmt: skip
@@ -246,6 +265,21 @@ class Launcher:
         self.console.print(f"adopted {len(adopted)} engine(s) {adopted} and {len(self._shards)} store shard(s) "
                            f"in {time.monotonic() - started:.2f} s; stopped {len(ended)} engine(s) that did not fit")  # fmt: skip
         return Adopted(tuple(adopted), next(iter(events_endpoints), None))
+
+    async def _proven(self, handles: dict[str, ray.actor.ActorHandle], timeout_s: float) -> dict:
+        """The actors among `handles` that answer a fresh challenge with the cluster's proof."""
+        nonce = secrets.token_hex(16)
+        kinds = {name: "store-shard" if name.startswith(STORE_SHARD_PREFIX) else "engine" for name in handles}
+        answers = await asyncio.gather(*(asyncio.wait_for(h.prove.remote(nonce), timeout_s) for h in handles.values()),
+                                       return_exceptions=True)  # fmt: skip
+        proven = {}
+        for (name, handle), answer in zip(handles.items(), answers, strict=True):
+            expected = self.credentials.prove(f"{kinds[name]}:{nonce}")
+            if isinstance(answer, str) and hmac.compare_digest(answer, expected):
+                proven[name] = handle
+            else:
+                log.warning("named actor %s does not hold the cluster's secret: not adopted, left alone", name)
+        return proven
 
     def _create_actor(self, config: EngineConfig, instance_id: str) -> ray.actor.ActorHandle:
         options = placement_options(config.role, gpus=0 if is_cpu_build() else 1)
@@ -397,9 +431,11 @@ class Launcher:
             )  # fmt: skip
         return table
 
-    async def shutdown(self) -> None:
-        """Stop every engine this launcher created (their processes, then their actors)."""
-        await _end_engines(list(self._actors.values()))
+    async def shutdown(self, keep_adopted: bool = False) -> None:
+        """Stop every engine this launcher created and the store's shards; with `keep_adopted`
+        (a router restart that failed) leave what it adopted serving, for the next attempt."""
+        kept = self._adopted if keep_adopted else set()
+        await _end_engines([a for name, a in self._actors.items() if name not in kept])
         for instance_id in self._actors:
             self.registry.remove(instance_id)
         self._actors.clear()
@@ -408,6 +444,9 @@ class Launcher:
         if self._store_watch is not None:
             self._store_watch.cancel()
             await asyncio.gather(self._store_watch, return_exceptions=True)
+        if kept:
+            log.warning("left %d adopted engine(s) and the store's shards serving: %s", len(kept), sorted(kept))
+            return
         await asyncio.gather(
             *(asyncio.wait_for(s.close.remote(), 10) for s in self._shards.values()), return_exceptions=True
         )

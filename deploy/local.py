@@ -110,7 +110,8 @@ class LocalServer:
 
 class RayHead:
     """A one-node Ray cluster on loopback that outlives the `pdcluster serve --address` processes
-    using it (as on a `ray up` head), run as `ray start --head --block`; owns its processes."""
+    using it (as on a `ray up` head), run as `ray start --head --block` with the token of the
+    cluster secret in this process's environment or file; owns its processes."""
 
     PORT_FLAGS = ("--port", "--node-manager-port", "--object-manager-port", "--metrics-export-port",
                   "--dashboard-agent-listen-port", "--dashboard-agent-grpc-port", "--runtime-env-agent-port")  # fmt: skip
@@ -133,7 +134,7 @@ class RayHead:
                    f"--num-cpus={self.num_cpus}", f"--resources={json.dumps(self.resources)}",
                    "--object-store-memory=268435456", f"--temp-dir={self._temp_dir}",
                    *(f"{flag}={port}" for flag, port in self.ports.items())]  # fmt: skip
-        env = {**os.environ, **RAY_LOOPBACK_ENV, **UCX_LOOPBACK_ENV}
+        env = {**os.environ, **RAY_LOOPBACK_ENV, **UCX_LOOPBACK_ENV, **ClusterCredentials.load().ray_auth_env()}
         log = (self._temp_dir / "ray-start.log").open("w")
         self._process = subprocess.Popen(
             command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True

@@ -28,7 +28,7 @@ from engine.config import EngineConfig, Role
 from engine.lifecycle import InstanceState
 from router.instances import CapacityQueue, InstanceRegistry, LatencyWindow
 
-if TYPE_CHECKING:  # deploy.launcher imports ray, which must not happen before use_loopback_ray()
+if TYPE_CHECKING:  # deploy.launcher imports ray, which must not happen before use_ray()
     from deploy.launcher import Launcher
 
 log = logging.getLogger(__name__)

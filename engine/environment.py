@@ -1,7 +1,9 @@
 """Every environment variable pdcluster sets for the processes it starts, in one place.
 
 Ray, vLLM and UCX pick the machine's routable address unless told otherwise; on a single
-machine everything must stay on loopback (ARCHITECTURE.md, section 4).
+machine everything must stay on loopback. Ray runs with its token authentication, the token
+derived from the cluster's secret (security/credentials.py); engines get a scrubbed environment
+(no Ray token, no keys of the machine's user).
 """
 
 from __future__ import annotations
@@ -14,22 +16,29 @@ import random
 import socket
 import sys
 
-RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
+RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0"}
 # A one-machine cluster: Ray then takes 127.0.0.1 as every node's address and binds its servers
 # there. Ray reads this when `ray` is first imported, so it must be set before that.
 RAY_LOOPBACK_ENV = {**RAY_ENV, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 
-def use_loopback_ray() -> None:
-    """Keep the Ray head this process will start on loopback; call before `import ray`."""
+def use_ray(ray_auth_env: dict[str, str], loopback: bool) -> None:
+    """Set up this process for the Ray cluster it will start or join: token authentication
+    (`ClusterCredentials.ray_auth_env()`), and with `loopback` a head kept on loopback. Ray reads
+    all of it when first imported: call before `import ray`."""
     if "ray" in sys.modules:
-        raise RuntimeError("use_loopback_ray() must run before ray is imported")
-    os.environ.update(RAY_LOOPBACK_ENV)
+        raise RuntimeError("use_ray() must run before ray is imported")
+    os.environ.update({**(RAY_LOOPBACK_ENV if loopback else RAY_ENV), **ray_auth_env})
 
 
 # Seeds the root of vLLM's prefix-cache block hashes (and LMCache's fallback hash) in every engine;
 # the router derives the same root so its block hashes are the engines' (router/hashing.py).
 KV_HASH_SEED = "0"
+
+
+# The vLLM general plugin (pyproject.toml) that puts our KV event publisher in vLLM's place
+# (engine/kv_events.py); engines name it alone in VLLM_PLUGINS.
+KV_EVENTS_PLUGIN = "pdcluster_kv_events"
 
 
 def is_cpu_build() -> bool:
@@ -78,12 +87,19 @@ def engine_env(host: str, kv_cache_gib: float, cpu_cores: str | None) -> dict[st
     return env
 
 
+# Never handed to an engine: what a compromised engine could use beyond its own job.
+_SCRUBBED = ("RAY_AUTH", "AWS_", "GOOGLE_", "AZURE_", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "PDCLUSTER_API_KEYS",
+             "SSH_AUTH_SOCK", "KUBECONFIG")  # fmt: skip
+
+
 def engine_process_env(host: str, kv_cache_gib: float, cpu_cores: str | None) -> dict[str, str]:
-    """The whole environment of a vLLM server process: this process's, with `engine_env` on top,
-    less PROMETHEUS_MULTIPROC_DIR. An inherited one (LMCache sets it in any process that builds an
-    LMCache engine) would be shared by every engine on the node, and each engine's /metrics would
-    report the sum of all of them; without it vLLM makes each engine a private one."""
-    inherited = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
+    """The whole environment of a vLLM server process: this process's, scrubbed of credentials
+    (Ray's token, cloud keys, API keys), with `engine_env` on top, less PROMETHEUS_MULTIPROC_DIR.
+    An inherited one (LMCache sets it in any process that builds an LMCache engine) would be
+    shared by every engine on the node, and each engine's /metrics would report the sum of all of
+    them; without it vLLM makes each engine a private one."""
+    inherited = {k: v for k, v in os.environ.items()
+                 if k != "PROMETHEUS_MULTIPROC_DIR" and not k.startswith(_SCRUBBED)}  # fmt: skip
     return inherited | engine_env(host, kv_cache_gib, cpu_cores)
 
 

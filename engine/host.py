@@ -32,7 +32,7 @@ import time
 import httpx
 
 from engine.config import EngineConfig, Role
-from engine.environment import engine_process_env, free_port, is_cpu_build
+from engine.environment import KV_EVENTS_PLUGIN, engine_process_env, free_port, is_cpu_build
 from engine.lifecycle import InstanceState, StartTimeline
 from engine.weights import new_weights_file
 from engine.worker_extension import WEIGHTS_DIR_ENV, WEIGHTS_FILE_ENV
@@ -107,6 +107,10 @@ class EngineHost:
         import ray
 
         return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+
+    def prove(self, nonce: str) -> str:
+        """That this actor holds the cluster's secret (a launcher adopts only engines that do)."""
+        return self.credentials.prove(f"engine:{nonce}")
 
     def describe(self) -> dict:
         """What the router needs to know about this instance."""
@@ -185,6 +189,7 @@ class EngineHost:
         # /collective_rpc and /reset_prefix_cache, for weights; like every route, behind the token
         env["VLLM_SERVER_DEV_MODE"] = "1"
         env.update(self.credentials.as_env())
+        env["VLLM_PLUGINS"] = KV_EVENTS_PLUGIN  # ours alone: KV events on the cluster's keys
         env[WEIGHTS_DIR_ENV] = str(self.config.weights_dir)
         if self.weights_file is not None:
             env[WEIGHTS_FILE_ENV] = str(self.weights_file)

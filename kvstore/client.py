@@ -1,6 +1,7 @@
 """The client side of a store shard: batched put, get and contains of KV chunks.
 
-Control messages go over the shard's ZMQ socket, bounded by `timeout_s`; the bytes move
+Control messages (kvstore/protocol.py) go over the shard's ZMQ socket as a CURVE client of the
+store plane (only the cluster's members get answers), bounded by `timeout_s`; the bytes move
 one-sided over NIXL/UCX between a registered staging buffer of ours and the shard's arena (one
 transfer per batch). Every chunk carries an xxh3 checksum computed by the writer and checked by
 the reader: a chunk damaged in the store, a failed or timed-out transfer, an unreachable shard
@@ -18,11 +19,13 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-import msgpack
 import numpy as np
 import xxhash
 
 from engine.nixl_transfer import NixlTransferError, PostedTransfer, add_peer, new_agent, transfer
+from kvstore import protocol
+from security.credentials import CurveKeys
+from security.zmq_curve import connect_curve
 
 log = logging.getLogger(__name__)
 
@@ -46,32 +49,41 @@ def checksum(data: np.ndarray) -> int:
     return xxhash.xxh3_64_intdigest(memoryview(data))
 
 
-def _exchange(socket, request: dict, timeout_s: float, endpoint: str) -> dict:
-    """Send one control message on a REQ socket and return the reply, or raise StoreUnavailable
-    after `timeout_s` (the socket is then unusable: REQ sockets must alternate)."""
-    socket.send(msgpack.packb(request))
-    return _reply(socket, request["op"], timeout_s, endpoint)
+def _op(request: protocol.Request) -> str:
+    return type(request).__name__.lower()
 
 
 def _reply(socket, op: str, timeout_s: float, endpoint: str) -> dict:
     if not socket.poll(int(timeout_s * 1000)):
         raise StoreUnavailable(f"store shard {endpoint} did not answer {op!r} within {timeout_s} s")
-    return msgpack.unpackb(socket.recv())
+    return protocol.decode_reply(socket.recv())
 
 
-def request_once(endpoint: str, request: dict, timeout_s: float) -> dict:
+def _socket(context, endpoint: str, keys: CurveKeys):
+    import zmq
+
+    socket = context.socket(zmq.REQ)
+    socket.setsockopt(zmq.LINGER, 0)
+    connect_curve(socket, keys)
+    socket.connect(endpoint)
+    return socket
+
+
+def request_once(endpoint: str, request: protocol.Request, timeout_s: float, keys: CurveKeys) -> dict:
     """One control message to a shard, with no transfer agent (stats, fault injection)."""
     import zmq
 
     context = zmq.Context()
-    socket = context.socket(zmq.REQ)
-    socket.setsockopt(zmq.LINGER, 0)
+    socket = _socket(context, endpoint, keys)
     try:
-        socket.connect(endpoint)
-        return _exchange(socket, request, timeout_s, endpoint)
+        socket.send(protocol.encode(request))
+        reply = _reply(socket, _op(request), timeout_s, endpoint)
     finally:
         socket.close(0)
         context.term()
+    if "error" in reply:
+        raise StoreUnavailable(f"store shard refused {_op(request)!r}: {reply['error']}")
+    return reply
 
 
 def _group(sizes: list[int], limit: int) -> list[list[int]]:
@@ -105,11 +117,12 @@ class _Piece:
 
 
 class ShardClient:
-    def __init__(self, endpoint: str, timeout_s: float = 5.0, staging_bytes: int = 64 * 1024**2,
+    def __init__(self, endpoint: str, keys: CurveKeys, timeout_s: float = 5.0, staging_bytes: int = 64 * 1024**2,
                  retry_after_s: float = 10.0):  # fmt: skip
         import zmq
 
         self.endpoint = endpoint
+        self.keys = keys
         self.timeout_s = timeout_s
         self.retry_after_s = retry_after_s
         self._down_until = 0.0  # after a timeout, calls fail fast (a miss) instead of each waiting
@@ -124,7 +137,7 @@ class ShardClient:
         self._registration = self.agent.register_memory(
             [(self.staging.ctypes.data, self.staging.nbytes, 0, "")], "DRAM"
         )
-        self.peer = add_peer(self.agent, self._call({"op": "hello"})["agent"])
+        self.peer = add_peer(self.agent, self._call(protocol.Hello())["agent"])
         self._verifier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pdc-kv-verify")
         self.rejected = 0  # chunks whose checksum did not match
         self._caller_memory: list[tuple[int, int]] = []  # caller memory transfers use directly
@@ -145,16 +158,16 @@ class ShardClient:
 
     def contains(self, keys: Sequence[str]) -> int:
         with self._lock:
-            return self._call({"op": "contains", "keys": list(keys)})["count"]
+            return self._call(protocol.Contains(list(keys)))["count"]
 
     def stats(self) -> dict:
         with self._lock:
-            return self._call({"op": "stats"})
+            return self._call(protocol.Stats())
 
     def members(self) -> list[str]:
         """Every shard of the store, as the launcher last told this one (see ShardedStore)."""
         with self._lock:
-            return self._call({"op": "members"})["members"]
+            return self._call(protocol.Members())["members"]
 
     def put(self, keys: Sequence[str], payloads: Sequence[np.ndarray]) -> int:
         """Store chunks (uint8 arrays); returns how many were written (keys already stored, or
@@ -171,7 +184,7 @@ class ShardClient:
         `allocate(nbytes)` (a uint8 array and what to return for it; the caller's own memory),
         else to a new array. Memory allocated for chunks not returned is the caller's to free."""
         with self._lock:
-            reply = self._call({"op": "lease", "keys": list(keys)})
+            reply = self._call(protocol.Lease(list(keys)))
             damaged: list[str] = []
             try:
                 self._meet(reply["agent_name"])
@@ -180,7 +193,7 @@ class ShardClient:
                     damaged.append(keys[len(found)])
                 return found
             finally:  # its answer is collected before our next message, off the read's path
-                self._call({"op": "release", "lease": reply["lease"], "damaged": damaged}, answer_later=True)
+                self._call(protocol.Release(reply["lease"], damaged), answer_later=True)
 
     def close(self) -> None:
         with self._lock:
@@ -196,8 +209,7 @@ class ShardClient:
 
     def _put_batch(self, keys: list[str], payloads: list[np.ndarray]) -> int:
         sums = [checksum(p) for p in payloads]
-        reply = self._call({"op": "reserve", "keys": keys, "nbytes": [p.nbytes for p in payloads],
-                            "checksums": sums})  # fmt: skip
+        reply = self._call(protocol.Reserve(keys, [p.nbytes for p in payloads], sums))
         granted = [(k, p, e) for k, p, e in zip(keys, payloads, reply["extents"], strict=True) if e]
         if not granted:
             return 0
@@ -215,9 +227,9 @@ class ShardClient:
         try:
             transfer(self.agent, "WRITE", local, remote, self.peer, self.timeout_s)
         except NixlTransferError:
-            self._call({"op": "abort", "keys": names})
+            self._call(protocol.Abort(names))
             raise
-        return self._call({"op": "commit", "keys": names})["committed"]
+        return self._call(protocol.Commit(names))["committed"]
 
     def _read(self, chunks: list[dict], allocate: Allocate) -> tuple[list, bool]:
         """The leased chunks that arrived intact, up to the first damaged one; and whether one was.
@@ -289,23 +301,20 @@ class ShardClient:
             )
         return _group(sizes, self.staging.nbytes)
 
-    def _call(self, request: dict, answer_later: bool = False) -> dict:
+    def _call(self, request: protocol.Request, answer_later: bool = False) -> dict:
         """One control message and its answer. With `answer_later`, return once it is sent: its
         answer is read (and a refusal logged) before the next message, or at close."""
-        zmq = self._zmq
         if time.monotonic() < self._down_until:
             raise StoreUnavailable(f"store shard {self.endpoint} is unreachable; retrying after a pause")
         if self._socket is None:
-            self._socket = self._context.socket(zmq.REQ)
-            self._socket.setsockopt(zmq.LINGER, 0)
-            self._socket.connect(self.endpoint)
+            self._socket = _socket(self._context, self.endpoint, self.keys)
         try:
             self._collect_answer()
-            self._socket.send(msgpack.packb(request))
+            self._socket.send(protocol.encode(request))
             if answer_later:
-                self._unanswered = request["op"]
+                self._unanswered = _op(request)
                 return {}
-            reply = self._answer(request["op"])
+            reply = self._answer(_op(request))
         except StoreUnavailable:
             self._socket.close(0)
             self._socket = None
@@ -313,7 +322,7 @@ class ShardClient:
             self._down_until = time.monotonic() + self.retry_after_s
             raise
         if "error" in reply:
-            raise StoreUnavailable(f"store shard refused {request['op']!r}: {reply['error']}")
+            raise StoreUnavailable(f"store shard refused {_op(request)!r}: {reply['error']}")
         return reply
 
     def _meet(self, agent_name: str) -> None:
@@ -321,7 +330,7 @@ class ShardClient:
         means the shard behind our endpoint was restarted (a new agent, a new arena): learn it."""
         if agent_name == self.peer:
             return
-        metadata = self._call({"op": "hello"})["agent"]
+        metadata = self._call(protocol.Hello())["agent"]
         with contextlib.suppress(Exception):  # the old agent is gone; forgetting it may complain
             self.agent.remove_remote_agent(self.peer)
         self.peer = add_peer(self.agent, metadata)
@@ -352,11 +361,12 @@ class ShardedStore:
     for the list and follows it. Keys whose owner changed miss once (vLLM recomputes them) and
     are stored on their new owner."""
 
-    def __init__(self, endpoints: Sequence[str], timeout_s: float = 5.0, staging_bytes: int = 64 * 1024**2):
+    def __init__(self, endpoints: Sequence[str], keys: CurveKeys, timeout_s: float = 5.0,
+                 staging_bytes: int = 64 * 1024**2):  # fmt: skip
         if not endpoints:
             raise ValueError("a store needs at least one shard")
-        self.timeout_s, self.staging_bytes = timeout_s, staging_bytes
-        self.shards = {e: ShardClient(e, timeout_s, staging_bytes) for e in endpoints}
+        self.keys, self.timeout_s, self.staging_bytes = keys, timeout_s, staging_bytes
+        self.shards = {e: ShardClient(e, keys, timeout_s, staging_bytes) for e in endpoints}
         self.members_epoch = 0
         self._caller_memory: list[tuple[int, int]] = []
         self._following = threading.Lock()
@@ -388,7 +398,7 @@ class ShardedStore:
             shards = {e: c for e, c in self.shards.items() if e in members}
             for endpoint in [e for e in members if e not in shards]:
                 try:
-                    shard = ShardClient(endpoint, self.timeout_s, self.staging_bytes)
+                    shard = ShardClient(endpoint, self.keys, self.timeout_s, self.staging_bytes)
                 except StoreUnavailable as exc:
                     log.warning("new store shard %s unreachable, left out: %s", endpoint, exc)
                     continue

@@ -7,10 +7,14 @@ kvstore.connector` (engine/host.py sets it). vLLM builds it twice:
   step's loads and saves as `StorePlan` metadata;
 - worker half: before the forward pass loads the planned chunks into the request's KV blocks;
   after it stores the prompts whose KV this step completed, and waits until the store has them,
-  so a prefill's answer means its KV is in the store.
+  so a prefill's answer means its KV is in the store. It reports back which saves landed
+  (`SaveResults`): the scheduler tells the router (a BlockStored event of medium pdc_store) only
+  about those.
 
 Only whole blocks move, up to `usable_tokens` of a prompt: vLLM recomputes the last token, and a
-stored chunk must end where a later reader's lookup will. A load that comes back short (a chunk
+stored chunk must end where a later reader's lookup will. A request's cache salt (the router sets
+its tenant's) is part of every store key, as it is of vLLM's own block hashes: one tenant never
+loads, nor times, another's chunks. A load that comes back short (a chunk
 evicted, damaged or unreachable since the lookup) reports its blocks to vLLM, which recomputes
 them (`kv_load_failure_policy: recompute`).
 """
@@ -18,6 +22,7 @@ them (`kv_load_failure_policy: recompute`).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import math
 from typing import TYPE_CHECKING, Any
@@ -27,11 +32,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 
 from kvstore import STORE_MEDIUM
 from kvstore.lmcache_engine import KVLayout, StoreSettings, build_engine
-from kvstore.lmcache_plugin import flush_all
+from kvstore.lmcache_plugin import flush_all, unlanded_puts
 from kvstore.paged_blocks import PagedBlockConnector
 
 if TYPE_CHECKING:
@@ -46,18 +52,38 @@ def usable_tokens(prompt_len: int, block_size: int) -> int:
     return max(0, (prompt_len - 1) // block_size * block_size)
 
 
+def salted(cache_salt: str | None) -> dict | None:
+    """LMCache's request configs that put a cache salt into every chunk key (a `lmcache.tag.*`
+    entry is part of the key); a digest, so the key names no salt and holds no '@'."""
+    if not cache_salt:
+        return None
+    return {"lmcache.tag.salt": hashlib.sha256(cache_salt.encode()).hexdigest()[:32]}
+
+
 @dataclasses.dataclass
 class BlockTransfer:
     request_id: str
     token_ids: list[int]  # the prefix that moves
     block_ids: list[int]  # the request's blocks, from its first token
     skip_tokens: int = 0  # a load leaves the blocks vLLM already computed alone
+    request_configs: dict | None = None  # the request's cache salt, for its keys (salted)
 
 
 @dataclasses.dataclass
 class StorePlan(KVConnectorMetadata):
     loads: list[BlockTransfer] = dataclasses.field(default_factory=list)
     saves: list[BlockTransfer] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class SaveResults(KVConnectorWorkerMetadata):
+    """Worker -> scheduler: whether each request's save of this step landed in the store."""
+
+    landed: dict[str, bool] = dataclasses.field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> SaveResults:
+        assert isinstance(other, SaveResults)
+        return SaveResults({**self.landed, **other.landed})
 
 
 class StoreConnector(KVConnectorBase_V1):
@@ -81,10 +107,14 @@ class StoreConnector(KVConnectorBase_V1):
         self._blocks: dict[str, list[int]] = {}
         self._prompts: dict[str, list[int]] = {}
         self._saved: dict[str, tuple[int, bool]] = {}  # request -> (prompt tokens stored, saved by us)
+        self._salts: dict[str, dict | None] = {}  # request -> its keys' salt (salted)
         self._events: list = []  # BlockStored events for blocks saved to the store, not yet taken
+        self._landed: dict[str, bool] = {}  # request -> whether its save landed (SaveResults)
+        self._unconfirmed: dict[str, object] = {}  # request -> its event, until its save is confirmed
         # worker state
         self._kv_caches: list[torch.Tensor] = []
         self._failed_blocks: set[int] = set()
+        self._save_results: dict[str, bool] = {}
 
     # --- scheduler half ----------------------------------------------------------------------
     def _lookup_engine(self):
@@ -110,13 +140,15 @@ class StoreConnector(KVConnectorBase_V1):
         usable = usable_tokens(len(prompt), self._block_size)
         if usable <= num_computed_tokens:
             return 0, False
-        held = self._lookup_engine().lookup(prompt[:usable]) // self._block_size * self._block_size
+        held = self._lookup_engine().lookup(prompt[:usable], request_configs=salted(request.cache_salt))
+        held = held // self._block_size * self._block_size
         if held <= num_computed_tokens:
             return 0, False
         self._planned_loads[request.request_id] = (held, num_computed_tokens)
         return held - num_computed_tokens, False
 
     def update_state_after_alloc(self, request: Request, blocks, num_external_tokens: int) -> None:
+        self._salts[request.request_id] = salted(request.cache_salt)
         if num_external_tokens == 0:
             self._planned_loads.pop(request.request_id, None)
 
@@ -127,8 +159,8 @@ class StoreConnector(KVConnectorBase_V1):
             self._prompts[new.req_id] = list(new.prompt_token_ids or [])
             held, computed_here = self._planned_loads.pop(new.req_id, (0, 0))
             if held:
-                plan.loads.append(BlockTransfer(new.req_id, self._prompts[new.req_id][:held],
-                                                self._blocks[new.req_id], computed_here))  # fmt: skip
+                plan.loads.append(BlockTransfer(new.req_id, self._prompts[new.req_id][:held], self._blocks[new.req_id],
+                                                computed_here, self._salts.get(new.req_id)))  # fmt: skip
                 if held >= usable_tokens(len(self._prompts[new.req_id]), self._block_size):
                     self._saved[new.req_id] = (held, False)  # all of it came from the store: nothing to save
             self._plan_save(plan, new.req_id, new.num_computed_tokens, scheduler_output)
@@ -147,19 +179,37 @@ class StoreConnector(KVConnectorBase_V1):
             return
         usable = usable_tokens(len(self._prompts[req_id]), self._block_size)
         if usable and computed + scheduler_output.num_scheduled_tokens.get(req_id, 0) >= usable:
-            plan.saves.append(BlockTransfer(req_id, self._prompts[req_id][:usable], self._blocks[req_id]))
+            plan.saves.append(BlockTransfer(req_id, self._prompts[req_id][:usable], self._blocks[req_id],
+                                            request_configs=self._salts.get(req_id)))  # fmt: skip
             self._saved[req_id] = (usable, True)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """The router passes these params to the decode instance; it finds the KV by lookup."""
-        for state in (self._blocks, self._prompts, self._planned_loads):
+        for state in (self._blocks, self._prompts, self._planned_loads, self._salts):
             state.pop(request.request_id, None)
         stored, saved_here = self._saved.pop(request.request_id, (0, False))
         if saved_here:  # blocks loaded from the store were published by the engine that saved them
-            self._events.append(self._stored_event(request, stored // self._block_size))
+            self._unconfirmed[request.request_id] = self._stored_event(request, stored // self._block_size)
+            self._confirm(request.request_id)
+        # Only a prefill the router asked for answers with transfer params (never a client's
+        # request). They promise nothing: the decode instance finds what the store holds itself.
         asked = (request.kv_transfer_params or {}).get("do_remote_decode")
-        # A prompt shorter than a block leaves nothing to store; the prefill still answered.
-        return False, ({"kv_in_store": bool(stored), "stored_tokens": stored} if stored or asked else None)
+        return False, ({"kv_via_store": True} if asked else None)
+
+    def update_connector_output(self, connector_output) -> None:
+        results = connector_output.kv_connector_worker_meta
+        if isinstance(results, SaveResults):
+            self._landed.update(results.landed)
+            for request_id in results.landed:
+                self._confirm(request_id)
+
+    def _confirm(self, request_id: str) -> None:
+        """Publish a finished request's event once the worker said its save landed (either may
+        come first); drop it if the save did not land."""
+        if request_id in self._unconfirmed and request_id in self._landed:
+            event = self._unconfirmed.pop(request_id)
+            if self._landed.pop(request_id):
+                self._events.append(event)
 
     def take_events(self) -> list:
         """vLLM publishes these with its own KV events: the router learns what the store holds."""
@@ -206,7 +256,8 @@ class StoreConnector(KVConnectorBase_V1):
         for load in plan.loads:
             slots = self._slots(load.block_ids, len(load.token_ids))
             got = int(self._engine.retrieve(load.token_ids, slot_mapping=slots, kvcaches=self._kv_caches,
-                                            vllm_cached_tokens=load.skip_tokens).sum())  # fmt: skip
+                                            vllm_cached_tokens=load.skip_tokens,
+                                            request_configs=load.request_configs).sum())  # fmt: skip
             if got < len(load.token_ids):
                 first_missing = max(got, load.skip_tokens) // self._block_size
                 last = len(load.token_ids) // self._block_size
@@ -222,11 +273,20 @@ class StoreConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         plan = self._get_connector_metadata()
+        if not plan.saves:
+            return
+        unlanded = unlanded_puts()
         for save in plan.saves:
             self._engine.store(save.token_ids, slot_mapping=self._slots(save.block_ids, len(save.token_ids)),
-                               kvcaches=self._kv_caches)  # fmt: skip
-        if plan.saves and not flush_all(self._settings.timeout_s):
-            log.warning("the store did not confirm this step's KV within %.1f s", self._settings.timeout_s)
+                               kvcaches=self._kv_caches, request_configs=save.request_configs)  # fmt: skip
+        landed = flush_all(self._settings.timeout_s) and unlanded_puts() == unlanded
+        if not landed:
+            log.warning("the store did not take this step's KV within %.1f s", self._settings.timeout_s)
+        self._save_results.update((save.request_id, landed) for save in plan.saves)
+
+    def build_connector_worker_meta(self) -> SaveResults | None:
+        results, self._save_results = self._save_results, {}
+        return SaveResults(results) if results else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()

@@ -19,6 +19,8 @@ from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from engine.nixl_transfer import NixlTransferError
 from kvstore.client import ShardedStore, StoreUnavailable
+from security.credentials import ClusterCredentials
+from security.zmq_curve import STORE_PLANE
 
 log = logging.getLogger(__name__)
 PLUGIN_NAME = "pdc_store"
@@ -45,13 +47,15 @@ class ShardRemoteConnector(RemoteConnector):
         self.loop = context.loop
         self.local_cpu_backend = context.local_cpu_backend
         self.client = ShardedStore(
-            extra["pdc_store.endpoints"], timeout_s=float(extra.get("pdc_store.timeout_s", 5.0))
+            extra["pdc_store.endpoints"], ClusterCredentials.load().curve(STORE_PLANE),  # the engine's secret
+            timeout_s=float(extra.get("pdc_store.timeout_s", 5.0)),
         )
         buffer = getattr(self.local_cpu_backend.memory_allocator, "buffer", None)
         if buffer is not None and buffer.numel() and buffer.device.type == "cpu":
             # Chunks move straight between LMCache's memory objects and the store.
             self.client.register_caller_memory(buffer.data_ptr(), buffer.numel() * buffer.element_size())
         self.misses_from_errors = 0
+        self.unlanded = 0  # puts that left a chunk unstored (an error, no room, a timeout)
         self._pending = 0
         self._idle = threading.Condition()
         ShardRemoteConnector.live.append(self)
@@ -118,8 +122,13 @@ class ShardRemoteConnector(RemoteConnector):
             self._pending += 1
         try:
             payloads = [np.frombuffer(o.byte_array, dtype=np.uint8) for o in memory_objs]
-            await asyncio.to_thread(self.client.put, [k.to_string() for k in keys], payloads)
+            names = [k.to_string() for k in keys]
+            written = await asyncio.to_thread(self.client.put, names, payloads)
+            # Keys already stored are skipped, not lost: count only what the store lacks.
+            if written < len(names) and await asyncio.to_thread(self.client.contains, names) < len(names):
+                self.unlanded += 1
         except _STORE_ERRORS as exc:
+            self.unlanded += 1
             log.warning("store write failed; the chunks stay uncached: %s", exc)
         finally:
             with self._idle:
@@ -152,3 +161,8 @@ class ShardRemoteConnector(RemoteConnector):
 
 def flush_all(timeout_s: float) -> bool:
     return all(connector.flush(timeout_s) for connector in list(ShardRemoteConnector.live))
+
+
+def unlanded_puts() -> int:
+    """Puts of this process's connectors that left chunks unstored, so far."""
+    return sum(connector.unlanded for connector in list(ShardRemoteConnector.live))

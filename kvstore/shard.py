@@ -4,9 +4,16 @@
 chunks while a reader copies them, reservations that hold pages while a writer fills them; both
 expire, so a client that dies strands nothing). `ShardServer` owns the arena, registers it with
 a NIXL agent so clients read and write it one-sided over UCX (RDMA on clusters, TCP or shared
-memory here), and answers the small control messages (reserve, commit, lease, release,
-contains, stats) on a ZMQ socket. `StoreShardActor` is the Ray actor that owns a server:
-placement, lifetime and the handle the launcher and tests hold.
+memory here), and answers the small control messages (kvstore/protocol.py: reserve, commit,
+lease, release, contains, stats) on a ZMQ socket. `StoreShardActor` is the Ray actor that owns a
+server: placement, lifetime and the handle the launcher and tests hold.
+
+Only the cluster's members talk to a shard: its control socket is a CURVE server that admits the
+store plane's client key alone (security/zmq_curve.py), so a stranger learns neither the arena's
+NIXL metadata nor any address in it. Every message is decoded and bounded before it is acted on;
+a bad one gets an error reply and changes nothing. The NIXL data plane itself has no per-peer
+access control (UCX admits any peer that knows the agent's metadata): shards and engines must
+sit on a private network (docs/security.md).
 """
 
 from __future__ import annotations
@@ -17,16 +24,19 @@ import functools
 import itertools
 import logging
 import os
+import secrets
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import msgpack
 import numpy as np
 
 from engine.nixl_transfer import Extent, new_agent
+from kvstore import protocol
+from security.credentials import ClusterCredentials, CurveKeys
+from security.zmq_curve import STORE_PLANE, Gate, serve_curve
 
 log = logging.getLogger(__name__)
 PAGE_BYTES = 64 * 1024
@@ -59,9 +69,11 @@ class ChunkStore:
     """Pages of an arena of `capacity_bytes`, handed out per chunk (a chunk's pages need not be
     contiguous: NIXL transfers lists of extents). Not thread-safe: the server serialises calls."""
 
-    def __init__(self, capacity_bytes: int, page_bytes: int = PAGE_BYTES):
+    def __init__(self, capacity_bytes: int, page_bytes: int = PAGE_BYTES, max_chunk_bytes: int | None = None):
         self.page_bytes = page_bytes
         self.capacity_bytes = capacity_bytes // page_bytes * page_bytes
+        self.max_chunk_bytes = max_chunk_bytes or max(page_bytes, self.capacity_bytes // 2)
+        """Larger chunks are refused (by default, half the store: one write never evicts all)."""
         # Free pages, next to hand out last; a chunk's pages are taken in ascending order, so a
         # fresh or recycled run of pages makes one extent (one NIXL descriptor) rather than many.
         self._free = list(range(self.capacity_bytes // page_bytes))[::-1]
@@ -73,8 +85,9 @@ class ChunkStore:
 
     def reserve(self, key: str, nbytes: int, checksum: int, now: float, ttl_s: float) -> list[Extent] | None:
         """Pages for a chunk a client is about to write, as (offset, length) extents; None when
-        the key is already stored or being written, or no unleased chunk is left to evict."""
-        if key in self._chunks:
+        the key is already stored or being written, the chunk could never fit (nothing is
+        evicted for it), or no unleased chunk is left to evict."""
+        if key in self._chunks or not 0 < nbytes <= self.max_chunk_bytes:
             return None
         pages_needed = max(1, -(-nbytes // self.page_bytes))
         while len(self._free) < pages_needed and self._evict_one():
@@ -196,14 +209,20 @@ class ChunkStore:
 class ShardServer:
     """The arena, its NIXL registration and the control socket, served on a thread."""
 
-    def __init__(self, capacity_bytes: int, host: str = "127.0.0.1", ttl_s: float = 30.0,
-                 page_bytes: int = PAGE_BYTES, fault_injection: bool = False, port: int = 0):  # fmt: skip
-        """Serves on `port` of `host` (0: any free port)."""
+    def __init__(self, capacity_bytes: int, keys: CurveKeys, host: str = "127.0.0.1", ttl_s: float = 30.0,
+                 page_bytes: int = PAGE_BYTES, fault_injection: bool = False, port: int = 0,
+                 on_death: Callable[[], None] | None = None):  # fmt: skip
+        """Serves on `port` of `host` (0: any free port), to holders of the store plane's CURVE
+        client key. `on_death` runs if the serving thread ever dies (the actor exits, and Ray
+        restarts it: a shard that cannot answer must not look alive)."""
         import zmq
 
         self._context = zmq.Context()
+        self._gate = Gate(self._context, keys)
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, 1024**2)  # control messages only; UCX moves the data
+        serve_curve(self._socket, keys)
         try:  # first: a port that is taken fails the shard before it holds any memory
             if port:
                 self._socket.bind(f"tcp://{host}:{port}")
@@ -211,10 +230,13 @@ class ShardServer:
                 port = self._socket.bind_to_random_port(f"tcp://{host}")
         except zmq.ZMQError:
             self._socket.close(0)
+            self._gate.stop()
             self._context.term()
             raise
         self.endpoint = f"tcp://{host}:{port}"
         self.port = port
+        self.boot_id = secrets.token_hex(8)
+        """Changes with every start: a shard restarted on the same endpoint is a new one."""
         self.fault_injection = fault_injection  # tests only: honours the "corrupt" op
         self.store = ChunkStore(capacity_bytes, page_bytes)
         self.ttl_s = ttl_s
@@ -224,12 +246,18 @@ class ShardServer:
         self._registration = self.agent.register_memory([(self.base, self.arena.nbytes, 0, "")], "DRAM")
         self.members: tuple[str, ...] = ()  # every shard of the store (set_members), unknown at first
         self.members_epoch = 0
+        self.malformed = 0  # messages answered with an error before any op ran
+        self._on_death = on_death
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="pdc-store-shard", daemon=True)
         self._thread.start()
 
-    def handle(self, request: dict) -> dict:
+    @property
+    def serving(self) -> bool:
+        return self._thread.is_alive()
+
+    def handle(self, request: protocol.Request) -> dict:
         """The answer to one control message; every answer names the epoch of the member list
         this shard holds, so clients learn of a newer one (members) from any reply."""
         with self._lock:
@@ -244,42 +272,44 @@ class ShardServer:
             if epoch > self.members_epoch:
                 self.members, self.members_epoch = tuple(endpoints), epoch
 
-    def _answer(self, request: dict, now: float) -> dict:
+    def _answer(self, request: protocol.Request, now: float) -> dict:
         self.store.expire(now)
-        op = request["op"]
-        if op == "hello":
-            return {"agent": self.agent.get_agent_metadata(), "page_bytes": self.store.page_bytes}
-        if op == "reserve":
-            granted = [self.store.reserve(k, n, c, now, self.ttl_s)
-                       for k, n, c in zip(request["keys"], request["nbytes"], request["checksums"],
-                                          strict=True)]  # fmt: skip
-            return {"extents": [self._absolute(e) if e else None for e in granted],
-                    "agent_name": self.agent.name}  # fmt: skip
-        if op == "commit":
-            return {"committed": sum(self.store.commit(k) for k in request["keys"])}
-        if op == "abort":
-            for key in request["keys"]:
-                self.store.abort(key)
-            return {}
-        if op == "contains":
-            return {"count": self.store.contains(request["keys"])}
-        if op == "lease":
-            lease_id, chunks = self.store.lease(request["keys"], now, self.ttl_s)
-            for chunk in chunks:
-                chunk["extents"] = self._absolute(chunk["extents"])
-            return {"lease": lease_id, "chunks": chunks, "agent_name": self.agent.name}
-        if op == "release":
-            self.store.release(request["lease"])
-            for key in request.get("damaged", ()):
-                self.store.reject(key)
-            return {}
-        if op == "stats":
-            return {**dataclasses.asdict(self.store.stats()), "pid": os.getpid()}
-        if op == "members":
-            return {"members": list(self.members)}
-        if op == "corrupt" and self.fault_injection:
-            return {"damaged": self.store.corrupt(self.arena, request["count"])}
-        return {"error": f"unknown op {op!r}"}
+        match request:
+            case protocol.Hello():
+                return {"agent": self.agent.get_agent_metadata(), "page_bytes": self.store.page_bytes}
+            case protocol.Reserve(nbytes=sizes) if max(sizes, default=0) > self.store.max_chunk_bytes:
+                return {"error": f"chunks are limited to {self.store.max_chunk_bytes} bytes on this shard"}
+            case protocol.Reserve(keys=keys, nbytes=sizes, checksums=sums):
+                granted = [self.store.reserve(k, n, c, now, self.ttl_s)
+                           for k, n, c in zip(keys, sizes, sums, strict=True)]  # fmt: skip
+                return {"extents": [self._absolute(e) if e else None for e in granted],
+                        "agent_name": self.agent.name}  # fmt: skip
+            case protocol.Commit(keys=keys):
+                return {"committed": sum(self.store.commit(k) for k in keys)}
+            case protocol.Abort(keys=keys):
+                for key in keys:
+                    self.store.abort(key)
+                return {}
+            case protocol.Contains(keys=keys):
+                return {"count": self.store.contains(keys)}
+            case protocol.Lease(keys=keys):
+                lease_id, chunks = self.store.lease(keys, now, self.ttl_s)
+                for chunk in chunks:
+                    chunk["extents"] = self._absolute(chunk["extents"])
+                return {"lease": lease_id, "chunks": chunks, "agent_name": self.agent.name}
+            case protocol.Release(lease=lease_id, damaged=damaged):
+                self.store.release(lease_id)
+                for key in damaged:
+                    self.store.reject(key)
+                return {}
+            case protocol.Stats():
+                return {**dataclasses.asdict(self.store.stats()), "pid": os.getpid(), "boot_id": self.boot_id,
+                        "malformed": self.malformed, "refused_handshakes": self._gate.refused}  # fmt: skip
+            case protocol.Members():
+                return {"members": list(self.members)}
+            case protocol.Corrupt(count=count) if self.fault_injection:
+                return {"damaged": self.store.corrupt(self.arena, count)}
+        return {"error": f"{type(request).__name__.lower()} is not served here"}
 
     def stats(self) -> ShardStats:
         with self._lock:
@@ -294,6 +324,7 @@ class ShardServer:
         self._stopped.set()
         self._thread.join(timeout=5)
         self._socket.close(0)
+        self._gate.stop()
         self._context.term()
         self.agent.deregister_memory(self._registration)
 
@@ -305,15 +336,35 @@ class ShardServer:
 
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
-        while not self._stopped.is_set():
-            if not poller.poll(200):
-                continue
-            identity, _, payload = self._socket.recv_multipart()
-            try:
-                reply = self.handle(msgpack.unpackb(payload))
-            except Exception as exc:  # a malformed request must not stop the shard
-                reply = {"error": f"{type(exc).__name__}: {exc}"}
-            self._socket.send_multipart([identity, b"", msgpack.packb(reply)])
+        try:
+            while not self._stopped.is_set():
+                if poller.poll(200):
+                    self._serve_one(self._socket.recv_multipart())
+        except BaseException:
+            if not self._stopped.is_set():
+                log.exception("the store shard's serving thread died")
+                if self._on_death is not None:
+                    self._on_death()
+            raise
+
+    def _serve_one(self, frames: list[bytes]) -> None:
+        """Answer one message. From a REQ client it is [identity, b"", payload]; anything else is
+        answered with an error where it can be, and dropped otherwise."""
+        if len(frames) < 2:
+            self.malformed += 1
+            return
+        identity, payload = frames[0], frames[-1]
+        try:
+            if len(frames) != 3 or frames[1] != b"":
+                raise protocol.ProtocolError(f"expected [identity, empty, payload], got {len(frames)} frames")
+            reply = self.handle(protocol.decode(payload))
+        except protocol.ProtocolError as exc:
+            self.malformed += 1
+            reply = {"error": f"malformed request: {exc}"[:300], "members_epoch": self.members_epoch}
+        except Exception as exc:  # a bug answering one request must not stop the shard
+            log.exception("store shard failed to answer a request")
+            reply = {"error": f"{type(exc).__name__}", "members_epoch": self.members_epoch}
+        self._socket.send_multipart([identity, b"", protocol.encode(reply)])
 
 
 class StoreShardActor:
@@ -325,16 +376,18 @@ class StoreShardActor:
     endpoint, and theirs reconnect by themselves. The restarted shard is empty (its reads are
     misses, recomputed) and has a new NIXL agent, which clients learn from its replies."""
 
-    def __init__(self, capacity_bytes: int, ttl_s: float = 30.0, fault_injection: bool = False):
+    def __init__(self, capacity_bytes: int, cluster_secret: str, ttl_s: float = 30.0,
+                 fault_injection: bool = False):  # fmt: skip
         import ray
 
         from engine.host import node_address
 
+        self._credentials = ClusterCredentials.from_hex(cluster_secret)
         name = ray.get_runtime_context().get_actor_name() or f"unnamed-{os.getpid()}"
         self._port_file = Path(tempfile.gettempdir()) / f"pdcluster-{name}.port"
         port = int(self._port_file.read_text()) if self._port_file.exists() else 0
-        server = functools.partial(ShardServer, capacity_bytes, node_address(), ttl_s,
-                                   fault_injection=fault_injection)  # fmt: skip
+        server = functools.partial(ShardServer, capacity_bytes, self._credentials.curve(STORE_PLANE), node_address(),
+                                   ttl_s, fault_injection=fault_injection, on_death=lambda: os._exit(1))  # fmt: skip
         try:
             self.server = server(port=port)
         except Exception:  # the old port is taken: serve anyway (clients of the old one miss)
@@ -343,9 +396,16 @@ class StoreShardActor:
         self._port_file.write_text(str(self.server.port))
 
     def membership(self) -> dict:
-        """This shard's endpoint and the member list it holds (see ShardServer.set_members)."""
-        return {"endpoint": self.server.endpoint, "epoch": self.server.members_epoch,
+        """This shard's endpoint, its boot id and the member list it holds (see
+        ShardServer.set_members)."""
+        if not self.server.serving:
+            raise RuntimeError("the store shard no longer serves")
+        return {"endpoint": self.server.endpoint, "epoch": self.server.members_epoch, "boot_id": self.server.boot_id,
                 "members": list(self.server.members)}  # fmt: skip
+
+    def prove(self, nonce: str) -> str:
+        """That this actor holds the cluster's secret (a launcher adopts only shards that do)."""
+        return self._credentials.prove(f"store-shard:{nonce}")
 
     def set_members(self, endpoints: list[str], epoch: int) -> None:
         self.server.set_members(endpoints, epoch)

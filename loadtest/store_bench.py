@@ -31,13 +31,18 @@ import numpy as np
 
 from engine.environment import UCX_LOOPBACK_ENV
 from engine.nixl_transfer import add_peer, new_agent, transfer
+from kvstore import protocol
 from kvstore.client import ShardClient, request_once
+from security.credentials import ClusterCredentials, CurveKeys
+from security.zmq_curve import STORE_PLANE
+
+KEYS = ClusterCredentials.generate().curve(STORE_PLANE)  # this bench's own cluster
 
 
-def serve_shard(capacity: int, endpoint_queue) -> None:
+def serve_shard(capacity: int, keys: CurveKeys, endpoint_queue) -> None:
     from kvstore.shard import ShardServer
 
-    server = ShardServer(capacity, ttl_s=60.0)
+    server = ShardServer(capacity, keys, ttl_s=60.0)
     endpoint_queue.put(server.endpoint)
     time.sleep(3600)  # the parent terminates us
 
@@ -55,11 +60,11 @@ def alternated(paths: dict, runs: int) -> dict[str, list[float]]:
 
 
 def measure(endpoint: str, chunk_bytes: int, chunks: int, runs: int) -> dict[str, list[float]]:
-    client = ShardClient(endpoint, timeout_s=30.0, staging_bytes=chunk_bytes * chunks)
+    client = ShardClient(endpoint, KEYS, timeout_s=30.0, staging_bytes=chunk_bytes * chunks)
     raw_agent = new_agent("pdc-bench")
     buffer = np.zeros(chunk_bytes * chunks, dtype=np.uint8)
     registration = raw_agent.register_memory([(buffer.ctypes.data, buffer.nbytes, 0, "")], "DRAM")
-    peer = add_peer(raw_agent, request_once(endpoint, {"op": "hello"}, 10)["agent"])
+    peer = add_peer(raw_agent, request_once(endpoint, protocol.Hello(), 10, KEYS)["agent"])
     rng = np.random.default_rng(0)
     # Payloads and destinations stand for LMCache's buffer of memory objects, registered with the
     # client as the plugin registers it.
@@ -72,7 +77,7 @@ def measure(endpoint: str, chunk_bytes: int, chunks: int, runs: int) -> dict[str
     try:
         keys = [f"bench-{chunk_bytes}-{i}" for i in range(chunks)]
         client.put(keys, payloads)
-        lease = request_once(endpoint, {"op": "lease", "keys": keys}, 10)
+        lease = request_once(endpoint, protocol.Lease(keys), 10, KEYS)
         remote = [tuple(e) for c in lease["chunks"] for e in c["extents"]]
 
         def raw_read(_: int) -> None:
@@ -88,14 +93,14 @@ def measure(endpoint: str, chunk_bytes: int, chunks: int, runs: int) -> dict[str
             assert len(client.get(keys, allocate)) == chunks
 
         results = alternated({"raw_read": raw_read, "store_get": store_get}, runs)
-        request_once(endpoint, {"op": "release", "lease": lease["lease"]}, 10)
+        request_once(endpoint, protocol.Release(lease["lease"]), 10, KEYS)
 
         def fresh_keys(run: int, kind: str) -> list[str]:
             return [f"bench-{kind}-{chunk_bytes}-{run}-{i}" for i in range(chunks)]
 
         def raw_write(run: int) -> None:
-            reply = request_once(endpoint, {"op": "reserve", "keys": fresh_keys(run, "raw"),
-                                            "nbytes": [chunk_bytes] * chunks, "checksums": [0] * chunks}, 10)  # fmt: skip
+            reserve = protocol.Reserve(fresh_keys(run, "raw"), [chunk_bytes] * chunks, [0] * chunks)
+            reply = request_once(endpoint, reserve, 10, KEYS)
             transfer(raw_agent, "WRITE", local, [tuple(e) for c in reply["extents"] for e in c], peer, 30.0)
 
         def store_put(run: int) -> None:
@@ -122,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     capacity = 3 * max(sizes) * args.chunks * (args.runs + 1)
     context = mp.get_context("spawn")
     endpoints = context.Queue()
-    shard = context.Process(target=serve_shard, args=(capacity, endpoints), daemon=True)
+    shard = context.Process(target=serve_shard, args=(capacity, KEYS, endpoints), daemon=True)
     shard.start()
     try:
         endpoint = endpoints.get(timeout=60)

@@ -20,6 +20,7 @@ from router.analysis import RequestAnalyzer
 from router.errors import Unauthorized
 from router.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from security.credentials import ClusterCredentials, bearer_matches
+from security.zmq_curve import STORE_PLANE
 
 AdmitRequest = Callable[[Request, type[SamplingRequest]], Awaitable[tuple[str, SamplingRequest]]]
 
@@ -56,18 +57,19 @@ def add_admin_routes(app: FastAPI, credentials: ClusterCredentials, analyzer: Re
     @routes.get("/admin/store")
     async def store() -> dict:
         """The KV store's shards and their memory (used, stored, in flight, leased)."""
+        from kvstore import protocol
         from kvstore.client import StoreUnavailable, request_once
-
-        keys = credentials.curve("store")
+        
+        keys = credentials.curve(STORE_PLANE)
         members: list[str] = []  # the shards as now counted (nodes join and leave), else ours
         for endpoint in store_endpoints:
             with contextlib.suppress(StoreUnavailable):
-                members = (await asyncio.to_thread(request_once, endpoint, {"op": "members"}, 5.0, keys))["members"]
+                members = (await asyncio.to_thread(request_once, endpoint, protocol.Members(), 5.0, keys))["members"]
                 break
         shards = []
         for endpoint in members or store_endpoints:
             try:
-                stats = await asyncio.to_thread(request_once, endpoint, {"op": "stats"}, 5.0, keys)
+                stats = await asyncio.to_thread(request_once, endpoint, protocol.Stats(), 5.0, keys)
             except StoreUnavailable as exc:
                 stats = {"error": str(exc)}
             shards.append({"endpoint": endpoint, **stats})

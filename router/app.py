@@ -29,6 +29,7 @@ from router.kv_index import KVIndex
 from router.policies import PolicyContext, make_policy
 from router.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from router.proxy import Forwarder
+from security.zmq_curve import KV_EVENTS_PLANE
 
 log = logging.getLogger(__name__)
 SERVING_ROLES = (Role.COLOCATED, Role.DECODE)
@@ -63,6 +64,9 @@ def _validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
     location = [str(part) for part in first.get("loc", ()) if part != "body"]
     if first.get("type") == "json_invalid":
         return "the request body is not valid JSON", None
+    if first.get("type") == "value_error" and not location:  # the request's own checks name the field
+        message = str(first["ctx"]["error"])
+        return message, message.partition(":")[0]
     param = ".".join(location) or None
     return f"{param or 'body'}: {first.get('msg', 'invalid value')}", param
 
@@ -73,6 +77,7 @@ def build_app(
     """The router's FastAPI app; its lifespan owns the HTTP client, the health monitor and the
     KV event listener."""
     index = KVIndex(config.max_index_blocks_per_instance, config.speculative_ttl_s)
+    registry.on_remove.append(index.remove_holder)  # a departed instance's blocks route nothing
     context = PolicyContext(
         index=index, store_holders=frozenset({STORE_HOLDER} if store_endpoints else ()),
         prefill_tokens_per_s=config.prefill_tokens_per_s, fetch_cost=config.fetch_cost,
@@ -91,7 +96,8 @@ def build_app(
     monitor = HealthMonitor(registry, config.health_interval_s, config.health_timeout_s,
                             config.health_failure_threshold, credentials.engine_headers())  # fmt: skip
     listener = (
-        KVEventListener(index, config.kv_events_endpoint, registry.replay_endpoint_of)
+        KVEventListener(index, config.kv_events_endpoint, registry.replay_endpoint_of,
+                        credentials.curve(KV_EVENTS_PLANE))
         if config.kv_events_endpoint
         else None
     )

@@ -56,6 +56,10 @@ class RouterConfig(BaseModel):
     the bottleneck, at the cost of decode steps that wait behind that prefill. None: always remote."""
     prefill_timeout_s: float = Field(60.0, gt=0)
     """P/D: longest wait for a prefill instance; past it the decode instance prefills locally."""
+    prefill_circuit_failures: int = Field(2, ge=1)
+    """P/D: failed or timed-out remote prefills in a row after which an instance gets none..."""
+    prefill_circuit_s: float = Field(30.0, gt=0)
+    """...for this long (then one request tries it again)."""
     queue_max_waiting: int = Field(256, ge=0)
     """Requests that may wait for an instance to become ready (scale-up); beyond: 503."""
     queue_timeout_s: float = Field(30.0, ge=0)

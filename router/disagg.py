@@ -8,6 +8,10 @@ decode instance with the original request; the decode instance's connector reads
 ready prefill instance, a short uncached suffix, a prefill error or timeout all mean the decode
 instance prefills locally, and a failed KV read there is recomputed (`kv_load_failure_policy`).
 Optionally, so does a prefill pool with too much queued (`remote_prefill_max_queued_tokens`).
+
+A prefill instance that fails or times out `prefill_circuit_failures` times in a row gets no
+remote prefill for `prefill_circuit_s` (its circuit is open: one that hangs while passing its
+health checks costs one timeout, not one per request); then one request tries it again.
 """
 
 from __future__ import annotations
@@ -51,7 +55,8 @@ class RemotePrefill:
         if decode.instance.role != Role.DECODE:
             return body
         uncached = request.num_tokens - decode.cached_tokens - decode.store_tokens
-        prefills = self.registry.ready((Role.PREFILL,))
+        now = time.monotonic()
+        prefills = [i for i in self.registry.ready((Role.PREFILL,)) if i.prefill_open_until <= now]
         if not prefills or uncached < self.config.remote_prefill_min_tokens:
             metrics.PREFILLS.labels("local").inc()
             return body
@@ -85,10 +90,15 @@ class RemotePrefill:
             if not params:
                 raise RuntimeError("the prefill instance returned no kv_transfer_params")
             metrics.REMOTE_PREFILL.observe(time.monotonic() - started)
+            instance.failed_prefills = 0
             return params
         except (aiohttp.ClientError, TimeoutError, RuntimeError, ValueError) as exc:
             if isinstance(exc, aiohttp.ClientConnectionError):
                 self.registry.mark_failed(instance, f"unreachable: {exc!r}")
+            instance.failed_prefills += 1
+            if instance.failed_prefills >= self.config.prefill_circuit_failures:
+                instance.prefill_open_until = time.monotonic() + self.config.prefill_circuit_s
+                log.warning("no remote prefills on %s for %g s", instance.instance_id, self.config.prefill_circuit_s)
             log.warning(
                 "prefill on %s failed (%r); the decode instance prefills locally", instance.instance_id, exc
             )

@@ -38,6 +38,10 @@ class Instance:
     failed_checks: int = 0
     kv_events_replay_endpoint: str | None = None
     """The engine's replay socket for missed KV event batches."""
+    failed_prefills: int = 0
+    """Remote prefills in a row that failed or timed out (P/D)."""
+    prefill_open_until: float = 0.0
+    """Monotonic time until which no remote prefill is sent here (the circuit is open)."""
 
 
 class PendingPrefill:
@@ -54,10 +58,12 @@ class PendingPrefill:
 
 
 class InstanceRegistry:
-    """Instances by id. Mutated only on the router's event loop."""
+    """Instances by id. Mutated only on the router's event loop. `on_remove` callbacks run for
+    each instance that leaves (the KV index forgets what it held)."""
 
     def __init__(self) -> None:
         self._instances: dict[str, Instance] = {}
+        self.on_remove: list[Callable[[str], None]] = []
 
     def add(self, instance: Instance) -> None:
         if instance.instance_id in self._instances:
@@ -65,7 +71,11 @@ class InstanceRegistry:
         self._instances[instance.instance_id] = instance
 
     def remove(self, instance_id: str) -> Instance | None:
-        return self._instances.pop(instance_id, None)
+        instance = self._instances.pop(instance_id, None)
+        if instance is not None:
+            for callback in self.on_remove:
+                callback(instance_id)
+        return instance
 
     def replay_endpoint_of(self, instance_id: str) -> str | None:
         instance = self._instances.get(instance_id)

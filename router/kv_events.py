@@ -1,9 +1,11 @@
 """Feeding the KV index from vLLM's KV events.
 
-Every engine runs vLLM's own `ZmqEventPublisher` (`--kv-events-config`), its PUB socket
-connecting to the router's one SUB socket with the instance id as topic, and its replay ROUTER
-socket bound on the engine's address. (The router binds and the engines connect because vLLM
-binds a PUB socket only on a wildcard address, and nothing here may listen beyond loopback.)
+Every engine runs vLLM's own publisher (`--kv-events-config`; engine/kv_events.py puts it on the
+cluster's CURVE keys and strips token ids), its PUB socket connecting to the router's one SUB
+socket with the instance id as topic, and its replay ROUTER socket bound on the engine's address.
+(The router binds and the engines connect because vLLM binds a PUB socket only on a wildcard
+address, and nothing here may listen beyond loopback.) The SUB socket admits only the cluster's
+KV-event client key; a message that does not decode is dropped and counted, never fatal.
 
 Each batch carries a sequence number. A gap (a slow joiner, a dropped message, a restarted
 engine) triggers a replay from the engine's buffer; if the replay cannot cover the gap the
@@ -23,7 +25,10 @@ import zmq
 import zmq.asyncio
 
 from kvstore import STORE_MEDIUM
+from router import metrics
 from router.kv_index import KVIndex
+from security.credentials import CurveKeys
+from security.zmq_curve import Gate, connect_curve, serve_curve
 
 log = logging.getLogger(__name__)
 END_SEQ = -1
@@ -39,11 +44,13 @@ class KVEventListener:
         index: KVIndex,
         bind_endpoint: str,
         replay_endpoint_of: Callable[[str], str | None],
+        keys: CurveKeys,
         replay_timeout_s: float = 1.0,
     ) -> None:
         from vllm.distributed.kv_events import KVEventBatch
 
         self.index = index
+        self.keys = keys
         self.bind_endpoint = bind_endpoint
         self.replay_endpoint_of = replay_endpoint_of
         self.replay_timeout_s = replay_timeout_s
@@ -51,15 +58,19 @@ class KVEventListener:
         self.resyncs = 0
         self._decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
         self._context = zmq.asyncio.Context()
+        self._gate: Gate | None = None
         self._socket: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task[None]] = []
 
     def start(self, holders: Iterable[str] = ()) -> None:
         """Listen, and catch up on the history of `holders` (engines that published before this
         router started: a restarted router rebuilds its index from their replay buffers)."""
+        self._gate = Gate(self._context, self.keys)
         self._socket = self._context.socket(zmq.SUB)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.SUBSCRIBE, b"")
+        self._socket.setsockopt(zmq.MAXMSGSIZE, 64 * 1024**2)
+        serve_curve(self._socket, self.keys)
         self._socket.bind(self.bind_endpoint)
         self._tasks = [asyncio.create_task(self._run(), name="kv-event-listener")]
         self._tasks += [asyncio.create_task(self.catch_up(h), name=f"kv-catch-up-{h}") for h in holders]
@@ -70,17 +81,22 @@ class KVEventListener:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._socket:
             self._socket.close(linger=0)
+        if self._gate:
+            self._gate.stop()
         self._context.term()
 
     async def _run(self) -> None:
         assert self._socket is not None
         while True:
             frames = await self._socket.recv_multipart()
-            if len(frames) != 3:
-                log.warning("ignoring a KV event message of %d frames", len(frames))
-                continue
-            topic, seq_bytes, payload = frames
-            await self.receive(topic.decode(), int.from_bytes(seq_bytes, "big", signed=True), payload)
+            try:
+                if len(frames) != 3 or len(frames[1]) != 8:
+                    raise ValueError(f"a KV event message of {len(frames)} frames")
+                topic, seq_bytes, payload = frames
+                await self.receive(topic.decode(), int.from_bytes(seq_bytes, "big", signed=True), payload)
+            except (ValueError, msgspec.DecodeError, UnicodeDecodeError) as exc:  # dropped, never fatal
+                metrics.KV_EVENTS_REJECTED.inc()
+                log.warning("dropped a KV event message: %s", str(exc)[:200])
 
     async def receive(self, holder: str, seq: int, payload: bytes) -> None:
         """Apply one batch, replaying or resyncing first if batches were missed."""
@@ -133,6 +149,7 @@ class KVEventListener:
             return []
         socket = self._context.socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 0)
+        connect_curve(socket, self.keys)
         socket.connect(endpoint)
         batches: list[tuple[int, bytes]] = []
         try:
@@ -144,7 +161,7 @@ class KVEventListener:
                     if seq == END_SEQ:
                         return batches
                     batches.append((seq, payload))
-        except (TimeoutError, ValueError, zmq.ZMQError) as exc:
+        except (TimeoutError, ValueError, zmq.ZMQError) as exc:  # a malformed reply included
             log.warning("KV event replay from %s failed: %r", holder, exc)
             return []
         finally:

@@ -42,6 +42,10 @@ REMOTE_PREFILL = Histogram(
     "first token is the decode instance's: loading that KV and its first step.",
     buckets=LATENCY_BUCKETS,
 )
+KV_EVENTS_REJECTED = Counter(
+    "pdcluster_router_kv_events_rejected",
+    "KV event messages dropped because they did not decode (the listener goes on).",
+)
 QUEUED = Gauge("pdcluster_router_queued_requests", "Requests waiting for an instance to become ready.")
 QUEUE_WAIT = Histogram(
     "pdcluster_router_queue_wait_seconds",

@@ -3,9 +3,11 @@
 The engine hop uses aiohttp: its C HTTP parser costs a fraction of httpx's pure-Python h11 per
 streamed chunk, which halved the router's added latency in `loadtest.router_overhead`.
 
-A request that fails before any byte reached the client (connection refused, engine error) moves
-to another instance, up to `max_attempts`; once bytes have streamed, a failure ends the stream
-with an OpenAI error event and `[DONE]`, so a client never hangs. Closing the client's stream
+A request that never reached an engine (connection refused, an engine answering 503) moves to
+another instance, up to `max_attempts`. One that reached an engine and broke it (the connection
+dropped, a 500, no answer in time) is not retried: a request that crashes one engine would crash
+the next. Once bytes have streamed, a failure ends the stream with an OpenAI error event and
+`[DONE]`, so a client never hangs. Closing the client's stream
 closes the engine's, which makes vLLM abort the request.
 """
 
@@ -113,18 +115,25 @@ class Forwarder:
         try:
             try:
                 upstream = await self.session.post(f"{instance.url}{endpoint}", json=body)
-            except (aiohttp.ClientConnectionError, TimeoutError) as exc:
+            except aiohttp.ClientConnectorError as exc:  # never connected: the request went nowhere
                 self.registry.mark_failed(instance, f"unreachable: {exc!r}")
                 raise _RetryableEngineError(f"unreachable: {exc!r}") from None
+            except (aiohttp.ClientConnectionError, TimeoutError) as exc:
+                self.registry.mark_failed(instance, f"broke on a request: {exc!r}")
+                raise EngineFailed("the engine failed while serving this request") from None
             if upstream.status >= 500:
                 text = (await upstream.read()).decode(errors="replace")[:500]
                 upstream.release()
+                if upstream.status != 503:  # the engine took the request and failed on it
+                    log.warning("instance %s answered %d: %s", instance.instance_id, upstream.status, text)
+                    raise EngineFailed(f"the engine failed while serving this request (HTTP {upstream.status})")
                 raise _RetryableEngineError(f"HTTP {upstream.status}: {text}")
             if not body.get("stream") or upstream.status != 200:
                 try:
                     content = await upstream.read()
                 except (aiohttp.ClientError, TimeoutError) as exc:
-                    raise _RetryableEngineError(f"broken response: {exc!r}") from None
+                    self.registry.mark_failed(instance, f"broke on a request: {exc!r}")
+                    raise EngineFailed("the engine's answer broke off") from None
                 finally:
                     upstream.release()
                 self._observe(endpoint, upstream.status, started, first_byte=True)
@@ -134,7 +143,8 @@ class Forwarder:
                 first = await chunks.__anext__()
             except (aiohttp.ClientError, TimeoutError, StopAsyncIteration) as exc:
                 upstream.close()
-                raise _RetryableEngineError(f"stream ended before its first byte: {exc!r}") from None
+                self.registry.mark_failed(instance, f"broke on a request: {exc!r}")
+                raise EngineFailed("the engine's stream ended before its first byte") from None
             first_token_s = time.perf_counter() - started
             metrics.TIME_TO_FIRST_BYTE.labels(endpoint).observe(first_token_s)
             self.first_tokens.observe(first_token_s)

@@ -12,7 +12,8 @@ drift apart, and knowing one derived key reveals neither the secret nor another 
 - `tenant_salt(tenant)`: the cache salt of a tenant's requests, which no one without the secret
   can compute for another tenant (a hash of the tenant's name could be);
 - `curve(plane)`: ZMQ CURVE key pairs (server and client) for the store's control sockets and
-  the KV event sockets (security/zmq_curve.py).
+  the KV event sockets (security/zmq_curve.py);
+- `ray_token`: Ray's own token authentication (every Ray process of the cluster presents it).
 
 The secret comes from the environment (PDCLUSTER_SECRET, hex) or a file (PDCLUSTER_SECRET_FILE,
 default ~/.config/pdcluster/secret, mode 0600). `pdcluster serve` on one machine creates the file
@@ -27,6 +28,7 @@ import hashlib
 import hmac
 import os
 import secrets
+import tempfile
 from pathlib import Path
 
 SECRET_ENV = "PDCLUSTER_SECRET"
@@ -36,6 +38,28 @@ SECRET_BYTES = 32
 
 class CredentialsError(RuntimeError):
     """No usable cluster secret."""
+
+
+def runtime_dir() -> Path:
+    """A folder of this user's alone for files derived from the secret (0700)."""
+    path = Path(os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()) / f"pdcluster-{os.getuid()}"
+    path.mkdir(mode=0o700, exist_ok=True)
+    status = path.stat()
+    if status.st_uid != os.getuid() or status.st_mode & 0o077:
+        raise CredentialsError(f"{path} is not this user's alone")
+    return path
+
+
+def write_private(path: Path, text: str) -> Path:
+    """`path` holding `text`, readable by its owner only (kept if it already holds it)."""
+    if path.exists() and path.read_text() == text:
+        return path
+    temporary = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
+    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(descriptor, "w") as handle:
+        handle.write(text)
+    temporary.replace(path)
+    return path
 
 
 def default_secret_file() -> Path:
@@ -117,11 +141,27 @@ class ClusterCredentials:
     def weights_key(self) -> str:
         return self.derive("weights-key").hex()
 
+    @property
+    def ray_token(self) -> str:
+        return self.derive("ray-token").hex()
+
+    def ray_auth_env(self) -> dict[str, str]:
+        """Ray's token authentication for a process of this cluster (set before `import ray`):
+        the mode, and a file of this user's alone holding the token."""
+        name = f"ray-token-{hashlib.sha256(self.ray_token.encode()).hexdigest()[:12]}"
+        path = write_private(runtime_dir() / name, self.ray_token + "\n")
+        return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(path)}
+
     def engine_headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.engine_token}"}
 
     def admin_headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.admin_token}"}
+
+    def prove(self, challenge: str) -> str:
+        """An answer to `challenge` only a holder of the secret can give (adoption, section 7 of
+        docs/security.md): HMAC of the challenge under a key of its own."""
+        return hmac.new(self.derive("proof"), challenge.encode(), hashlib.sha256).hexdigest()
 
     def tenant_salt(self, tenant: str) -> str:
         return hmac.new(self.derive("tenant-salt"), tenant.encode(), hashlib.sha256).hexdigest()[:32]

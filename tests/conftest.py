@@ -20,6 +20,7 @@ os.environ.update(UCX_LOOPBACK_ENV)  # NIXL agents of the tests themselves
 # One cluster secret for the session: every `pdcluster serve` the tests start uses it, and the
 # tests present the credentials derived from it (never the user's own secret file).
 os.environ.setdefault(SECRET_ENV, ClusterCredentials.generate().secret.hex())
+os.environ.update(ClusterCredentials.load().ray_auth_env())  # Ray in this process: the same token
 
 
 @pytest.fixture(scope="session")

@@ -20,6 +20,7 @@ import httpx
 
 from engine.config import EngineConfig
 from engine.environment import engine_env, free_port
+from security.credentials import SECRET_ENV
 
 MAX_TOKENS = 16
 TOP_LOGPROBS = 5
@@ -140,7 +141,9 @@ class PlainVLLM:
 
     def __enter__(self) -> PlainVLLM:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, **engine_env("127.0.0.1", self.config.kv_cache_gib, self.core)}
+        # No pdcluster code in vLLM's processes: no plugin of ours, no cluster secret.
+        env = {k: v for k, v in os.environ.items() if k != SECRET_ENV}
+        env |= engine_env("127.0.0.1", self.config.kv_cache_gib, self.core) | {"VLLM_PLUGINS": ""}
         with self.log_path.open("w") as log:
             self._process = subprocess.Popen(self.command(), env=env, stdout=log, stderr=subprocess.STDOUT,
                                              start_new_session=True)  # fmt: skip

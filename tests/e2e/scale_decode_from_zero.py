@@ -61,15 +61,19 @@ def main() -> int:
         from engine.config import Role
         from kvstore.client import ShardedStore
         from router.instances import InstanceRegistry
+        from security.credentials import ClusterCredentials
+        from security.zmq_curve import STORE_PLANE
 
         ray.init("auto", log_to_driver=False, namespace="pdcluster")
 
         def decode_nodes() -> int:
             return sum(1 for n in ray.nodes() if n["Alive"] and n["Resources"].get("decode"))
 
-        launcher = Launcher(InstanceRegistry())
+        credentials = ClusterCredentials.generate()
+        launcher = Launcher(InstanceRegistry(), credentials)
         shards = asyncio.run(launcher.start_store_shards(32 * 1024**2))
-        store = ShardedStore(shards)  # a client from before the scale-up, as an engine's would be
+        # a client from before the scale-up, as an engine's would be
+        store = ShardedStore(shards, credentials.curve(STORE_PLANE))
         seen = {"decode_nodes_at_start": decode_nodes(), "store_shards_at_start": len(shards)}
 
         @ray.remote

@@ -16,6 +16,7 @@ import httpx
 import pytest
 from oracle import assert_conforms
 
+from kvstore import protocol
 from kvstore.client import request_once
 from loadtest.arrivals import FixedConcurrency
 from loadtest.faults import kill_engine
@@ -23,6 +24,7 @@ from loadtest.report import summarize
 from loadtest.runner import Limits, run_load
 from loadtest.scrape import scrape
 from loadtest.workloads import RandomLengths
+from security.zmq_curve import STORE_PLANE
 
 pytestmark = pytest.mark.slow
 LONG = " ".join(f"line {k}: the quick brown fox jumps over the lazy dog." for k in range(60))
@@ -99,7 +101,8 @@ def test_damaged_chunks_are_rejected_by_checksum_and_recomputed(served, served_p
     generate(engine_url(served_pd, "prefill"), {"prompt": prompt}, max_tokens=1, headers=engine)  # stores its KV
     before = store_shard(served_pd)
     assert before["chunks"] > 0
-    damaged = request_once(before["endpoint"], {"op": "corrupt", "count": before["chunks"]}, 5.0)
+    keys = served_pd.credentials.curve(STORE_PLANE)
+    damaged = request_once(before["endpoint"], protocol.Corrupt(before["chunks"]), 5.0, keys)
     assert damaged["damaged"] == before["chunks"]
     # Straight to the decode instance: its connector finds the prompt in the store and reads it.
     got = generate(engine_url(served_pd, "decode"), {"prompt": prompt}, headers=engine)

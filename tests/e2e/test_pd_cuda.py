@@ -18,6 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from security.zmq_curve import STORE_PLANE
+
 torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
@@ -28,6 +30,7 @@ from engine.config import EngineConfig, Role  # noqa: E402
 from engine.host import EngineHost  # noqa: E402
 from kvstore.shard import ShardServer  # noqa: E402
 from loadtest.scrape import scrape  # noqa: E402
+from security.credentials import ClusterCredentials  # noqa: E402
 
 pytestmark = pytest.mark.slow
 LONG = " ".join(f"line {k}: the quick brown fox jumps over the lazy dog." for k in range(60))
@@ -51,7 +54,8 @@ def cuda_model(tmp_path_factory) -> Path:
 def engines(cuda_model, artifacts):
     """(colocated, prefill, decode) hosts on GPU 0, the last two sharing one store shard. Their
     logs' tails are kept in the artifacts folder."""
-    shard = ShardServer(2 * 1024**3, host="127.0.0.1")
+    credentials = ClusterCredentials.generate()
+    shard = ShardServer(2 * 1024**3, credentials.curve(STORE_PLANE), host="127.0.0.1")
 
     # float32 by default: a random-weight model's greedy choices are near-ties, and the P/D engines
     # run vLLM's V1 model runner where the colocated one runs V2 (engine/host.py): in bf16 any
@@ -62,6 +66,7 @@ def engines(cuda_model, artifacts):
     def config(role: Role) -> EngineConfig:
         return EngineConfig(model=cuda_model, served_model_name="tiny", role=role, max_model_len=2048,
                             gpu_memory_utilization=0.15, keep_host_weights=False, extra_args=("--dtype", dtype),
+                            cluster_secret=credentials.secret.hex(),
                             kv_store_endpoints=() if role is Role.COLOCATED else (shard.endpoint,))  # fmt: skip
 
     hosts = [EngineHost(config(role), f"cuda-{role.value}", host="127.0.0.1")
@@ -82,32 +87,34 @@ def engines(cuda_model, artifacts):
         shard.close()
 
 
-def complete(url: str, prompt: str, max_tokens: int) -> list[int]:
+def complete(host: EngineHost, prompt: str, max_tokens: int) -> list[int]:
     body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "return_token_ids": True}  # fmt: skip
-    response = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    response = httpx.post(f"{host.url}/v1/completions", json=body, headers=host.auth_headers, timeout=120)
     assert response.status_code == 200, response.text
     return response.json()["choices"][0]["token_ids"]
 
 
-def external_hits(url: str) -> float:
-    return scrape(url, ("vllm:external_prefix_cache_hits",)).get("vllm:external_prefix_cache_hits_total", 0.0)
+def external_hits(host: EngineHost) -> float:
+    return scrape(host.url, ("vllm:external_prefix_cache_hits",), headers=host.auth_headers).get(
+        "vllm:external_prefix_cache_hits_total", 0.0)
 
 
 @pytest.mark.parametrize("name", list(PROMPTS))
 def test_pd_through_the_store_on_cuda_equals_one_engine_and_really_loads(engines, name):
     (colocated, prefill, decode), _ = engines
     prompt = PROMPTS[name]
-    want = complete(colocated.url, prompt, max_tokens=24)
+    want = complete(colocated, prompt, max_tokens=24)
     # The comparison means something only if the reference does not move with the kernel path:
     # served again, from its own prefix cache, the colocated engine must say the same.
-    assert complete(colocated.url, prompt, max_tokens=24) == want, "reference unstable under prefix caching"
-    complete(prefill.url, prompt, max_tokens=1)  # computes the prompt's KV and stores it
-    before = external_hits(decode.url)
-    assert complete(decode.url, prompt, max_tokens=24) == want
-    loaded = external_hits(decode.url) - before
-    prompt_tokens = len(httpx.post(f"{decode.url}/tokenize", json={"model": "tiny", "prompt": prompt},
-                                   timeout=30).json()["tokens"])  # fmt: skip
+    assert complete(colocated, prompt, max_tokens=24) == want, "reference unstable under prefix caching"
+    complete(prefill, prompt, max_tokens=1)  # computes the prompt's KV and stores it
+    before = external_hits(decode)
+    assert complete(decode, prompt, max_tokens=24) == want
+    loaded = external_hits(decode) - before
+    tokenized = httpx.post(f"{decode.url}/tokenize", json={"model": "tiny", "prompt": prompt},
+                           headers=decode.auth_headers, timeout=30)  # fmt: skip
+    prompt_tokens = len(tokenized.json()["tokens"])
     whole_blocks = (prompt_tokens - 1) // decode.config.block_size * decode.config.block_size
     assert loaded == whole_blocks  # every whole block but the last token's came from the store
 
@@ -115,8 +122,8 @@ def test_pd_through_the_store_on_cuda_equals_one_engine_and_really_loads(engines
 def test_damaged_chunks_on_cuda_are_rejected_and_recomputed(engines):
     (colocated, prefill, decode), shard = engines
     prompt = "Damaged in the store. " + LONG
-    complete(prefill.url, prompt, max_tokens=1)
+    complete(prefill, prompt, max_tokens=1)
     rejected = shard.stats().rejected
     assert shard.corrupt(shard.stats().chunks) > 0
-    assert complete(decode.url, prompt, max_tokens=24) == complete(colocated.url, prompt, max_tokens=24)
+    assert complete(decode, prompt, max_tokens=24) == complete(colocated, prompt, max_tokens=24)
     assert shard.stats().rejected > rejected

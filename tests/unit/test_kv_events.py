@@ -1,4 +1,5 @@
-"""The KV event listener against vLLM's own ZMQ publisher, over real sockets on loopback."""
+"""The KV event listener against vLLM's own ZMQ publisher (as our engines run it: on the cluster's
+CURVE keys, token ids stripped), over real sockets on loopback; and the attacks on both ends."""
 
 from __future__ import annotations
 
@@ -8,14 +9,27 @@ import time
 import pytest
 
 from engine.environment import free_port
+from router import metrics
 from router.kv_events import KVEventListener
 from router.kv_index import KVIndex
+from security.credentials import ClusterCredentials
+from security.zmq_curve import KV_EVENTS_PLANE, connect_curve
+
+KEYS = ClusterCredentials.load().curve(KV_EVENTS_PLANE)  # the session's secret, as engines have it
 
 
-def publisher(endpoint: str, replay: str, topic: str):
+def publisher(endpoint: str, replay: str, topic: str, ours: bool = True):
+    """An engine's publisher: ours (engine/kv_events.py), or vLLM's plain one (a stranger)."""
     from vllm.distributed.kv_events import ZmqEventPublisher
 
-    return ZmqEventPublisher(data_parallel_rank=0, endpoint=endpoint, replay_endpoint=replay, topic=topic)
+    from engine.kv_events import ClusterEventPublisher
+
+    kind = ClusterEventPublisher if ours else ZmqEventPublisher
+    return kind(data_parallel_rank=0, endpoint=endpoint, replay_endpoint=replay, topic=topic)
+
+
+def listener_for(index, sub, replay_endpoint_of) -> KVEventListener:
+    return KVEventListener(index, sub, replay_endpoint_of, KEYS)
 
 
 def stored(*hashes: int, medium: str = "CPU"):
@@ -58,7 +72,7 @@ async def test_events_missed_before_the_router_started_are_replayed(endpoints):
             engine.publish(stored(k))
         await asyncio.sleep(0.3)
         index = KVIndex()
-        listener = KVEventListener(index, sub, {"engine-a": replay}.get)
+        listener = listener_for(index, sub, {"engine-a": replay}.get)
         listener.start()
         try:
             await asyncio.sleep(0.5)  # let the PUB side connect
@@ -85,7 +99,7 @@ async def test_a_restarted_router_rebuilds_its_index_before_any_new_event(endpoi
             engine.publish(batch)
         await asyncio.sleep(0.3)
         index = KVIndex()
-        listener = KVEventListener(index, sub, {"engine-a": replay}.get)
+        listener = listener_for(index, sub, {"engine-a": replay}.get)
         listener.start(holders=["engine-a"])
         try:
             await until(lambda: index.expected_seq("engine-a") == 4)
@@ -108,7 +122,7 @@ async def test_a_gap_that_cannot_be_replayed_resyncs_the_holder(endpoints):
     index.apply_batch("engine-b", 0, lambda: None)
     import msgspec
 
-    listener = KVEventListener(index, sub, lambda holder: None)  # no replay socket known
+    listener = listener_for(index, sub, lambda holder: None)  # no replay socket known
     await listener.receive("engine-b", 5, msgspec.msgpack.encode(stored(7)))
     assert listener.resyncs == 1
     assert index.match([42]) == {}  # stale entries from before the gap are gone
@@ -123,9 +137,97 @@ async def test_blocks_an_engine_saved_to_the_store_are_indexed_as_the_stores(end
     from router.kv_events import STORE_HOLDER
 
     index = KVIndex()
-    listener = KVEventListener(index, endpoints[0], lambda holder: None)
+    listener = listener_for(index, endpoints[0], lambda holder: None)
     await listener.receive("prefill-0", 0, msgspec.msgpack.encode(stored(1, 2)))
     await listener.receive("prefill-0", 1, msgspec.msgpack.encode(stored(1, 2, medium=STORE_MEDIUM)))
     assert index.match([1, 2]) == {"prefill-0": 2, STORE_HOLDER: 2}
     await listener.receive("prefill-0", 2, msgspec.msgpack.encode(cleared()))  # the engine's cache only
     assert index.match([1, 2]) == {STORE_HOLDER: 2}
+
+
+async def test_a_stranger_can_neither_publish_nor_replay(endpoints):
+    """vLLM's plain publisher (no cluster keys) reaches no index; a subscriber or replay client
+    without them hears nothing; what members hear carries block hashes, not token ids."""
+    import msgspec
+    import zmq
+    import zmq.asyncio
+
+    sub, replay = endpoints
+    index = KVIndex()
+    listener = listener_for(index, sub, {"engine-a": replay}.get)
+    listener.start()
+    stranger = publisher(sub, f"tcp://127.0.0.1:{free_port('127.0.0.1')}", "engine-x", ours=False)
+    engine = publisher(sub, replay, "engine-a")
+    context = zmq.asyncio.Context()
+
+    async def replay_reply(keys) -> list[bytes] | None:
+        socket = context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 0)
+        if keys is not None:
+            connect_curve(socket, keys)
+        socket.connect(replay)
+        await socket.send_multipart((b"", (0).to_bytes(8, "big")))
+        try:
+            return await asyncio.wait_for(socket.recv_multipart(), 1.0)
+        except TimeoutError:
+            return None
+        finally:
+            socket.close(0)
+
+    try:
+        await asyncio.sleep(0.5)  # let both PUB sides connect (the stranger's handshake fails)
+        stranger.publish(stored(66))
+        engine.publish(stored(5))
+        await until(lambda: index.match([5]) == {"engine-a": 1})
+        await asyncio.sleep(0.3)
+        assert index.match([66]) == {}
+        assert await replay_reply(None) is None  # no CURVE
+        assert await replay_reply(ClusterCredentials.generate().curve(KV_EVENTS_PLANE)) is None  # other keys
+        member = await replay_reply(KEYS)
+        from vllm.distributed.kv_events import KVEventBatch
+
+        (event,) = msgspec.msgpack.decode(member[-1], type=KVEventBatch).events
+        assert event.block_hashes == [5] and event.token_ids == [] and event.extra_keys is None
+    finally:
+        stranger.shutdown()
+        engine.shutdown()
+        await listener.stop()
+        context.term()
+
+
+async def test_malformed_messages_are_dropped_and_counted_and_the_listener_lives(endpoints):
+    """From a member's socket (strangers never reach the decoder): wrong frame counts, short
+    sequence numbers, random payloads, a topic that is not text. 10,000 of them."""
+    import random
+
+    import zmq
+
+    sub, _ = endpoints
+    index = KVIndex()
+    listener = listener_for(index, sub, lambda holder: None)
+    listener.start()
+    rejected = metrics.KV_EVENTS_REJECTED._value.get()
+    context = zmq.Context()
+    pub = context.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    connect_curve(pub, KEYS)
+    pub.connect(sub)
+    rng = random.Random(11)
+    try:
+        await asyncio.sleep(0.5)
+        for n in range(10_000):
+            frames = [rng.randbytes(rng.randrange(0, 40)) for _ in range(rng.choice((1, 2, 3, 3, 4)))]
+            if n % 4 == 0 and len(frames) == 3:
+                frames[1] = (n).to_bytes(8, "big")  # a good sequence number, a random payload
+            pub.send_multipart(frames)
+            if n % 500 == 0:
+                await asyncio.sleep(0.01)
+        import msgspec
+
+        pub.send_multipart((b"engine-z", (0).to_bytes(8, "big"), msgspec.msgpack.encode(stored(9))))
+        await until(lambda: index.match([9]) == {"engine-z": 1}, timeout_s=20)  # it still applies good ones
+        assert metrics.KV_EVENTS_REJECTED._value.get() - rejected > 1000
+    finally:
+        pub.close(0)
+        context.term()
+        await listener.stop()

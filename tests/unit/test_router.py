@@ -201,3 +201,74 @@ async def test_a_prefill_instance_with_too_much_queued_leaves_the_prefill_to_dec
         fallback = prefilled("fallback_local")
         assert await remote.prepare("/v1/completions", body, request, RoutingDecision(decode)) == body
         assert prefilled("fallback_local") == fallback + 1 and prefilled("local_busy") == busy + 1
+
+
+class StandInEngine:
+    """A stand-in engine on a real socket (named as such: no engine runs): it reads each request,
+    then drops the connection (an engine that crashed on it) or never answers (a hung one)."""
+
+    def __init__(self, behaviour: str) -> None:
+        import socket
+        import threading
+
+        self.behaviour, self.requests = behaviour, 0
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._server.getsockname()[1]}"
+        self._held: list = []
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                connection, _ = self._server.accept()
+            except OSError:
+                return
+            data = b""
+            while b"\r\n\r\n" not in data:
+                chunk = connection.recv(65536)
+                if not chunk:
+                    break
+                data += chunk
+            self.requests += data.startswith(b"POST")  # the router's health checks are GETs
+            if self.behaviour == "crash":
+                connection.close()
+            else:
+                self._held.append(connection)
+
+    def close(self) -> None:
+        self._server.close()
+        for connection in self._held:
+            connection.close()
+
+
+def test_a_request_that_broke_an_engine_is_not_retried_on_another():
+    engines = [StandInEngine("crash") for _ in range(2)]
+    try:
+        with make_client([Instance(f"e{k}", Role.COLOCATED, e.url) for k, e in enumerate(engines)]) as client:
+            response = client.post("/v1/completions", json={"model": "m", "prompt": "x"})
+        assert response.status_code == 502
+        assert sorted(e.requests for e in engines) == [0, 1]  # it reached one engine, and only one
+    finally:
+        for engine in engines:
+            engine.close()
+
+
+async def test_a_hanging_prefill_instance_costs_timeouts_until_its_circuit_opens():
+    hung = StandInEngine("hang")
+    registry = InstanceRegistry()
+    prefill = Instance("prefill-0", Role.PREFILL, hung.url)
+    decode = Instance("decode-0", Role.DECODE, "http://127.0.0.1:1")
+    registry.add(prefill)
+    registry.add(decode)
+    config = RouterConfig(served_model_name="m", max_model_len=4096, remote_prefill_min_tokens=0,
+                          prefill_timeout_s=0.5, prefill_circuit_failures=2, prefill_circuit_s=60)  # fmt: skip
+    body, request = {"prompt": "p"}, RoutingRequest((), 600, 32)
+    try:
+        async with aiohttp.ClientSession() as session:
+            remote = RemotePrefill(config, registry, make_policy("least_loaded"), lambda: session)
+            for _ in range(4):
+                assert await remote.prepare("/v1/completions", body, request, RoutingDecision(decode)) == body
+        assert hung.requests == 2  # two timeouts, then no request goes there for a minute
+        assert prefill.prefill_open_until > time.monotonic() + 50
+    finally:
+        hung.close()

@@ -13,7 +13,10 @@ from kvstore.connector import usable_tokens
 from kvstore.lmcache_engine import KVLayout, StoreSettings, build_engine
 from kvstore.paged_blocks import PagedBlockConnector
 from kvstore.shard import ShardServer
+from security.credentials import ClusterCredentials
+from security.zmq_curve import STORE_PLANE
 
+KEYS = ClusterCredentials.load().curve(STORE_PLANE)  # the session's secret, as engines have it
 VLLM_HASH = "sha256"  # vLLM's default prefix_caching_hash_algo, as an engine passes it
 
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK, BLOCKS = 4, 2, 64, 32, 48
@@ -51,7 +54,7 @@ def test_blocks_round_trip_and_a_load_leaves_already_computed_blocks_alone():
 
 
 def test_a_prompt_stored_by_one_engine_is_loaded_bit_identical_by_another():
-    shard = ShardServer(64 * 1024**2, page_bytes=64 * 1024)
+    shard = ShardServer(64 * 1024**2, KEYS, page_bytes=64 * 1024)
     engines = []
     try:
         settings = StoreSettings(endpoints=(shard.endpoint,), timeout_s=5.0)
@@ -94,7 +97,7 @@ def test_building_an_lmcache_engine_keeps_vllms_prefix_hash_root():
 
     kv_cache_utils.init_none_hash(get_hash_fn_by_name(VLLM_HASH))  # as vLLM's scheduler does
     root = kv_cache_utils.NONE_HASH
-    shard = ShardServer(8 * 1024**2, page_bytes=64 * 1024)
+    shard = ShardServer(8 * 1024**2, KEYS, page_bytes=64 * 1024)
     settings = StoreSettings(endpoints=(shard.endpoint,), timeout_s=5.0)
     layout = KVLayout(LAYERS, KV_HEADS, HEAD_DIM, torch.bfloat16, (KV_HEADS, BLOCK, 2 * HEAD_DIM))
     engine = build_engine(settings, layout, "tiny", None, VLLM_HASH)

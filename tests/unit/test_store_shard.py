@@ -8,14 +8,18 @@ import time
 import numpy as np
 import pytest
 
+from kvstore import protocol
 from kvstore.client import ShardClient
 from kvstore.shard import ChunkStore, ShardServer
+from security.credentials import ClusterCredentials
+from security.zmq_curve import STORE_PLANE
 
 PAGE = 1024
+KEYS = ClusterCredentials.generate().curve(STORE_PLANE)
 
 
 def test_lru_evicts_the_oldest_unleased_chunk_and_never_a_leased_one():
-    store = ChunkStore(4 * PAGE, PAGE)
+    store = ChunkStore(4 * PAGE, PAGE, max_chunk_bytes=4 * PAGE)
     for key in "abcd":
         assert store.reserve(key, PAGE, 0, now=0, ttl_s=10) is not None
         assert store.commit(key)
@@ -30,7 +34,7 @@ def test_lru_evicts_the_oldest_unleased_chunk_and_never_a_leased_one():
 
 
 def test_a_vanished_writer_or_reader_strands_nothing():
-    store = ChunkStore(8 * PAGE, PAGE)
+    store = ChunkStore(8 * PAGE, PAGE, max_chunk_bytes=8 * PAGE)
     baseline = store.stats()
     store.reserve("written", 3 * PAGE, 0, now=0, ttl_s=5)
     store.commit("written")
@@ -55,7 +59,7 @@ def test_contains_counts_the_stored_prefix_only():
 
 @pytest.fixture(scope="module")
 def shard():
-    server = ShardServer(8 * 1024**2, ttl_s=5.0, page_bytes=64 * 1024)
+    server = ShardServer(8 * 1024**2, KEYS, ttl_s=5.0, page_bytes=64 * 1024)
     yield server
     server.close()
 
@@ -65,8 +69,8 @@ def hellos_to(server: ShardServer, monkeypatch) -> list[dict]:
     on: a spy on the real shard's handler."""
     seen, handle = [], server.handle
 
-    def counting(request: dict) -> dict:
-        if request["op"] == "hello":
+    def counting(request) -> dict:
+        if isinstance(request, protocol.Hello):
             seen.append(request)
         return handle(request)
 
@@ -75,7 +79,7 @@ def hellos_to(server: ShardServer, monkeypatch) -> list[dict]:
 
 
 def test_chunks_round_trip_through_nixl_bit_identical_and_damage_is_a_miss(shard, monkeypatch):
-    client = ShardClient(shard.endpoint, timeout_s=5.0, staging_bytes=1024**2)
+    client = ShardClient(shard.endpoint, KEYS, timeout_s=5.0, staging_bytes=1024**2)
     hellos = hellos_to(shard, monkeypatch)
     try:
         rng = np.random.default_rng(0)
@@ -107,8 +111,8 @@ def test_a_shard_that_stops_answering_costs_one_timeout_then_fails_fast():
 
     from kvstore.client import StoreUnavailable
 
-    server = ShardServer(1024**2, page_bytes=64 * 1024)
-    client = ShardClient(server.endpoint, timeout_s=0.5, staging_bytes=64 * 1024, retry_after_s=30)
+    server = ShardServer(1024**2, KEYS, page_bytes=64 * 1024)
+    client = ShardClient(server.endpoint, KEYS, timeout_s=0.5, staging_bytes=64 * 1024, retry_after_s=30)
     try:
         server.close()  # the shard goes away under a connected client
         started = time.monotonic()
@@ -128,14 +132,14 @@ def test_a_shard_restarted_on_its_port_is_used_again_by_its_clients(monkeypatch)
     a timeout and a pause, then its clients read and write it as before."""
     from kvstore.client import StoreUnavailable
 
-    first = ShardServer(1024**2, page_bytes=64 * 1024)
-    client = ShardClient(first.endpoint, timeout_s=1.0, staging_bytes=512 * 1024, retry_after_s=0.2)
+    first = ShardServer(1024**2, KEYS, page_bytes=64 * 1024)
+    client = ShardClient(first.endpoint, KEYS, timeout_s=1.0, staging_bytes=512 * 1024, retry_after_s=0.2)
     payload = np.arange(100_000, dtype=np.uint32).view(np.uint8)[:300_000]
     second = None
     try:
         assert client.put(["before"], [payload]) == 1
         first.close()
-        second = ShardServer(1024**2, page_bytes=64 * 1024, port=first.port)
+        second = ShardServer(1024**2, KEYS, page_bytes=64 * 1024, port=first.port)
         hellos = hellos_to(second, monkeypatch)
         deadline = time.monotonic() + 10
         while True:  # the first call may time out on the connection to the dead shard
@@ -158,14 +162,14 @@ def test_an_unreachable_shard_is_a_clean_error_within_the_timeout():
     from kvstore.client import StoreUnavailable
 
     with pytest.raises(StoreUnavailable):
-        ShardClient("tcp://127.0.0.1:9", timeout_s=0.5)
+        ShardClient("tcp://127.0.0.1:9", KEYS, timeout_s=0.5)
 
 
 def test_keys_spread_over_shards_and_read_back_in_prefix_order():
     from kvstore.client import ShardedStore
 
-    servers = [ShardServer(4 * 1024**2, page_bytes=64 * 1024) for _ in range(2)]
-    store = ShardedStore([s.endpoint for s in servers], timeout_s=5.0, staging_bytes=1024**2)
+    servers = [ShardServer(4 * 1024**2, KEYS, page_bytes=64 * 1024) for _ in range(2)]
+    store = ShardedStore([s.endpoint for s in servers], KEYS, timeout_s=5.0, staging_bytes=1024**2)
     try:
         keys = [f"prefix-chunk-{i}" for i in range(12)]
         payloads = [np.full(10_000 + i, i, dtype=np.uint8) for i in range(12)]
@@ -185,8 +189,8 @@ def test_clients_follow_the_shard_list_when_a_shard_joins_or_leaves():
     back; then follows a list without the first (its node left)."""
     from kvstore.client import ShardedStore
 
-    first, second = (ShardServer(4 * 1024**2, page_bytes=64 * 1024) for _ in range(2))
-    store = ShardedStore([first.endpoint], timeout_s=5.0, staging_bytes=1024**2)
+    first, second = (ShardServer(4 * 1024**2, KEYS, page_bytes=64 * 1024) for _ in range(2))
+    store = ShardedStore([first.endpoint], KEYS, timeout_s=5.0, staging_bytes=1024**2)
     try:
         keys = [f"after-join-{i}" for i in range(16)]
         payloads = [np.full(9_000 + i, i, dtype=np.uint8) for i in range(16)]

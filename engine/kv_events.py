@@ -1,0 +1,62 @@
+"""vLLM's KV event publisher, kept inside the cluster.
+
+vLLM publishes each engine's BlockStored / BlockRemoved events on a ZMQ PUB socket and answers
+anyone who asks its replay socket for the recent ones, token ids included: everyone's prompts,
+to anyone who reaches the port. `ClusterEventPublisher` is vLLM's own publisher with both sockets
+on the cluster's CURVE keys (the router's SUB socket is the server the PUB connects to; the replay
+socket is a server only members may call) and with token ids, extra keys (cache salts) and session
+ids left out of every event: the router routes on block hashes alone.
+
+vLLM builds its publisher from a registry in the engine-core process; a vLLM general plugin
+(entry point `vllm.general_plugins`: `pdcluster_kv_events`) puts this class in place of its "zmq"
+publisher there, in engines of ours only (those started with the cluster secret in their
+environment; engine/host.py also names this plugin alone in VLLM_PLUGINS).
+"""
+
+from __future__ import annotations
+
+import os
+
+import msgspec
+import zmq
+from vllm.distributed.kv_events import BlockStored, EventPublisherFactory, ZmqEventPublisher
+
+from security.credentials import SECRET_ENV, ClusterCredentials
+from security.zmq_curve import KV_EVENTS_PLANE, Gate, connect_curve, serve_curve
+
+_gates: dict[int, Gate] = {}  # one ZAP handler per ZMQ context
+
+
+class ClusterEventPublisher(ZmqEventPublisher):
+    def _socket_setup(self) -> None:
+        keys = ClusterCredentials.load().curve(KV_EVENTS_PLANE)
+        if self._pub is None:
+            if self._is_bind_endpoint(self._endpoint):
+                raise ValueError(f"KV events go to the router's socket, not a bound one: {self._endpoint}")
+            self._pub = self._ctx.socket(zmq.PUB)
+            self._pub.set_hwm(self._hwm)
+            connect_curve(self._pub, keys)
+            self._pub.connect(self._endpoint)
+        if self._replay_endpoint is not None:
+            if id(self._ctx) not in _gates:
+                _gates[id(self._ctx)] = Gate(self._ctx, keys)
+            self._replay = self._ctx.socket(zmq.ROUTER)
+            serve_curve(self._replay, keys)
+            self._replay_endpoint = self._bind(self._replay, self._replay_endpoint)
+
+    def publish(self, events) -> None:
+        super().publish(msgspec.structs.replace(events, events=[_blinded(e) for e in events.events]))
+
+
+def _blinded(event):
+    """The event without what would tell a reader the prompt: block hashes are enough to route."""
+    if isinstance(event, BlockStored):
+        return msgspec.structs.replace(event, token_ids=[], extra_keys=None, session_id=None)
+    return event
+
+
+def register() -> None:
+    """vLLM general plugin: in an engine of ours, our publisher stands for vLLM's "zmq" one (its
+    config accepts no other name)."""
+    if os.environ.get(SECRET_ENV):
+        EventPublisherFactory._registry["zmq"] = ClusterEventPublisher

@@ -1,0 +1,142 @@
+"""Attacks on the router's edges and an engine's HTTP routes, without engines (docs/security.md):
+each must fail. Also the cluster secret itself: where it lives and who may read it."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+from engine.config import Role
+from engine.http_auth import EngineAuthMiddleware
+from router.app import build_app
+from router.config import RouterConfig
+from router.instances import Instance, InstanceRegistry
+from security.credentials import SECRET_ENV, ClusterCredentials, CredentialsError
+
+CREDENTIALS = ClusterCredentials.load()  # the session's (tests/conftest.py)
+
+
+def router(**config) -> TestClient:
+    settings = RouterConfig(served_model_name="m", max_model_len=64, health_interval_s=60, queue_timeout_s=0,
+                            cluster_secret=CREDENTIALS.secret.hex(), **config)  # fmt: skip
+    return TestClient(build_app(settings, InstanceRegistry()), raise_server_exceptions=False)
+
+
+@pytest.mark.parametrize("path", ["/metrics", "/admin/instances", "/admin/store"])
+def test_operator_routes_need_the_admin_token(path):
+    with router() as client:
+        assert client.get(path).status_code == 401
+        assert client.get(path, headers={"authorization": "Bearer k1"}).status_code == 401  # a tenant's key
+        assert client.get(path, headers=CREDENTIALS.engine_headers()).status_code == 401  # another token
+        assert client.get(path, headers=CREDENTIALS.admin_headers()).status_code == 200
+    with router() as client:
+        assert client.post("/admin/explain", json={"model": "m", "prompt": "x"}).status_code == 401
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("kv_transfer_params", {"do_remote_prefill": True, "remote_block_ids": [1, 2]}),
+    ("chat_template", "{% for x in range(10**9) %}{% endfor %}"),
+    ("priority", -1000), ("request_id", "someone-elses"), ("vllm_xargs", {"a": 1}),
+    ("logits_processors", ["os.system"]), ("chat_template_kwargs", {"x": "y" * 10_000}),
+    ("an_unknown_field", 1),
+])  # fmt: skip
+def test_internal_and_unknown_fields_are_refused_not_forwarded(field, value):
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], field: value}
+    with router() as client:
+        response = client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 400
+    assert response.json()["error"]["message"].startswith(field)
+
+
+def test_one_requests_work_is_bounded():
+    with router(max_sequences_per_request=8) as client:
+        too_many = {"model": "m", "prompt": ["a", "b", "c"], "n": 3}  # 9 sequences
+        assert client.post("/v1/completions", json=too_many).status_code == 400
+        too_long = {"model": "m", "prompt": "a", "max_tokens": 65}  # over max_model_len
+        assert client.post("/v1/completions", json=too_long).status_code == 400
+        assert client.post("/v1/completions", json={"model": "m", "prompt": "a", "n": 8}).status_code == 503
+
+
+def test_a_500_names_an_incident_never_the_exception(monkeypatch):
+    with router() as client:
+        app = client.app
+
+        @app.get("/boom")
+        async def boom():
+            raise RuntimeError("secret detail: /home/user/.ssh/id_rsa")
+
+        response = client.get("/boom")
+    assert response.status_code == 500
+    assert "secret" not in response.text and "incident" in response.json()["error"]["message"]
+
+
+def test_models_need_a_key_when_keys_are_configured():
+    with router(api_keys={"k1": "a"}) as client:
+        assert client.get("/v1/models").status_code == 401
+        assert client.get("/v1/models", headers={"authorization": "Bearer k1"}).status_code == 200
+
+
+def test_the_router_sends_the_engine_token_to_engines_and_clients_cannot_skip_it():
+    """A stand-in engine behind the same middleware as ours: the router's request passes, a
+    client's straight request (with or without a tenant key) does not."""
+    engine = FastAPI()
+
+    @engine.post("/v1/completions")
+    async def completions():
+        return {"choices": [{"text": "ok"}]}
+
+    engine.add_middleware(EngineAuthMiddleware)
+    with TestClient(engine) as direct:
+        assert direct.post("/v1/completions", json={}).status_code == 401
+        assert direct.post("/v1/completions", json={}, headers={"authorization": "Bearer k1"}).status_code == 401
+        assert direct.post("/v1/completions", json={}, headers=CREDENTIALS.engine_headers()).status_code == 200
+        for path in ("/collective_rpc", "/reset_prefix_cache", "/health", "/metrics", "/tokenize"):
+            assert direct.post(path).status_code == 401 and direct.get(path).status_code == 401
+
+
+async def test_the_router_presents_the_engine_token():
+    from router.proxy import Forwarder
+
+    config = RouterConfig(served_model_name="m", max_model_len=64, cluster_secret=CREDENTIALS.secret.hex())
+    forwarder = Forwarder(config, InstanceRegistry(), None, None, config.credentials().engine_headers())
+    try:
+        assert forwarder.session.headers["Authorization"] == f"Bearer {CREDENTIALS.engine_token}"
+    finally:
+        await forwarder.close()
+
+
+def test_leaving_instances_are_forgotten_by_the_index():
+    registry = InstanceRegistry()
+    config = RouterConfig(served_model_name="m", max_model_len=64, health_interval_s=60)
+    app = build_app(config, registry)
+    registry.add(Instance("gone-0", Role.COLOCATED, "http://127.0.0.1:9"))
+    app.state.index.stored("gone-0", [1, 2, 3])
+    registry.remove("gone-0")
+    assert app.state.index.match([1, 2, 3]) == {}
+
+
+def test_the_secret_file_is_its_owners_alone(tmp_path, monkeypatch):
+    monkeypatch.delenv(SECRET_ENV)
+    path = tmp_path / "cfg" / "secret"
+    with pytest.raises(CredentialsError, match="no cluster secret"):
+        ClusterCredentials.load(path)
+    made = ClusterCredentials.load(path, create=True)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    assert ClusterCredentials.load(path) == made
+    os.chmod(path, 0o644)
+    with pytest.raises(CredentialsError, match="readable by others"):
+        ClusterCredentials.load(path)
+
+
+def test_derived_keys_differ_per_use_and_per_cluster():
+    one, other = ClusterCredentials.generate(), ClusterCredentials.generate()
+    keys = [one.engine_token, one.admin_token, one.weights_key, one.ray_token, one.tenant_salt("a")]
+    assert len(set(keys)) == len(keys)
+    assert one.tenant_salt("a") != other.tenant_salt("a") and one.engine_token != other.engine_token
+    assert one.curve("store").server_public != one.curve("kv-events").server_public
+    assert one.secret.hex() not in repr(one) and one.curve("store").server_secret.decode() not in repr(
+        one.curve("store"))  # fmt: skip
