@@ -183,7 +183,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
     args.port = port_parser.parse_known_args(args.launch_args)[0].port
     try:
         url = cluster.up(args.cluster_yaml, args.launch_args, args.port)
-    except (cluster.ClusterConfigError, RuntimeError, TimeoutError) as exc:
+    except (cluster.ClusterConfigError, RuntimeError, TimeoutError, OSError) as exc:  # CredentialsError too
         console.print(f"[red]pdcluster up failed:[/] {exc}")
         return 1
     console.print(

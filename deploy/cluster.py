@@ -1,9 +1,12 @@
 """`ray up` clusters: validating their YAML offline, bringing them up with pdcluster on them,
 reporting, tearing down.
 
-`pdcluster up CLUSTER.yaml [serve flags]` runs `ray up`, then starts `pdcluster launch` on the
-head (detached, logging to ~/pdcluster-launch.log) and waits until the router answers /health
-there. pdcluster is expected in $PDCLUSTER_HOME (default ~/pdcluster) on every host.
+`pdcluster up CLUSTER.yaml [serve flags]` writes the cluster's secret and Ray's token (derived
+from it) into ~/.config/pdcluster (0600; the YAMLs mount that folder on every node: Ray starts
+with the token, the head's launcher reads the secret), runs `ray up`, then starts `pdcluster
+launch` on the head (detached, logging to ~/pdcluster-launch.log) and waits until the router
+answers /health there. No secret is ever put on a command line. pdcluster is expected in
+$PDCLUSTER_HOME (default ~/pdcluster) on every host.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import time
 from pathlib import Path
 
 import yaml
+
+from security.credentials import ClusterCredentials, CredentialsError, default_secret_file, write_private
 
 REMOTE_BIN = "${PDCLUSTER_HOME:-$HOME/pdcluster}/.venv/bin"
 REMOTE_PDCLUSTER = f"{REMOTE_BIN}/pdcluster"
@@ -49,10 +54,23 @@ def head_exec(cluster_yaml: Path, command: str, timeout_s: float = 120, check: b
     return _ray("exec", str(cluster_yaml), command, timeout_s=timeout_s, check=check)
 
 
+def cluster_credentials_dir(credentials: ClusterCredentials) -> Path:
+    """The folder the YAMLs mount on every node, holding `secret` and `ray-token` (0600). A
+    secret file already there must be this cluster's: it is never overwritten."""
+    path = default_secret_file()
+    if path.exists() and ClusterCredentials.from_hex(path.read_text()) != credentials:
+        raise CredentialsError(f"{path} holds another cluster's secret")
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    write_private(path, credentials.secret.hex() + "\n")
+    write_private(path.with_name("ray-token"), credentials.ray_token + "\n")
+    return path.parent
+
+
 def up(cluster_yaml: Path, launch_args: list[str], port: int, timeout_s: float = 900) -> str:
     """`ray up`, then pdcluster on the head with `launch_args` (which set the router's `port`);
     returns the router's URL as seen from the head."""
     validate_cluster_yaml(cluster_yaml)
+    cluster_credentials_dir(ClusterCredentials.load(create=True))
     result = _ray("up", "-y", str(cluster_yaml), timeout_s=timeout_s, check=False)
     if result.returncode != 0:
         raise RuntimeError(f"ray up failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")

@@ -49,9 +49,11 @@ def add_admin_routes(app: FastAPI, credentials: ClusterCredentials, analyzer: Re
         return {
             "instances": [
                 {"instance_id": i.instance_id, "role": i.role.value, "url": i.url,
-                 "state": i.state.value, "inflight": i.inflight, "index_blocks": index.num_blocks(i.instance_id)}
+                 "state": i.state.value, "inflight": i.inflight, "index_blocks": index.num_blocks(i.instance_id),
+                 "kv_events_replay_endpoint": i.kv_events_replay_endpoint}
                 for i in registry.all()
-            ]
+            ],
+            "kv_events_endpoint": app.state.config.kv_events_endpoint,
         }  # fmt: skip
 
     @routes.get("/admin/store")

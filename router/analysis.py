@@ -27,6 +27,8 @@ class RequestAnalyzer:
 
     def __init__(self, config: RouterConfig) -> None:
         self.block_size = config.block_size
+        self.max_model_len = config.max_model_len
+        self.max_chars = config.max_model_len * config.max_chars_per_token
         self.hasher = (
             PromptHasher(config.tokenizer, config.block_size, config.hash_seed) if config.tokenizer else None
         )
@@ -37,6 +39,8 @@ class RequestAnalyzer:
 
     async def analyze(self, request: SamplingRequest) -> RoutingRequest:
         text = _prompt_text(request)
+        if len(text) > self.max_chars:  # no tokenizer makes it fit: not worth the work
+            raise BadRequest(f"the prompt cannot fit the model's {self.max_model_len} tokens", param="prompt")
         if self.hasher is None:
             return RoutingRequest((), 0, self.block_size, text)
         try:
@@ -47,6 +51,9 @@ class RequestAnalyzer:
         except (TypeError, ValueError, jinja2.TemplateError) as exc:  # e.g. a message with no content
             param = "messages" if isinstance(request, ChatCompletionRequest) else "prompt"
             raise BadRequest(f"the {param} cannot be tokenized for this model: {exc}", param=param) from None
+        if len(tokens) >= self.max_model_len:  # refused here: the engine never spends on it
+            raise BadRequest(f"the prompt has {len(tokens)} tokens; the model takes fewer than {self.max_model_len}",
+                             param="messages" if isinstance(request, ChatCompletionRequest) else "prompt")  # fmt: skip
         hashes = self.hasher.block_hashes(tokens, getattr(request, "cache_salt", None))
         return RoutingRequest(hashes, len(tokens), self.block_size, text)
 

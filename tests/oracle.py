@@ -28,10 +28,12 @@ TOP_LOGPROBS = 5
 # computing KV in a different batch or loading it instead of computing it moves logprobs by
 # rounding (measured below 0.02 on these models), and a near-tie can then flip.
 NEAR_TIE = 0.05
-# Logprobs of the same top-5 tokens agree within LOGPROB_ABS + LOGPROB_REL x |logprob|, where the
-# tokens agree: bf16 logits of magnitude 16-32 are 0.125 apart, and batching the same request with
-# others (or not) moves them by that (measured: up to 0.125 on SmolLM2, 0 on the tiny models).
-LOGPROB_ABS, LOGPROB_REL = 0.15, 0.02
+# Where the tokens agree, the top-5 lists share at least TOP_SHARED tokens, and each shared token's
+# logprob agrees within LOGPROB_ABS + LOGPROB_REL x |logprob|: bf16 logits of magnitude 16-32 are
+# 0.125 apart, and computing the same prompt another way moves them (measured on SmolLM2: 0.125
+# when batched with other requests; 0.37 at a logprob of -8.1 through P/D, where the decode
+# instance's attention reads the prefill's KV with its decode kernel; 0 on the tiny models).
+LOGPROB_ABS, LOGPROB_REL, TOP_SHARED = 0.15, 0.08, 3
 LONG_TEXT = " ".join(f"Section {k}: the prefill computes this sentence once and the decode reads it back."
                      for k in range(40))  # fmt: skip
 WARM_UP = "A warm-up request that shares no prefix with the prompts under test. " * 8
@@ -93,7 +95,7 @@ def differences(ours: dict[str, Answer], oracle: dict[str, Answer]) -> list[str]
     Token ids must be equal; past a position where the oracle itself saw a near-tie (its top two
     within NEAR_TIE nats) and we took the other of the two, the rest is not compared (vLLM's own
     `check_logprobs_close` stops there too). Where tokens agree, the logprobs of the top-5 tokens
-    both sides list agree within LOGPROB_ABS + LOGPROB_REL x |logprob|."""
+    both sides list agree within LOGPROB_ABS + LOGPROB_REL x |logprob|, TOP_SHARED of them at least."""
     found = []
     for name, want in oracle.items():
         got = ours[name]
@@ -108,8 +110,9 @@ def differences(ours: dict[str, Answer], oracle: dict[str, Answer]) -> list[str]
                 break
             off = {t: (tops_got[t], p) for t, p in tops_want.items()
                    if t in tops_got and abs(tops_got[t] - p) > LOGPROB_ABS + LOGPROB_REL * abs(p)}  # fmt: skip
-            if off:
-                found.append(f"{name}: token {position}: top logprobs differ (ours, vLLM's): {off}")
+            if off or len(tops_want.keys() & tops_got.keys()) < min(TOP_SHARED, len(tops_want)):
+                found.append(f"{name}: token {position}: top logprobs differ (ours, vLLM's): "
+                             f"{off or (tops_got, tops_want)}")  # fmt: skip
                 break
         else:
             if len(got.token_ids) != len(want.token_ids):

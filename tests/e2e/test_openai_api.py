@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import collections
+import math
+import threading
+import time
+
 import httpx
 import openai
 import pytest
@@ -152,3 +157,48 @@ def test_a_message_the_chat_template_cannot_render_is_a_400(served):
     response = httpx.post(f"{served.url}/v1/chat/completions", json=body, timeout=30)
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "messages"
+
+
+def test_huge_prompts_slow_no_other_client(served):
+    """Clients sending the largest prompts a body may hold (tokenizing each takes the router
+    hundreds of milliseconds, and none fits the model) cost the other clients' time to first token
+    at most 2x: long prompts are tokenized on one bounded thread, off the event loop, refused
+    there, and never reach an engine (docs/security.md, attack 5)."""
+
+    def first_token_s(client: httpx.Client) -> float:
+        body = {"model": MODEL, "prompt": "A short question?", "max_tokens": 1, "stream": True}
+        started = time.perf_counter()
+        with client.stream("POST", f"{served.url}/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            next(line for line in response.iter_lines() if line.startswith("data: {"))
+        return time.perf_counter() - started
+
+    def p99(samples: list[float]) -> float:
+        return sorted(samples)[max(0, math.ceil(0.99 * len(samples)) - 1)]
+
+    stop, refused = threading.Event(), collections.Counter()
+
+    def attack() -> None:
+        huge = {"model": MODEL, "messages": [{"role": "user", "content": "word " * 26_000}]}  # 130k chars
+        with httpx.Client(timeout=60) as client:
+            while not stop.is_set():
+                refused[client.post(f"{served.url}/v1/chat/completions", json=huge).status_code] += 1
+
+    with httpx.Client(timeout=60) as client:
+        for _ in range(5):
+            first_token_s(client)  # warm
+        baseline = [first_token_s(client) for _ in range(40)]
+        attackers = [threading.Thread(target=attack) for _ in range(3)]
+        for thread in attackers:
+            thread.start()
+        try:
+            time.sleep(1.0)
+            under_attack = [first_token_s(client) for _ in range(40)]
+        finally:
+            stop.set()
+            for thread in attackers:
+                thread.join()
+    print(f"TTFT p99 {p99(baseline) * 1e3:.1f} ms -> {p99(under_attack) * 1e3:.1f} ms under attack; "
+          f"attack answers {dict(refused)}")
+    assert set(refused) <= {400, 503} and refused[400] > 0
+    assert p99(under_attack) <= 2 * p99(baseline)

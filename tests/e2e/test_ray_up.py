@@ -1,6 +1,7 @@
 """`pdcluster up` with the local-provider YAML, really: sshd on three loopback addresses in a
-network namespace with only lo, Ray started over SSH, pools placed by role, a chat completion
-through the router, `pdcluster down`."""
+network namespace with only lo, Ray started over SSH with token auth, pools placed by role, a chat
+completion through the router; then a stranger at another address attacks every listener of the
+multi-node cluster and gets nothing (docs/security.md); `pdcluster down`."""
 
 from __future__ import annotations
 
@@ -55,3 +56,11 @@ def test_pdcluster_up_on_a_local_cluster_in_a_network_namespace(tmp_path, tiny_m
     assert seen["chat_status"] == 200 and seen["chat"]["usage"]["completion_tokens"] == 8
     assert any('where="remote"' in line and not line.endswith(" 0.0") for line in seen["prefills"])
     assert seen["down_rc"] == 0
+    hit = seen["attacks"]
+    assert all(code == 401 for codes in hit["engine_routes"].values() for code in codes), hit["engine_routes"]
+    assert hit["store_shards"]["plain"] and not any(hit["store_shards"]["plain"] + hit["store_shards"]["own_curve_key"])
+    assert hit["kv_event_replay"] and not any(hit["kv_event_replay"])  # no answer, no token ids
+    forged = hit["forged_kv_events"]
+    assert forged["batches_after"] == forged["batches_before"]  # nothing the stranger sent was applied
+    assert hit["ray_gcs_exit_code"] != 0
+    assert set(hit["router_edges"].values()) == {401}
