@@ -22,7 +22,7 @@ import zmq
 from vllm.distributed.kv_events import BlockStored, EventPublisherFactory, ZmqEventPublisher
 
 from security.credentials import SECRET_ENV, ClusterCredentials
-from security.zmq_curve import KV_EVENTS_PLANE, Gate, connect_curve, serve_curve
+from transport.zmq_curve import KV_EVENTS_PLANE, Gate, connect_curve, serve_curve
 
 _gates: dict[int, Gate] = {}  # one ZAP handler per ZMQ context
 

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.nixl_transfer import add_peer, new_agent, transfer
+from transport.nixl import add_peer, new_agent, transfer
 
 ALIGNMENT = 4096
 WEIGHTS_FILE_PREFIX = "pdcluster-weights-"

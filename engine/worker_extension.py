@@ -33,7 +33,6 @@ import time
 from pathlib import Path
 
 from engine.cuda_ipc import IpcTensor
-from engine.nixl_transfer import quiet_progress_threads
 from engine.weights import (
     WeightExporter,
     WeightIntegrityError,
@@ -47,6 +46,7 @@ from engine.weights import (
     stream_to_device,
 )
 from security.credentials import ClusterCredentials
+from transport.nixl import quiet_progress_threads
 
 # Set by the engine's host (engine/host.py): the node's folder of weights files, and where this
 # worker keeps the host copy of its weights that its node's peers may map (a name of the host's
@@ -55,7 +55,7 @@ WEIGHTS_DIR_ENV = "PDCLUSTER_WEIGHTS_DIR"
 WEIGHTS_FILE_ENV = "PDCLUSTER_WEIGHTS_FILE"
 
 # vLLM loads this module when it builds the worker, before the worker's KV connector makes its
-# NIXL agents: from here on they do not spin a core each (engine/nixl_transfer.py says why).
+# NIXL agents: from here on they do not spin a core each (transport/nixl.py says why).
 if importlib.util.find_spec("nixl") is not None:
     quiet_progress_threads()
 

@@ -22,10 +22,10 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import xxhash
 
-from engine.nixl_transfer import NixlTransferError, PostedTransfer, add_peer, new_agent, transfer
 from kvstore import protocol
 from security.credentials import CurveKeys
-from security.zmq_curve import connect_curve
+from transport.nixl import NixlTransferError, PostedTransfer, add_peer, new_agent, transfer
+from transport.zmq_curve import connect_curve
 
 log = logging.getLogger(__name__)
 

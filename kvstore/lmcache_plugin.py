@@ -17,10 +17,10 @@ import numpy as np
 from lmcache.v1.storage_backend.connector import ConnectorAdapter, ConnectorContext
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
-from engine.nixl_transfer import NixlTransferError
 from kvstore.client import ShardedStore, StoreUnavailable
 from security.credentials import ClusterCredentials
-from security.zmq_curve import STORE_PLANE
+from transport.nixl import NixlTransferError
+from transport.zmq_curve import STORE_PLANE
 
 log = logging.getLogger(__name__)
 PLUGIN_NAME = "pdc_store"

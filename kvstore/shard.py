@@ -9,7 +9,7 @@ lease, release, contains, stats) on a ZMQ socket. `StoreShardActor` is the Ray a
 server: placement, lifetime and the handle the launcher and tests hold.
 
 Only the cluster's members talk to a shard: its control socket is a CURVE server that admits the
-store plane's client key alone (security/zmq_curve.py), so a stranger learns neither the arena's
+store plane's client key alone (transport/zmq_curve.py), so a stranger learns neither the arena's
 NIXL metadata nor any address in it. Every message is decoded and bounded before it is acted on;
 a bad one gets an error reply and changes nothing. The NIXL data plane itself has no per-peer
 access control (UCX admits any peer that knows the agent's metadata): shards and engines must
@@ -33,10 +33,10 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.nixl_transfer import Extent, new_agent
 from kvstore import protocol
 from security.credentials import ClusterCredentials, CurveKeys
-from security.zmq_curve import STORE_PLANE, Gate, serve_curve
+from transport.nixl import Extent, new_agent
+from transport.zmq_curve import STORE_PLANE, Gate, serve_curve
 
 log = logging.getLogger(__name__)
 PAGE_BYTES = 64 * 1024

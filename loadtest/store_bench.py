@@ -30,11 +30,11 @@ from pathlib import Path
 import numpy as np
 
 from engine.environment import UCX_LOOPBACK_ENV
-from engine.nixl_transfer import add_peer, new_agent, transfer
 from kvstore import protocol
 from kvstore.client import ShardClient, request_once
 from security.credentials import ClusterCredentials, CurveKeys
-from security.zmq_curve import STORE_PLANE
+from transport.nixl import add_peer, new_agent, transfer
+from transport.zmq_curve import STORE_PLANE
 
 KEYS = ClusterCredentials.generate().curve(STORE_PLANE)  # this bench's own cluster
 

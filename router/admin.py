@@ -20,7 +20,7 @@ from router.analysis import RequestAnalyzer
 from router.errors import Unauthorized
 from router.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from security.credentials import ClusterCredentials, bearer_matches
-from security.zmq_curve import STORE_PLANE
+from transport.zmq_curve import STORE_PLANE
 
 AdmitRequest = Callable[[Request, type[SamplingRequest]], Awaitable[tuple[str, SamplingRequest]]]
 

@@ -29,7 +29,7 @@ from router.kv_index import KVIndex
 from router.policies import PolicyContext, make_policy
 from router.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from router.proxy import Forwarder
-from security.zmq_curve import KV_EVENTS_PLANE
+from transport.zmq_curve import KV_EVENTS_PLANE
 
 log = logging.getLogger(__name__)
 SERVING_ROLES = (Role.COLOCATED, Role.DECODE)

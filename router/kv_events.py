@@ -28,7 +28,7 @@ from kvstore import STORE_MEDIUM
 from router import metrics
 from router.kv_index import KVIndex
 from security.credentials import CurveKeys
-from security.zmq_curve import Gate, connect_curve, serve_curve
+from transport.zmq_curve import Gate, connect_curve, serve_curve
 
 log = logging.getLogger(__name__)
 END_SEQ = -1

@@ -12,7 +12,7 @@ drift apart, and knowing one derived key reveals neither the secret nor another 
 - `tenant_salt(tenant)`: the cache salt of a tenant's requests, which no one without the secret
   can compute for another tenant (a hash of the tenant's name could be);
 - `curve(plane)`: ZMQ CURVE key pairs (server and client) for the store's control sockets and
-  the KV event sockets (security/zmq_curve.py);
+  the KV event sockets (transport/zmq_curve.py);
 - `ray_token`: Ray's own token authentication (every Ray process of the cluster presents it).
 
 The secret comes from the environment (PDCLUSTER_SECRET, hex) or a file (PDCLUSTER_SECRET_FILE,

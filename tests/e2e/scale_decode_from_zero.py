@@ -62,7 +62,7 @@ def main() -> int:
         from kvstore.client import ShardedStore
         from router.instances import InstanceRegistry
         from security.credentials import ClusterCredentials
-        from security.zmq_curve import STORE_PLANE
+        from transport.zmq_curve import STORE_PLANE
 
         ray.init("auto", log_to_driver=False, namespace="pdcluster")
 

@@ -24,7 +24,7 @@ from loadtest.report import summarize
 from loadtest.runner import Limits, run_load
 from loadtest.scrape import scrape
 from loadtest.workloads import RandomLengths
-from security.zmq_curve import STORE_PLANE
+from transport.zmq_curve import STORE_PLANE
 
 pytestmark = pytest.mark.slow
 LONG = " ".join(f"line {k}: the quick brown fox jumps over the lazy dog." for k in range(60))
@@ -174,3 +174,25 @@ def test_a_killed_prefill_costs_no_request(served, served_pd):
     assert results == expected
     after = [generate(served_pd.url, b) for b in bodies[:1]]  # and the next one prefills locally
     assert after == expected[:1]
+
+
+def test_one_tenants_store_chunks_are_invisible_to_another(served_pd):
+    """Tenant salts (as the router sets them) are part of every store key: tenant B's identical
+    prompt finds none of tenant A's chunks (a miss, its KV recomputed), while A's own second
+    request loads them (docs/security.md, attack 3; LMCache#4825 is this bug elsewhere)."""
+    credentials = served_pd.credentials
+    engine = credentials.engine_headers()
+    decode = engine_url(served_pd, "decode")
+    prompt = f"A tenant's private prompt {time.time()}. " + LONG
+    salt_a, salt_b = credentials.tenant_salt("tenant-a"), credentials.tenant_salt("tenant-b")
+
+    def external_hits(salt: str) -> float:
+        before = scrape(decode, ("vllm:external_prefix_cache_hits",), headers=engine)
+        generate(decode, {"prompt": prompt, "cache_salt": salt}, max_tokens=1, headers=engine)
+        after = scrape(decode, ("vllm:external_prefix_cache_hits",), headers=engine)
+        return after["vllm:external_prefix_cache_hits_total"] - before.get("vllm:external_prefix_cache_hits_total", 0)
+
+    generate(engine_url(served_pd, "prefill"), {"prompt": prompt, "cache_salt": salt_a}, max_tokens=1,
+             headers=engine)  # tenant A's prefill: its chunks go to the store  # fmt: skip
+    assert external_hits(salt_b) == 0
+    assert external_hits(salt_a) > 500

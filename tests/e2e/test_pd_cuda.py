@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from security.zmq_curve import STORE_PLANE
+from transport.zmq_curve import STORE_PLANE
 
 torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():

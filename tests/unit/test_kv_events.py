@@ -13,7 +13,7 @@ from router import metrics
 from router.kv_events import KVEventListener
 from router.kv_index import KVIndex
 from security.credentials import ClusterCredentials
-from security.zmq_curve import KV_EVENTS_PLANE, connect_curve
+from transport.zmq_curve import KV_EVENTS_PLANE, connect_curve
 
 KEYS = ClusterCredentials.load().curve(KV_EVENTS_PLANE)  # the session's secret, as engines have it
 

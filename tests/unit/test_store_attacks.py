@@ -18,7 +18,7 @@ from kvstore import protocol
 from kvstore.client import ShardClient, StoreUnavailable, request_once
 from kvstore.shard import ShardServer
 from security.credentials import ClusterCredentials
-from security.zmq_curve import STORE_PLANE, connect_curve
+from transport.zmq_curve import STORE_PLANE, connect_curve
 
 KEYS = ClusterCredentials.generate().curve(STORE_PLANE)
 FRAMES = 10_000

@@ -14,7 +14,7 @@ from kvstore.lmcache_engine import KVLayout, StoreSettings, build_engine
 from kvstore.paged_blocks import PagedBlockConnector
 from kvstore.shard import ShardServer
 from security.credentials import ClusterCredentials
-from security.zmq_curve import STORE_PLANE
+from transport.zmq_curve import STORE_PLANE
 
 KEYS = ClusterCredentials.load().curve(STORE_PLANE)  # the session's secret, as engines have it
 VLLM_HASH = "sha256"  # vLLM's default prefix_caching_hash_algo, as an engine passes it

@@ -12,7 +12,7 @@ from kvstore import protocol
 from kvstore.client import ShardClient
 from kvstore.shard import ChunkStore, ShardServer
 from security.credentials import ClusterCredentials
-from security.zmq_curve import STORE_PLANE
+from transport.zmq_curve import STORE_PLANE
 
 PAGE = 1024
 KEYS = ClusterCredentials.generate().curve(STORE_PLANE)
@@ -216,7 +216,7 @@ def test_clients_follow_the_shard_list_when_a_shard_joins_or_leaves():
 def test_an_idle_nixl_agent_does_not_spin_a_core():
     """NIXL's Python API would start UCX's progress thread polling without pause (a core per
     agent, idle or not); ours wait for events."""
-    from engine.nixl_transfer import new_agent
+    from transport.nixl import new_agent
 
     agent = new_agent("pdc-idle")
     started = time.process_time()

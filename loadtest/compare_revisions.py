@@ -1,0 +1,99 @@
+"""The same benchmark from two revisions of this repository, alternated in one run.
+
+    python -m loadtest.compare_revisions --before fed1ebb [--rounds 3] [--benches router,store]
+
+Checks the `--before` revision out into a temporary worktree and runs each benchmark there and
+here by turns (before, after, before, after, ...), with the same virtual environment, each in
+its own process whose working directory and import path are its tree: what differs is the code.
+Benchmarks (each prints and writes its own JSON, read back here):
+  router - `loadtest.router_overhead --null-engine`: the router's own added time to first token
+           and total, in front of a stand-in engine (no Ray, no vLLM);
+  store  - `loadtest.store_bench`: store reads and writes as a share of raw NIXL's throughput.
+Prints a table of medians over rounds and after/before ratios; writes JSON and a PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+BENCHES = {
+    "router": (["-m", "loadtest.router_overhead", "--null-engine", "--runs", "1", "--rounds", "300"],
+               lambda r: {"added_ttft_ms": r["added_ms"]["ttft"], "added_total_ms": r["added_ms"]["total"]}),
+    "store": (["-m", "loadtest.store_bench", "--runs", "3"],
+              lambda r: {f"{row['path']}_{row['chunk_bytes'] // 1024}k_gib_s": row["gib_s"] for row in r["rows"]
+                         if row["path"].startswith("store")}),
+}  # fmt: skip
+
+
+def run(tree: Path, bench: str, out: Path) -> dict[str, float]:
+    arguments, extract = BENCHES[bench]
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    subprocess.run([sys.executable, *arguments, "--out", str(out)], cwd=tree, env=env, check=True,
+                   stdout=subprocess.DEVNULL, timeout=1800)  # fmt: skip
+    return extract(json.loads(out.read_text()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--before", required=True, help="a git revision (the tree before the change)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--benches", default="router,store")
+    parser.add_argument("--out", type=Path, default=Path("results/compare_revisions.json"))
+    args = parser.parse_args(argv)
+    benches = args.benches.split(",")
+    samples: dict[str, dict[str, dict[str, list[float]]]] = {b: {"before": {}, "after": {}} for b in benches}
+    with tempfile.TemporaryDirectory(prefix="pdc-before-") as scratch:
+        before = Path(scratch) / "tree"
+        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(before), args.before],
+                       check=True, capture_output=True)  # fmt: skip
+        try:
+            for round_ in range(args.rounds):
+                for bench in benches:
+                    for side, tree in (("before", before), ("after", REPO)):
+                        values = run(tree, bench, Path(scratch) / f"{bench}-{side}-{round_}.json")
+                        for name, value in values.items():
+                            samples[bench][side].setdefault(name, []).append(value)
+                        print(f"round {round_ + 1}/{args.rounds} {bench} {side}: {values}", flush=True)
+        finally:
+            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(before)], check=False)
+    rows = []
+    print(f"\n{'bench':7s} {'metric':28s} {'before':>9s} {'after':>9s} {'after/before':>13s}")
+    for bench in benches:
+        for name, values in samples[bench]["before"].items():
+            b, a = statistics.median(values), statistics.median(samples[bench]["after"][name])
+            rows.append({"bench": bench, "metric": name, "before": b, "after": a, "ratio": a / b,
+                         "before_runs": values, "after_runs": samples[bench]["after"][name]})  # fmt: skip
+            print(f"{bench:7s} {name:28s} {b:9.3f} {a:9.3f} {a / b:13.3f}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"before": args.before, "rounds": args.rounds, "rows": rows}, indent=2))
+    plot(rows, args.out.with_suffix(".png"))
+    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+    return 0
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(8, 4))
+    labels = [f"{r['bench']}: {r['metric']}" for r in rows]
+    axis.barh(labels, [r["ratio"] for r in rows])
+    axis.axvline(1.0, color="black", linewidth=0.8)
+    axis.set_xlabel("after / before (medians; time: lower is better, GiB/s: higher is better)")
+    axis.set_title("The same benchmarks before and after the protection, one run")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
