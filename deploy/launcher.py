@@ -124,7 +124,7 @@ class Launcher:
     """Creates engine actors, waits for them to be ready, registers them with the router."""
 
     def __init__(self, registry: InstanceRegistry, credentials: ClusterCredentials, console: Console | None = None,
-                 start_log: Path | None = None):  # fmt: skip
+                 start_log: Path | None = None):
         self.registry = registry
         self.credentials = credentials
         """The cluster's: shards get its secret; adopted actors must prove they hold it too."""
@@ -144,22 +144,22 @@ class Launcher:
         self._store_watch: asyncio.Task | None = None
 
     async def start_store_shards(self, capacity_bytes: int, fault_injection: bool = False,
-                                 timeout_s: float = 120.0) -> tuple[str, ...]:  # fmt: skip
+                                 timeout_s: float = 120.0) -> tuple[str, ...]:
         """One KV store shard on every node of the cluster (the engines are about to be placed);
         returns their endpoints. Ray restarts a shard whose process dies, on its node and endpoint
         (an empty store: misses until refilled). `watch_store()` then keeps one where engines run
         as nodes join and leave (reconcile_store_shards)."""
         self._shard_options = {"capacity_bytes": capacity_bytes, "fault_injection": fault_injection,
-                               "cluster_secret": self.credentials.secret.hex()}  # fmt: skip
+                               "cluster_secret": self.credentials.secret.hex()}
         endpoints = await self.reconcile_store_shards(timeout_s, engine_nodes=set(self._all_nodes()))
         if not endpoints:
             raise RuntimeError(f"no KV store shard answered within {timeout_s:g} s")
         self.console.print(f"KV store: {len(endpoints)} shard(s) of {capacity_bytes / 1024**3:.1f} GiB: "
-                           f"{', '.join(endpoints)}")  # fmt: skip
+                           f"{', '.join(endpoints)}")
         return endpoints
 
     async def reconcile_store_shards(self, timeout_s: float = 10.0,
-                                     engine_nodes: set[str] | None = None) -> tuple[str, ...]:  # fmt: skip
+                                     engine_nodes: set[str] | None = None) -> tuple[str, ...]:
         """Keep a shard on this process's node and on every node that hosts one of our engines
         (`engine_nodes`; by default asked of the engines): start the missing ones (with the
         options of `start_store_shards`), end those on nodes that host none any more (a shard
@@ -178,11 +178,11 @@ class Launcher:
                 strategy = NodeAffinitySchedulingStrategy(node_id, soft=False)
                 self._shards[name] = StoreShard.options(
                     name=name, lifetime="detached", num_cpus=0, scheduling_strategy=strategy, max_restarts=-1
-                ).remote(**self._shard_options)  # fmt: skip
+                ).remote(**self._shard_options)
         for name in [n for n in self._shards if n.removeprefix(STORE_SHARD_PREFIX) not in wanted]:
             ray.kill(self._shards.pop(name))
         answers = await asyncio.gather(*(asyncio.wait_for(h.membership.remote(), timeout_s)
-                                         for h in self._shards.values()), return_exceptions=True)  # fmt: skip
+                                         for h in self._shards.values()), return_exceptions=True)
         live = {name: a for name, a in zip(self._shards, answers, strict=True) if isinstance(a, dict)}
         restarted = [n for n, a in live.items() if self._shard_boots.get(n, a["boot_id"]) != a["boot_id"]]
         self._shard_boots.update((n, a["boot_id"]) for n, a in live.items())
@@ -194,7 +194,7 @@ class Launcher:
         newest = max(live.values(), key=lambda a: a["epoch"], default={"epoch": 0, "members": []})
         epoch = newest["epoch"] if newest["members"] == members else newest["epoch"] + 1
         await asyncio.gather(*(asyncio.wait_for(self._shards[name].set_members.remote(members, epoch), timeout_s)
-                               for name, a in live.items() if a["epoch"] < epoch), return_exceptions=True)  # fmt: skip
+                               for name, a in live.items() if a["epoch"] < epoch), return_exceptions=True)
         if epoch != newest["epoch"]:
             log.info("KV store shards (epoch %d): %s", epoch, members)
         return tuple(members)
@@ -205,7 +205,7 @@ class Launcher:
 
     async def _engine_nodes(self, timeout_s: float) -> set[str]:
         answers = await asyncio.gather(*(asyncio.wait_for(a.node_id.remote(), timeout_s)
-                                         for a in self._actors.values()), return_exceptions=True)  # fmt: skip
+                                         for a in self._actors.values()), return_exceptions=True)
         return {node for node in answers if isinstance(node, str)}
 
     def watch_store(self, interval_s: float = 5.0) -> None:
@@ -238,20 +238,20 @@ class Launcher:
         engines = {n: h for n, h in ours.items() if n not in shards}
         answers = dict(zip(engines, await asyncio.gather(
             *(asyncio.wait_for(h.describe.remote(), timeout_s) for h in engines.values()),
-            return_exceptions=True), strict=True))  # fmt: skip
+            return_exceptions=True), strict=True))
         adopted, events_endpoints, ended = [], set(), []
         for name, actor in engines.items():
             info = answers[name]
             if not (isinstance(info, dict) and info.get("model") == str(config.model)
                     and info["served_model_name"] == config.served_model_name
-                    and info["state"] in (InstanceState.READY.value, InstanceState.STANDBY.value)):  # fmt: skip
+                    and info["state"] in (InstanceState.READY.value, InstanceState.STANDBY.value)):
                 ended.append(actor)
                 continue
             self._actors[name] = actor
             self._adopted.add(name)
             self.instances[name] = StartedInstance(name, actor, info["url"], Role(info["role"]), {})
             self.registry.add(Instance(name, Role(info["role"]), info["url"], InstanceState(info["state"]),
-                                       kv_events_replay_endpoint=info["kv_events_replay_endpoint"]))  # fmt: skip
+                                       kv_events_replay_endpoint=info["kv_events_replay_endpoint"]))
             events_endpoints.add(info["kv_events_endpoint"])
             adopted.append(name)
         await _end_engines(ended)
@@ -263,7 +263,7 @@ class Launcher:
         if len(events_endpoints) > 1:
             raise RuntimeError(f"adopted engines publish KV events to different routers: {events_endpoints}")
         self.console.print(f"adopted {len(adopted)} engine(s) {adopted} and {len(self._shards)} store shard(s) "
-                           f"in {time.monotonic() - started:.2f} s; stopped {len(ended)} engine(s) that did not fit")  # fmt: skip
+                           f"in {time.monotonic() - started:.2f} s; stopped {len(ended)} engine(s) that did not fit")
         return Adopted(tuple(adopted), next(iter(events_endpoints), None))
 
     async def _proven(self, handles: dict[str, ray.actor.ActorHandle], timeout_s: float) -> dict:
@@ -271,7 +271,7 @@ class Launcher:
         nonce = secrets.token_hex(16)
         kinds = {name: "store-shard" if name.startswith(STORE_SHARD_PREFIX) else "engine" for name in handles}
         answers = await asyncio.gather(*(asyncio.wait_for(h.prove.remote(nonce), timeout_s) for h in handles.values()),
-                                       return_exceptions=True)  # fmt: skip
+                                       return_exceptions=True)
         proven = {}
         for (name, handle), answer in zip(handles.items(), answers, strict=True):
             expected = self.credentials.prove(f"{kinds[name]}:{nonce}")
@@ -319,7 +319,7 @@ class Launcher:
                 if time.monotonic() > deadline:
                     waiting = sorted(iid for iid, task in starts.items() if not task.done())
                     raise TimeoutError(f"engines not started in time (no node for their role?): {waiting}; "
-                                       "raise --placement-timeout")  # fmt: skip
+                                       "raise --placement-timeout")
                 if live is not None:
                     live.update(self._progress_table(actors, await self._describe_all(actors)))
                 await asyncio.wait(list(starts.values()), timeout=0.5)
@@ -339,7 +339,7 @@ class Launcher:
             self.registry.add(
                 Instance(instance_id, record.role, record.url, InstanceState(info["state"]),
                          kv_events_replay_endpoint=info["kv_events_replay_endpoint"])
-            )  # fmt: skip
+            )
             started.append(record)
             path = "standby_start" if standby else timeline["details"].get("weights_source", "disk")
             self._record(instance_id, path.split("/")[0], timeline)
@@ -428,7 +428,7 @@ class Launcher:
             table.add_row(
                 instance_id, info.get("role", ""), info.get("state", "starting"),
                 info.get("last_stage", ""), f"{info.get('elapsed_s', 0):.1f} s",
-            )  # fmt: skip
+            )
         return table
 
     async def shutdown(self, keep_adopted: bool = False) -> None:

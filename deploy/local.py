@@ -49,7 +49,7 @@ class LocalServer:
         engine_logs = self.log_path.with_suffix("")
         shutil.rmtree(engine_logs, ignore_errors=True)
         command = [sys.executable, "-m", "deploy.cli", "serve", "--port", str(self.port),
-                   "--engine-log-dir", str(engine_logs), *self.args]  # fmt: skip
+                   "--engine-log-dir", str(engine_logs), *self.args]
         self._process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
         deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline:
@@ -114,7 +114,7 @@ class RayHead:
     cluster secret in this process's environment or file; owns its processes."""
 
     PORT_FLAGS = ("--port", "--node-manager-port", "--object-manager-port", "--metrics-export-port",
-                  "--dashboard-agent-listen-port", "--dashboard-agent-grpc-port", "--runtime-env-agent-port")  # fmt: skip
+                  "--dashboard-agent-listen-port", "--dashboard-agent-grpc-port", "--runtime-env-agent-port")
 
     def __init__(
         self, resources: dict[str, float] | None = None, num_cpus: int = 4, start_timeout_s: float = 60
@@ -133,7 +133,7 @@ class RayHead:
         command = [ray, "start", "--head", "--block", "--node-ip-address=127.0.0.1", "--include-dashboard=false",
                    f"--num-cpus={self.num_cpus}", f"--resources={json.dumps(self.resources)}",
                    "--object-store-memory=268435456", f"--temp-dir={self._temp_dir}",
-                   *(f"{flag}={port}" for flag, port in self.ports.items())]  # fmt: skip
+                   *(f"{flag}={port}" for flag, port in self.ports.items())]
         env = {**os.environ, **RAY_LOOPBACK_ENV, **UCX_LOOPBACK_ENV, **ClusterCredentials.load().ray_auth_env()}
         log = (self._temp_dir / "ray-start.log").open("w")
         self._process = subprocess.Popen(

@@ -62,7 +62,7 @@ class PoolSpec(BaseModel):
 
 
 def wants_more(spec: PoolSpec, ready: int, inflight: int, queued: int, growing: int,
-               ttft_p90: float | None) -> bool:  # fmt: skip
+               ttft_p90: float | None) -> bool:
     """Whether `spec`'s pool should start one more instance now. Below `min_ready` always; past
     it, one at a time (the effect of an instance still starting is not seen yet) when requests
     wait, when the ready ones carry more than `target_inflight` each, or when first tokens come

@@ -15,7 +15,7 @@ _BLOCK_WORDS = 8192
 
 @triton.jit
 def _partial_sums(words, n, plain_out, weighted_out, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
-                  MODULUS: tl.constexpr):  # fmt: skip
+                  MODULUS: tl.constexpr):
     program = tl.program_id(0).to(tl.int64)
     offsets = program * BLOCK + tl.arange(0, BLOCK)
     word = tl.load(words + offsets, mask=offsets < n, other=0)
@@ -32,6 +32,6 @@ def checksum(words: torch.Tensor, chunk_words: int, modulus: int) -> tuple[int, 
     partials = torch.empty((2, blocks), dtype=torch.int64, device=words.device)
     with torch.cuda.device(words.device):  # Triton launches on the current device
         _partial_sums[(blocks,)](words, words.numel(), partials[0], partials[1], BLOCK=_BLOCK_WORDS,
-                                 CHUNK=chunk_words, MODULUS=modulus, num_warps=8)  # fmt: skip
+                                 CHUNK=chunk_words, MODULUS=modulus, num_warps=8)
     plain, weighted = partials.sum(dim=1).tolist()
     return plain, weighted

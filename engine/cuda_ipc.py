@@ -38,10 +38,10 @@ class IpcTensor:
 
         _, args = reduce_tensor(tensor)
         (_, size, stride, offset, _, dtype, device, handle, size_bytes, offset_bytes, _,
-         counter, counter_offset, event, event_sync) = args  # fmt: skip
+         counter, counter_offset, event, event_sync) = args
         return cls(tuple(size), tuple(stride), offset, str(dtype).removeprefix("torch."), device,
                    _b64(handle), size_bytes, offset_bytes, _b64(counter), counter_offset, _b64(event),
-                   bool(event_sync))  # fmt: skip
+                   bool(event_sync))
 
     @classmethod
     def from_json(cls, raw: dict) -> IpcTensor:
@@ -51,7 +51,7 @@ class IpcTensor:
             raise ValueError(f"an IPC tensor record has fields {sorted(raw)}, expected {sorted(fields)}")
         record = cls(**{name: tuple(value) if name in ("size", "stride") else value for name, value in raw.items()})
         ints = [*record.size, *record.stride, record.offset, record.device, record.storage_size_bytes,
-                record.storage_offset_bytes, record.ref_counter_offset]  # fmt: skip
+                record.storage_offset_bytes, record.ref_counter_offset]
         if not all(type(v) is int and v >= 0 for v in ints) or record.dtype not in DTYPES:
             raise ValueError("an IPC tensor record holds a negative or non-integer size, or an unknown dtype")
         if not all(isinstance(getattr(record, n), str | None) for n in ("handle", "ref_counter_handle", "event_handle")):
@@ -70,7 +70,7 @@ class IpcTensor:
             getattr(torch, self.dtype), self.device, _bytes(self.handle), self.storage_size_bytes,
             self.storage_offset_bytes, False, _bytes(self.ref_counter_handle), self.ref_counter_offset,
             _bytes(self.event_handle), self.event_sync_required,
-        )  # fmt: skip
+        )
 
 
 def _b64(value: bytes | None) -> str | None:

@@ -89,7 +89,7 @@ def engine_env(host: str, kv_cache_gib: float, cpu_cores: str | None) -> dict[st
 
 # Never handed to an engine: what a compromised engine could use beyond its own job.
 _SCRUBBED = ("RAY_AUTH", "AWS_", "GOOGLE_", "AZURE_", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "PDCLUSTER_API_KEYS",
-             "SSH_AUTH_SOCK", "KUBECONFIG")  # fmt: skip
+             "SSH_AUTH_SOCK", "KUBECONFIG")
 
 
 def engine_process_env(host: str, kv_cache_gib: float, cpu_cores: str | None) -> dict[str, str]:
@@ -99,7 +99,7 @@ def engine_process_env(host: str, kv_cache_gib: float, cpu_cores: str | None) ->
     shared by every engine on the node, and each engine's /metrics would report the sum of all of
     them; without it vLLM makes each engine a private one."""
     inherited = {k: v for k, v in os.environ.items()
-                 if k != "PROMETHEUS_MULTIPROC_DIR" and not k.startswith(_SCRUBBED)}  # fmt: skip
+                 if k != "PROMETHEUS_MULTIPROC_DIR" and not k.startswith(_SCRUBBED)}
     return inherited | engine_env(host, kv_cache_gib, cpu_cores)
 
 

@@ -144,7 +144,7 @@ class EngineHost:
             "--load-format", "dummy",
             "--worker-extension-cls", "engine.worker_extension.WeightPlaneExtension",
             "--middleware", "engine.http_auth.EngineAuthMiddleware",
-        ]  # fmt: skip
+        ]
         if c.enforce_eager:
             command.append("--enforce-eager")
         if c.kv_events_endpoint:
@@ -173,9 +173,9 @@ class EngineHost:
         if self.config.kv_store_endpoints:
             return {**shared, "kv_connector": "StoreConnector", "kv_connector_module_path": "kvstore.connector",
                     "kv_connector_extra_config": {"endpoints": list(self.config.kv_store_endpoints),
-                                                  "timeout_s": self.config.kv_store_timeout_s}}  # fmt: skip
+                                                  "timeout_s": self.config.kv_store_timeout_s}}
         return {**shared, "kv_connector": "NixlConnector",
-                "kv_buffer_device": "cpu" if is_cpu_build() else "cuda"}  # fmt: skip
+                "kv_buffer_device": "cpu" if is_cpu_build() else "cuda"}
 
     async def start(self, standby: bool = False, peer: dict | None = None) -> dict:
         """Start the server and wait for /health. Then, unless `standby`, load the weights (from
@@ -280,7 +280,7 @@ class EngineHost:
                 f"{self.url}/v1/completions",
                 json={"model": self.config.served_model_name, "prompt": "warm up",
                       "max_tokens": 1, "temperature": 0, "logprobs": 1},
-            )  # fmt: skip
+            )
             response.raise_for_status()
 
     async def _worker_call(self, method: str, request: dict, timeout_s: float) -> dict:
@@ -390,7 +390,7 @@ def _local_client(timeout_s: float, headers: dict[str, str]) -> httpx.AsyncClien
     builds an SSL context and loads the CA certificates unless given one: 20-55 ms here, and an
     activation makes three clients on its way to READY."""
     return httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), verify=_ssl_context(), trust_env=False,
-                             headers=headers)  # fmt: skip
+                             headers=headers)
 
 
 def node_address() -> str:

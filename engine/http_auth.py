@@ -16,7 +16,7 @@ import json
 from security.credentials import ClusterCredentials, bearer_matches
 
 _DENIED = json.dumps({"error": {"message": "this engine serves only its cluster's router",
-                                "type": "AuthenticationError", "code": 401}}).encode()  # fmt: skip
+                                "type": "AuthenticationError", "code": 401}}).encode()
 
 
 class EngineAuthMiddleware:

@@ -1,11 +1,13 @@
-"""Model checkpoints that need no network: a random-weight tiny Llama and the real SmolLM2.
+"""Model checkpoints that need no network: random-weight Llamas (tiny and ~1B, each untied or
+with tied word embeddings) and the real SmolLM2.
 
 Both are written as ordinary Hugging Face folders (config, safetensors, tokenizer with a chat
 template) so vLLM loads them like any downloaded model. A folder is rebuilt only when its
 completion marker is missing.
 
 Run these in their own process (``pdcluster model ...``): torch work done in a process that later
-creates a vLLM engine can hang the engine core (ARCHITECTURE.md, section 4).
+creates a vLLM engine can hang the engine core (vLLM forks its engine core after OpenMP threads
+exist; seen on the H200, docs/gpu-notes.md).
 """
 
 from __future__ import annotations
@@ -78,7 +80,7 @@ def _trained_tokenizer(target: Path, vocab_size: int):
 
 
 def _random_llama(target: Path, seed: int, layers: int, hidden: int, intermediate: int, heads: int,
-                  kv_heads: int, tied: bool = False) -> None:  # fmt: skip
+                  kv_heads: int, tied: bool = False) -> None:
     """A Llama with random weights and the trained tokenizer; `tied` shares the input embeddings
     with the output head (no lm_head.weight in the checkpoint), as SmolLM2, Llama-3.2-1B/3B and
     small Qwen2.5 models do."""

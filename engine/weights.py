@@ -46,7 +46,7 @@ READ_CHUNK_BYTES = 16 * 1024**2
 _DTYPES = {
     "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
     "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
-}  # fmt: skip
+}
 
 
 class WeightTransferError(RuntimeError):
@@ -122,7 +122,7 @@ class WeightSet:
     it made one (`close()` removes it); a mapped peer file is only unmapped."""
 
     def __init__(self, manifest: WeightManifest, buffer: np.ndarray, shm_path: Path | None = None,
-                 owns_file: bool = False):  # fmt: skip
+                 owns_file: bool = False):
         self.manifest = manifest
         self.buffer = buffer
         self.shm_path = shm_path
@@ -144,13 +144,13 @@ class WeightSet:
             return tuple(
                 pool.map(lambda e: _tensor_digest(view[e.offset : e.offset + e.nbytes]),
                          self.manifest.tensors)
-            )  # fmt: skip
+            )
 
     def verify(self, threads: int = 8) -> None:
         """Raise WeightIntegrityError naming the tensors whose bytes differ from the manifest."""
         actual = self.compute_digests(threads)
         bad = [e.name for e, want, got in zip(self.manifest.tensors, self.manifest.digests, actual,
-                                              strict=True) if want != got]  # fmt: skip
+                                              strict=True) if want != got]
         if bad:
             raise WeightIntegrityError(f"{len(bad)} tensors fail their digest: {bad[:5]}")
 
@@ -202,7 +202,7 @@ def _safetensors_layout(model_dir: Path) -> tuple[list[TensorEntry], list[tuple[
         for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
             begin, end = info["data_offsets"]
             entries.append(TensorEntry(name, _DTYPES[info["dtype"]], tuple(info["shape"]),
-                                       cursor + begin, end - begin))  # fmt: skip
+                                       cursor + begin, end - begin))
         files.append((path, data_start, data_bytes, cursor))
         cursor += -(-data_bytes // ALIGNMENT) * ALIGNMENT
     return entries, files
@@ -263,7 +263,7 @@ def read_from_disk(model_dir: Path, shm_path: Path | None = None, threads: int =
         files, threads, lambda c, read_into: read_into(view[c.buffer_offset : c.buffer_offset + c.nbytes])
     )
     weights = WeightSet(WeightManifest(model_id(model_dir), tuple(entries), total), buffer,
-                        shm_path, owns_file=shm_path is not None)  # fmt: skip
+                        shm_path, owns_file=shm_path is not None)
     weights.manifest = dataclasses.replace(weights.manifest, digests=weights.compute_digests(threads))
     return weights
 
@@ -406,7 +406,7 @@ def fetch_from_peer(
     transferred = time.perf_counter()
     weights.verify(threads)
     return weights, FetchRecord(transport, manifest.total_bytes, transferred - started,
-                                time.perf_counter() - transferred)  # fmt: skip
+                                time.perf_counter() - transferred)
 
 
 def _nixl_read(remote: dict, buffer: np.ndarray, timeout_s: float) -> np.ndarray:
@@ -420,7 +420,7 @@ def _nixl_read(remote: dict, buffer: np.ndarray, timeout_s: float) -> np.ndarray
     try:
         peer = add_peer(agent, base64.b64decode(remote["metadata"]))
         transfer(agent, "READ", [(buffer.ctypes.data, buffer.nbytes)], [(remote["address"], buffer.nbytes)],
-                 peer, timeout_s)  # fmt: skip
+                 peer, timeout_s)
         agent.remove_remote_agent(peer)
         return buffer
     except Exception as exc:  # NixlTransferError, or NIXL's own: an unreachable or vanished peer

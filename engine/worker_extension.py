@@ -107,7 +107,7 @@ def reprocess_tied_layers(model) -> list[str]:
             continue
         if not isinstance(method, UnquantizedEmbeddingMethod):
             raise WeightTransferError(f"{name} shares its weights with another layer and is processed by "
-                                      f"{type(method).__name__}: reloading it in place is not supported")  # fmt: skip
+                                      f"{type(method).__name__}: reloading it in place is not supported")
         method.process_weights_after_loading(module)
         reprocessed.append(name)
     return reprocessed
@@ -183,7 +183,7 @@ class WeightPlaneExtension:
             nbytes = weights.manifest.total_bytes
             self._pdc_keep(weights if own_file is not None else None)
         return {"source": "disk", "read_s": read - started, "reload_s": time.perf_counter() - read,
-                "bytes": nbytes}  # fmt: skip
+                "bytes": nbytes}
 
     def _pdc_load_from_peer(self, request: dict) -> dict:
         peer = request["peer"]
@@ -193,13 +193,13 @@ class WeightPlaneExtension:
         weights, fetched = fetch_from_peer(
             peer, model_id(self._pdc_model_dir()), _weights_key(), _node_host(),
             Path(os.environ.get(WEIGHTS_DIR_ENV, "/dev/shm")), float(request.get("timeout_s", 60.0)), own_file=own_file,
-        )  # fmt: skip
+        )
         started = time.perf_counter()
         self._pdc_reload(weights.tensors())
         reloaded = time.perf_counter() - started
         self._pdc_keep(weights)
         return {"source": "peer", "transport": fetched.transport, "transfer_s": fetched.transfer_s,
-                "verify_s": fetched.verify_s, "reload_s": reloaded, "bytes": fetched.nbytes}  # fmt: skip
+                "verify_s": fetched.verify_s, "reload_s": reloaded, "bytes": fetched.nbytes}
 
     def _pdc_reload(self, tensors) -> None:
         """vLLM's in-place reload of checkpoint tensors, then the tied layers it leaves stale."""
@@ -226,7 +226,7 @@ class WeightPlaneExtension:
             "kind": "cuda_ipc", "host": _node_host(), "model_id": model_id(self._pdc_model_dir()),
             "tensors": {n: dataclasses.asdict(IpcTensor.of(t)) for n, t in params.items()},
             "checksums": {n: list(region_checksum(t)) for n, t in params.items()},
-        }  # fmt: skip
+        }
         return described | {"signature": sign(_weights_key(), described)}
 
     def _pdc_load_ipc(self, peer: dict) -> dict:
@@ -254,4 +254,4 @@ class WeightPlaneExtension:
             )
         nbytes = sum(t.numel() * t.element_size() for _, t in opened)
         return {"source": "peer", "transport": "cuda_ipc", "transfer_s": copied - started,
-                "verify_s": time.perf_counter() - copied, "bytes": nbytes}  # fmt: skip
+                "verify_s": time.perf_counter() - copied, "bytes": nbytes}

@@ -118,7 +118,7 @@ class _Piece:
 
 class ShardClient:
     def __init__(self, endpoint: str, keys: CurveKeys, timeout_s: float = 5.0, staging_bytes: int = 64 * 1024**2,
-                 retry_after_s: float = 10.0):  # fmt: skip
+                 retry_after_s: float = 10.0):
         import zmq
 
         self.endpoint = endpoint
@@ -362,7 +362,7 @@ class ShardedStore:
     are stored on their new owner."""
 
     def __init__(self, endpoints: Sequence[str], keys: CurveKeys, timeout_s: float = 5.0,
-                 staging_bytes: int = 64 * 1024**2):  # fmt: skip
+                 staging_bytes: int = 64 * 1024**2):
         if not endpoints:
             raise ValueError("a store needs at least one shard")
         self.keys, self.timeout_s, self.staging_bytes = keys, timeout_s, staging_bytes

@@ -94,7 +94,7 @@ class StoreConnector(KVConnectorBase_V1):
         self._block_size = vllm_config.cache_config.block_size
         if self._settings.chunk_tokens % self._block_size:
             raise ValueError(f"store chunks of {self._settings.chunk_tokens} tokens are not whole "
-                             f"blocks of {self._block_size}")  # fmt: skip
+                             f"blocks of {self._block_size}")
         self._saves = transfer.is_kv_producer
         self._loads = transfer.is_kv_consumer
         model = vllm_config.model_config
@@ -131,7 +131,7 @@ class StoreConnector(KVConnectorBase_V1):
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         block_shape = (config.num_key_value_heads, self._block_size, 2 * head_dim)
         return KVLayout(config.num_hidden_layers, config.num_key_value_heads, head_dim,
-                        self._model_config.dtype, block_shape)  # fmt: skip
+                        self._model_config.dtype, block_shape)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         if not self._loads:
@@ -160,7 +160,7 @@ class StoreConnector(KVConnectorBase_V1):
             held, computed_here = self._planned_loads.pop(new.req_id, (0, 0))
             if held:
                 plan.loads.append(BlockTransfer(new.req_id, self._prompts[new.req_id][:held], self._blocks[new.req_id],
-                                                computed_here, self._salts.get(new.req_id)))  # fmt: skip
+                                                computed_here, self._salts.get(new.req_id)))
                 if held >= usable_tokens(len(self._prompts[new.req_id]), self._block_size):
                     self._saved[new.req_id] = (held, False)  # all of it came from the store: nothing to save
             self._plan_save(plan, new.req_id, new.num_computed_tokens, scheduler_output)
@@ -180,7 +180,7 @@ class StoreConnector(KVConnectorBase_V1):
         usable = usable_tokens(len(self._prompts[req_id]), self._block_size)
         if usable and computed + scheduler_output.num_scheduled_tokens.get(req_id, 0) >= usable:
             plan.saves.append(BlockTransfer(req_id, self._prompts[req_id][:usable], self._blocks[req_id],
-                                            request_configs=self._salts.get(req_id)))  # fmt: skip
+                                            request_configs=self._salts.get(req_id)))
             self._saved[req_id] = (usable, True)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -226,7 +226,7 @@ class StoreConnector(KVConnectorBase_V1):
             block_hashes=[maybe_convert_block_hash(h) for h in request.block_hashes[:blocks]],
             parent_block_hash=None, token_ids=request.all_token_ids[: blocks * self._block_size],
             block_size=self._block_size, lora_id=None, medium=STORE_MEDIUM, lora_name=None,
-        )  # fmt: skip
+        )
 
     # --- worker half -------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -239,7 +239,7 @@ class StoreConnector(KVConnectorBase_V1):
         # after the forward pass that wrote them (tests/e2e/test_pd_cuda.py passes on the H200).
         if caches[0][0].numel() != math.prod(layout.block_shape):
             raise ValueError(f"KV cache blocks of shape {tuple(caches[0].shape[1:])} do not hold "
-                             f"{layout.block_shape} elements: the block copier cannot move them")  # fmt: skip
+                             f"{layout.block_shape} elements: the block copier cannot move them")
         blocks = PagedBlockConnector(layout.num_layers, self._block_size, layout.kv_heads * layout.head_dim)
         blocks.bind(caches)
 
@@ -249,7 +249,7 @@ class StoreConnector(KVConnectorBase_V1):
         self._engine = build_engine(self._settings, layout, self._model, copier, self._hash_algorithm)
         self._kv_caches = caches
         log.info("store connector: %d layers, block %s, store shards %s", len(caches), tuple(caches[0].shape[1:]),
-                 self._settings.endpoints)  # fmt: skip
+                 self._settings.endpoints)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         plan = self._get_connector_metadata()
@@ -257,13 +257,13 @@ class StoreConnector(KVConnectorBase_V1):
             slots = self._slots(load.block_ids, len(load.token_ids))
             got = int(self._engine.retrieve(load.token_ids, slot_mapping=slots, kvcaches=self._kv_caches,
                                             vllm_cached_tokens=load.skip_tokens,
-                                            request_configs=load.request_configs).sum())  # fmt: skip
+                                            request_configs=load.request_configs).sum())
             if got < len(load.token_ids):
                 first_missing = max(got, load.skip_tokens) // self._block_size
                 last = len(load.token_ids) // self._block_size
                 self._failed_blocks.update(load.block_ids[first_missing:last])
                 log.warning("request %s: %d of %d tokens came from the store; vLLM recomputes the rest",
-                            load.request_id, got, len(load.token_ids))  # fmt: skip
+                            load.request_id, got, len(load.token_ids))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None
@@ -278,7 +278,7 @@ class StoreConnector(KVConnectorBase_V1):
         unlanded = unlanded_puts()
         for save in plan.saves:
             self._engine.store(save.token_ids, slot_mapping=self._slots(save.block_ids, len(save.token_ids)),
-                               kvcaches=self._kv_caches, request_configs=save.request_configs)  # fmt: skip
+                               kvcaches=self._kv_caches, request_configs=save.request_configs)
         landed = flush_all(self._settings.timeout_s) and unlanded_puts() == unlanded
         if not landed:
             log.warning("the store did not take this step's KV within %.1f s", self._settings.timeout_s)

@@ -37,7 +37,7 @@ class StoreSettings:
             raise ValueError("kv_connector_extra_config needs the store shards' 'endpoints'")
         return cls(endpoints=tuple(extra["endpoints"]), timeout_s=float(extra.get("timeout_s", cls.timeout_s)),
                    chunk_tokens=int(extra.get("chunk_tokens", cls.chunk_tokens)),
-                   transfer_buffer_gib=float(extra.get("transfer_buffer_gib", cls.transfer_buffer_gib)))  # fmt: skip
+                   transfer_buffer_gib=float(extra.get("transfer_buffer_gib", cls.transfer_buffer_gib)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,16 +84,16 @@ def build_engine(
             "pdc_store.timeout_s": settings.timeout_s,
             "save_chunk_meta": False,
         },
-    })  # fmt: skip
+    })
     metadata = LMCacheMetadata(
         model_name=layout.tag(model), world_size=1, local_world_size=1, worker_id=0, local_worker_id=0,
         kv_dtype=layout.dtype, kv_shape=(layout.num_layers, 2, settings.chunk_tokens, layout.kv_heads,
                                          layout.head_dim),
         role="worker", chunk_size=settings.chunk_tokens,
-    )  # fmt: skip
+    )
     engine = LMCacheEngineBuilder.get_or_create(
         f"pdc-{uuid.uuid4().hex[:8]}", config, metadata, gpu_connector(config, metadata) if gpu_connector else None,
         lambda tensor, src: tensor, lambda obj, src: obj,
-    )  # fmt: skip
+    )
     engine.post_init()
     return engine

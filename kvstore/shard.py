@@ -133,7 +133,7 @@ class ChunkStore:
             self._chunks.move_to_end(key)
         self._leases[lease_id] = (granted, now + ttl_s)
         chunks = [{"nbytes": self._chunks[k].nbytes, "checksum": self._chunks[k].checksum,
-                   "extents": self._chunks[k].extents} for k in granted]  # fmt: skip
+                   "extents": self._chunks[k].extents} for k in granted]
         return lease_id, chunks
 
     def release(self, lease_id: int) -> None:
@@ -211,7 +211,7 @@ class ShardServer:
 
     def __init__(self, capacity_bytes: int, keys: CurveKeys, host: str = "127.0.0.1", ttl_s: float = 30.0,
                  page_bytes: int = PAGE_BYTES, fault_injection: bool = False, port: int = 0,
-                 on_death: Callable[[], None] | None = None):  # fmt: skip
+                 on_death: Callable[[], None] | None = None):
         """Serves on `port` of `host` (0: any free port), to holders of the store plane's CURVE
         client key. `on_death` runs if the serving thread ever dies (the actor exits, and Ray
         restarts it: a shard that cannot answer must not look alive)."""
@@ -281,9 +281,9 @@ class ShardServer:
                 return {"error": f"chunks are limited to {self.store.max_chunk_bytes} bytes on this shard"}
             case protocol.Reserve(keys=keys, nbytes=sizes, checksums=sums):
                 granted = [self.store.reserve(k, n, c, now, self.ttl_s)
-                           for k, n, c in zip(keys, sizes, sums, strict=True)]  # fmt: skip
+                           for k, n, c in zip(keys, sizes, sums, strict=True)]
                 return {"extents": [self._absolute(e) if e else None for e in granted],
-                        "agent_name": self.agent.name}  # fmt: skip
+                        "agent_name": self.agent.name}
             case protocol.Commit(keys=keys):
                 return {"committed": sum(self.store.commit(k) for k in keys)}
             case protocol.Abort(keys=keys):
@@ -304,7 +304,7 @@ class ShardServer:
                 return {}
             case protocol.Stats():
                 return {**dataclasses.asdict(self.store.stats()), "pid": os.getpid(), "boot_id": self.boot_id,
-                        "malformed": self.malformed, "refused_handshakes": self._gate.refused}  # fmt: skip
+                        "malformed": self.malformed, "refused_handshakes": self._gate.refused}
             case protocol.Members():
                 return {"members": list(self.members)}
             case protocol.Corrupt(count=count) if self.fault_injection:
@@ -377,7 +377,7 @@ class StoreShardActor:
     misses, recomputed) and has a new NIXL agent, which clients learn from its replies."""
 
     def __init__(self, capacity_bytes: int, cluster_secret: str, ttl_s: float = 30.0,
-                 fault_injection: bool = False):  # fmt: skip
+                 fault_injection: bool = False):
         import ray
 
         from engine.host import node_address
@@ -387,7 +387,7 @@ class StoreShardActor:
         self._port_file = Path(tempfile.gettempdir()) / f"pdcluster-{name}.port"
         port = int(self._port_file.read_text()) if self._port_file.exists() else 0
         server = functools.partial(ShardServer, capacity_bytes, self._credentials.curve(STORE_PLANE), node_address(),
-                                   ttl_s, fault_injection=fault_injection, on_death=lambda: os._exit(1))  # fmt: skip
+                                   ttl_s, fault_injection=fault_injection, on_death=lambda: os._exit(1))
         try:
             self.server = server(port=port)
         except Exception:  # the old port is taken: serve anyway (clients of the old one miss)
@@ -401,7 +401,7 @@ class StoreShardActor:
         if not self.server.serving:
             raise RuntimeError("the store shard no longer serves")
         return {"endpoint": self.server.endpoint, "epoch": self.server.members_epoch, "boot_id": self.server.boot_id,
-                "members": list(self.server.members)}  # fmt: skip
+                "members": list(self.server.members)}
 
     def prove(self, nonce: str) -> str:
         """That this actor holds the cluster's secret (a launcher adopts only shards that do)."""

@@ -63,7 +63,7 @@ def make_workload(args: argparse.Namespace):
         return RandomLengths(args.input_tokens, args.output_tokens, args.range_ratio, args.seed)
     if args.workload == "shared_prefix":
         return SharedPrefix(args.groups, args.questions, args.system_words, output_tokens=args.output_tokens,
-                            seed=args.seed)  # fmt: skip
+                            seed=args.seed)
     if args.workload == "multi_turn":
         return MultiTurn(args.turns, output_tokens=args.output_tokens, seed=args.seed)
     if args.trace is None:

@@ -56,13 +56,13 @@ async def plain_start(config: EngineConfig, cores: str) -> dict:
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(config.model),
                "--served-model-name", config.served_model_name, "--host", "127.0.0.1", "--port", str(port),
                "--max-model-len", str(config.max_model_len), "--block-size", str(config.block_size),
-               "--gpu-memory-utilization", str(config.gpu_memory_utilization)]  # fmt: skip
+               "--gpu-memory-utilization", str(config.gpu_memory_utilization)]
     if config.enforce_eager:
         command.append("--enforce-eager")
     env = engine_process_env("127.0.0.1", config.kv_cache_gib, cores)
     asked = time.perf_counter()
     process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                               start_new_session=True)  # fmt: skip
+                               start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
         async with httpx.AsyncClient(timeout=2) as client:
@@ -121,7 +121,7 @@ async def standby_start(config: EngineConfig, peer: EngineHost, run: int, check_
         # Joined: where a stream cuts its text pieces depends on detokenizer timing, not the tokens.
         return {**record, "first_token_s": total, "tokens_match_peer": "".join(ours) == "".join(theirs),
                 "peer_repeats_itself": "".join(theirs) == "".join(theirs_again), "tokens": [ours, theirs],
-                "standby_start_s": untimed["total_s"], "weights": standby.weights_record}  # fmt: skip
+                "standby_start_s": untimed["total_s"], "weights": standby.weights_record}
     finally:
         await standby.stop()
 
@@ -150,7 +150,7 @@ async def bench(
                 if "weights_fallback_reason" in details:
                     source += f" (fallback: {details['weights_fallback_reason']})"
                 print(f"run {run} {path:8s} first token after {record['first_token_s']:.3f} s: {stages} {source}",
-                      flush=True)  # fmt: skip
+                      flush=True)
     finally:
         await peer.stop()
     return results
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="JSON path (PNG beside it)")
     args = parser.parse_args(argv)
     config = EngineConfig(model=args.model, served_model_name=args.model.name, enforce_eager=not args.no_eager,
-                          gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len)  # fmt: skip
+                          gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len)
     cores = tuple(args.cores.split(","))
     paths = tuple(args.paths.split(","))
     if not set(paths) <= set(PATHS):
@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or Path("results") / f"cold_start-{args.model.name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"model": str(args.model), "eager": not args.no_eager, "runs": args.runs,
-                               "summary": summary, "records": results}, indent=2))  # fmt: skip
+                               "summary": summary, "records": results}, indent=2))
     try:
         plot(summary, f"cold start, {args.model.name}", out.with_suffix(".png"))
     except ImportError:

@@ -30,14 +30,14 @@ BENCHES = {
     "store": (["-m", "loadtest.store_bench", "--runs", "3"],
               lambda r: {f"{row['path']}_{row['chunk_bytes'] // 1024}k_gib_s": row["gib_s"] for row in r["rows"]
                          if row["path"].startswith("store")}),
-}  # fmt: skip
+}
 
 
 def run(tree: Path, bench: str, out: Path) -> dict[str, float]:
     arguments, extract = BENCHES[bench]
     env = {**os.environ, "PYTHONPATH": str(tree)}
     subprocess.run([sys.executable, *arguments, "--out", str(out)], cwd=tree, env=env, check=True,
-                   stdout=subprocess.DEVNULL, timeout=1800)  # fmt: skip
+                   stdout=subprocess.DEVNULL, timeout=1800)
     return extract(json.loads(out.read_text()))
 
 
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="pdc-before-") as scratch:
         before = Path(scratch) / "tree"
         subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(before), args.before],
-                       check=True, capture_output=True)  # fmt: skip
+                       check=True, capture_output=True)
         try:
             for round_ in range(args.rounds):
                 for bench in benches:
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, values in samples[bench]["before"].items():
             b, a = statistics.median(values), statistics.median(samples[bench]["after"][name])
             rows.append({"bench": bench, "metric": name, "before": b, "after": a, "ratio": a / b,
-                         "before_runs": values, "after_runs": samples[bench]["after"][name]})  # fmt: skip
+                         "before_runs": values, "after_runs": samples[bench]["after"][name]})
             print(f"{bench:7s} {name:28s} {b:9.3f} {a:9.3f} {a / b:13.3f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"before": args.before, "rounds": args.rounds, "rows": rows}, indent=2))

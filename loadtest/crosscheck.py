@@ -45,11 +45,11 @@ def vllm_bench(url: str, model: str, tokenizer: str, args: argparse.Namespace, s
             *(["--max-concurrency", str(args.concurrency)] if args.concurrency else []),
             "--seed", str(seed), "--ignore-eos", "--disable-tqdm",
             "--save-result", "--result-dir", out, "--result-filename", "bench.json",
-        ])  # fmt: skip
+        ])
         asyncio.run(serve.main_async(bench_args)) if hasattr(serve, "main_async") else serve.main(bench_args)
         result = json.loads((Path(out) / "bench.json").read_text())
     return {"request_throughput": result["request_throughput"], "median_ttft_ms": result["median_ttft_ms"],
-            "completed": result["completed"]}  # fmt: skip
+            "completed": result["completed"]}
 
 
 def ours(url: str, model: str, args: argparse.Namespace, seed: int) -> dict:
@@ -58,7 +58,7 @@ def ours(url: str, model: str, args: argparse.Namespace, seed: int) -> dict:
     load = asyncio.run(run_load(url, workload.jobs(model), arrival, Limits(args.requests)))
     summary = summarize(load, 1.0, 0.2)
     return {"request_throughput": summary["request_throughput"], "median_ttft_ms": summary["ttft"]["p50_ms"],
-            "completed": summary["completed"]}  # fmt: skip
+            "completed": summary["completed"]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,11 +91,11 @@ def main(argv: list[str] | None = None) -> int:
         if server:
             server.stop()
     medians = {client: {key: statistics.median(r[key] for r in results)
-                        for key in ("request_throughput", "median_ttft_ms")} for client, results in runs.items()}  # fmt: skip
+                        for key in ("request_throughput", "median_ttft_ms")} for client, results in runs.items()}
     theirs, mine = medians["vllm bench serve"], medians["pdcluster loadtest"]
     load_shape = f"concurrency {args.concurrency}" if args.concurrency else f"Poisson {args.rate} req/s"
     table = Table(title=f"{args.requests} requests, {load_shape}, {args.input_tokens} in / "
-                  f"{args.output_tokens} out, median of {args.runs} runs")  # fmt: skip
+                  f"{args.output_tokens} out, median of {args.runs} runs")
     for column in ("client", "req/s", "median TTFT ms"):
         table.add_column(column, justify="right")
     for client, m in medians.items():
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     Console().print(table)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "runs": runs,
-                                    "medians": medians, "ratios": ratios}, indent=2))  # fmt: skip
+                                    "medians": medians, "ratios": ratios}, indent=2))
     return 0
 
 

@@ -61,14 +61,14 @@ def model_like_shapes(total_bytes: int, tensors: int) -> list[tuple[str, tuple[i
         p = f"model.layers.{i}"
         shapes += [(f"{p}.qkv_proj.weight", (3 * hidden, hidden)), (f"{p}.o_proj.weight", (hidden, hidden)),
                    (f"{p}.gate_up_proj.weight", (8 * hidden, hidden)), (f"{p}.down_proj.weight", (hidden, 4 * hidden)),
-                   (f"{p}.input_layernorm.weight", (hidden,)), (f"{p}.post_attention_layernorm.weight", (hidden,))]  # fmt: skip
+                   (f"{p}.input_layernorm.weight", (hidden,)), (f"{p}.post_attention_layernorm.weight", (hidden,))]
     return shapes
 
 
 def make_tensors(shapes, device) -> list[tuple[str, torch.Tensor]]:
     generator = torch.Generator(device=device).manual_seed(0)
     return [(n, torch.randn(s, generator=generator, device=device, dtype=torch.float32).to(torch.bfloat16))
-            for n, s in shapes]  # fmt: skip
+            for n, s in shapes]
 
 
 def write_checkpoint(folder: Path, gib: float, tensors: int) -> None:
@@ -108,7 +108,7 @@ def worker(rank: int, world: int, port: int, args, queue) -> None:
     if cuda:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=world)  # fmt: skip
+                            rank=rank, world_size=world)
     object_device = device if cuda else None
     shapes = model_like_shapes(int(args.gib * 1024**3), args.tensors)
     if rank == 0:
@@ -167,7 +167,7 @@ def worker(rank: int, world: int, port: int, args, queue) -> None:
             torch.cuda.synchronize(device)
             torch.cuda.ipc_collect()
         queue.put({**result, "bytes": received["layout"].nbytes, "tensors": len(tensors),
-                   "bit_identical": identical, "checksum_agrees": checksum_agrees})  # fmt: skip
+                   "bit_identical": identical, "checksum_agrees": checksum_agrees})
         dist.barrier()
     dist.destroy_process_group()
     if cuda:  # skip interpreter teardown: freeing IPC-shared blocks then aborts with "driver shutting down"
@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     ceilings = {name: "device_copy" if name in SAME_GPU else "link_copy" for name in rows}
     print(f"\n{transfer['tensors']} tensors, {gib:.2f} GiB, medians of {args.runs} runs, "
           f"bit-identical: {transfer['bit_identical']}, kernel checksum = torch checksum: "
-          f"{transfer['checksum_agrees']}")  # fmt: skip
+          f"{transfer['checksum_agrees']}")
     print(f"{'path':14s} {'seconds':>9s} {'GiB/s':>8s} {'vs ceiling':>11s}  ceiling")
     for name, seconds in rows.items():
         ratio = rows[ceilings[name]] / seconds
@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps({"gib": gib, "tensors": transfer["tensors"], "runs": args.runs,
                                     "bit_identical": transfer["bit_identical"], "median_s": rows,
                                     "checksum_agrees": transfer["checksum_agrees"], "ceilings": ceilings,
-                                    "samples_s": paths, "cuda_devices": torch.cuda.device_count()}, indent=2))  # fmt: skip
+                                    "samples_s": paths, "cuda_devices": torch.cuda.device_count()}, indent=2))
     print(f"wrote {args.out}")
     return 0
 

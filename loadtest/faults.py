@@ -77,7 +77,7 @@ SCENARIOS = {
         ("--prefill", "1", "--decode", "1", "--remote-prefill-min-tokens", "0"),
         "router", 2.0, 400, 64,
     ),
-}  # fmt: skip
+}
 
 
 def kill_engine(url: str) -> None:
@@ -106,7 +106,7 @@ async def burst(url: str, count: int, scenario: Scenario, seed: int) -> list[tup
 
         async def one() -> tuple[str, str]:
             body = {"model": "tiny", "prompt": random_text(rng, scenario.prompt_words),
-                    "max_tokens": scenario.max_tokens, "temperature": 0, "ignore_eos": True}  # fmt: skip
+                    "max_tokens": scenario.max_tokens, "temperature": 0, "ignore_eos": True}
             try:
                 async with asyncio.timeout(HANG_TIMEOUT_S):
                     result = await stream_request(session, f"{url}/v1/completions", body)
@@ -150,7 +150,7 @@ async def restart_router(server: LocalServer, blocks_known: int) -> dict:
         await asyncio.sleep(0.2)
     return {"restart_s": round(restart_s, 2), "index_blocks_before": blocks_known,
             "index_blocks_after_restart": blocks_after,
-            "engines_kept": instances_before == sorted(i["instance_id"] for i in server.instances())}  # fmt: skip
+            "engines_kept": instances_before == sorted(i["instance_id"] for i in server.instances())}
 
 
 async def run_scenario(server: LocalServer, scenario: Scenario, requests: int) -> dict:
@@ -184,10 +184,10 @@ async def run_scenario(server: LocalServer, scenario: Scenario, requests: int) -
     states = {i["instance_id"]: i["state"] for i in server.instances()}
     shards_after = store_shards(server.url)
     in_flight = [s.get("leases", 0) + s.get("reserved_bytes", 0) if "error" not in s else "gone"
-                 for s in shards_after]  # fmt: skip
+                 for s in shards_after]
     if scenario.victim_role == "store":  # Ray restarts it: a new process, filled by the follow-up
         restart = {"store_restarted": [s.get("pid") for s in shards_after] != [shard["pid"]],
-                   "store_chunks_after_follow_up": [s.get("chunks") for s in shards_after]}  # fmt: skip
+                   "store_chunks_after_follow_up": [s.get("chunks") for s in shards_after]}
     followed = tally(follow_up)
     return {
         "scenario": scenario.name, "victim": victim["instance_id"], "sent": requests, **tally(outcomes),
@@ -195,7 +195,7 @@ async def run_scenario(server: LocalServer, scenario: Scenario, requests: int) -
         "follow_up_completed": followed["completed"], "follow_up_sent": len(follow_up),
         "follow_up_errors": followed["errors"],
         "instances_after": states, "store_in_flight_after": in_flight, **restart,
-    }  # fmt: skip
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -222,12 +222,12 @@ def main(argv: list[str] | None = None) -> int:
         console.print(rows[-1])
     table = Table(title="faults: an engine, the store shard or the router SIGKILLed under load")
     columns = ("scenario", "sent", "completed", "failed_clean", "dropped", "hung", "follow_up_completed",
-               "store_in_flight_after")  # fmt: skip
+               "store_in_flight_after")
     for column in columns:
         table.add_column(column)
     for row in rows:
         table.add_row(*(str(row[c]) if c != "follow_up_completed" else f"{row[c]}/{row['follow_up_sent']}"
-                        for c in columns))  # fmt: skip
+                        for c in columns))
     console.print(table)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(rows, indent=2))

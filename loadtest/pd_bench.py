@@ -49,7 +49,7 @@ def topologies(input_tokens: int) -> dict[str, list[str]]:
 # (column, summary path) of the table and the plot; the medians over runs of each.
 METRICS = {"TTFT p50 ms": ("ttft", "p50_ms"), "TTFT p90 ms": ("ttft", "p90_ms"),
            "TPOT p50 ms": ("tpot", "p50_ms"), "TPOT p90 ms": ("tpot", "p90_ms"),
-           "req/s": ("request_throughput",)}  # fmt: skip
+           "req/s": ("request_throughput",)}
 
 
 def value(summary: dict, path: tuple[str, ...]) -> float:
@@ -79,27 +79,27 @@ def main(argv: list[str] | None = None) -> int:
                 with Progress(console=console, transient=True) as progress:
                     console.print(f"{name}: run {run + 1} of {args.runs}")
                     load = asyncio.run(run_load(server.url, workload.jobs("tiny"), FixedConcurrency(args.concurrency),
-                                                Limits(args.requests), progress))  # fmt: skip
+                                                Limits(args.requests), progress))
                 runs.setdefault(name, []).append(summarize(load, slo_ttft_s=2.0, slo_tpot_s=0.1, label=name))
     medians = {name: {column: statistics.median(value(s, path) for s in summaries)
-                      for column, path in METRICS.items()} for name, summaries in runs.items()}  # fmt: skip
+                      for column, path in METRICS.items()} for name, summaries in runs.items()}
     for name, summaries in runs.items():
         prefills = [s["remote_prefills"]["mean_ms"] for s in summaries if s["remote_prefills"]]
         medians[name]["remote prefill ms"] = statistics.median(prefills) if prefills else None
         medians[name]["errors"] = sum(sum(s["errors"].values()) for s in summaries)
     base = medians["colocated x2"]
     table = Table(title=f"{args.requests} requests, concurrency {args.concurrency}, ~{args.input_tokens} in / "
-                  f"~{args.output_tokens} out; medians of {args.runs} runs (ratio to colocated)")  # fmt: skip
+                  f"~{args.output_tokens} out; medians of {args.runs} runs (ratio to colocated)")
     for column in ("topology", "errors", *METRICS, "remote prefill ms"):
         table.add_column(column, justify="right")
     for name, m in medians.items():
         prefill = m["remote prefill ms"]
         table.add_row(name, str(m["errors"]), *(f"{m[c]:.{2 if c == 'req/s' else 1}f} ({m[c] / base[c]:.2f}x)" for c in METRICS),
-                      "-" if prefill is None else f"{prefill:.1f}")  # fmt: skip
+                      "-" if prefill is None else f"{prefill:.1f}")
     console.print(table)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "medians": medians,
-                                    "runs": runs}, indent=2))  # fmt: skip
+                                    "runs": runs}, indent=2))
     plot(runs, args.out.with_suffix(".png"))
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
     return 0
@@ -118,7 +118,7 @@ def plot(runs: dict[str, list[dict]], path: Path) -> None:
         values = [[value(s, METRICS[column]) for s in summaries] for summaries in runs.values()]
         medians = [statistics.median(v) for v in values]
         errors = [[m - min(v) for m, v in zip(medians, values, strict=True)],
-                  [max(v) - m for m, v in zip(medians, values, strict=True)]]  # fmt: skip
+                  [max(v) - m for m, v in zip(medians, values, strict=True)]]
         axis.bar(
             range(len(runs)),
             medians,

@@ -20,7 +20,7 @@ def _stats(values: list[float]) -> dict:
         return {"count": 0}
     array = np.array(values) * 1e3
     return {"count": len(values), "mean_ms": float(array.mean()),
-            **{f"p{p}_ms": float(np.percentile(array, p)) for p in PERCENTILES}}  # fmt: skip
+            **{f"p{p}_ms": float(np.percentile(array, p)) for p in PERCENTILES}}
 
 
 def _prefix_hit_rate(samples: list[dict]) -> float | None:
@@ -29,9 +29,9 @@ def _prefix_hit_rate(samples: list[dict]) -> float | None:
         return None
     first, last = samples[0]["engines"], samples[-1]["engines"]
     hits = sum(last[u]["vllm:prefix_cache_hits_total"] - first[u]["vllm:prefix_cache_hits_total"]
-               for u in last if u in first)  # fmt: skip
+               for u in last if u in first)
     queries = sum(last[u]["vllm:prefix_cache_queries_total"] - first[u]["vllm:prefix_cache_queries_total"]
-                  for u in last if u in first)  # fmt: skip
+                  for u in last if u in first)
     return hits / queries if queries else None
 
 
@@ -82,13 +82,13 @@ def save(run: LoadRun, summary: dict, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     requests = [{"started_at": r.started_at, "ttft_s": r.ttft_s, "e2e_s": r.e2e_s, "output_tokens": r.output_tokens,
                  "prompt_tokens": r.prompt_tokens, "itl_s": r.inter_token_s(), "error": r.error}
-                for r in run.results]  # fmt: skip
+                for r in run.results]
     path.write_text(json.dumps({"summary": summary, "requests": requests, "metrics": run.samples}, indent=1))
 
 
 def print_summary(summary: dict, console: Console) -> None:
     table = Table(title=f"load test {summary['label']}: {summary['completed']}/{summary['requests']} completed "
-                  f"in {summary['duration_s']:.1f} s")  # fmt: skip
+                  f"in {summary['duration_s']:.1f} s")
     for column in ("metric", "mean ms", "p50 ms", "p90 ms", "p99 ms"):
         table.add_column(column, justify="right")
     for metric in ("ttft", "itl", "tpot", "e2e"):
@@ -121,7 +121,7 @@ def plot_run(run: LoadRun, summary: dict, path: Path) -> None:
     ok = [r for r in run.results if r.ok]
     series = {"TTFT": [r.ttft_s for r in ok if r.ttft_s is not None],
               "ITL": [g for r in ok for g in r.inter_token_s()],
-              "E2E": [r.e2e_s for r in ok if r.e2e_s is not None]}  # fmt: skip
+              "E2E": [r.e2e_s for r in ok if r.e2e_s is not None]}
     for name, values in series.items():
         if values:
             ordered = np.sort(np.array(values) * 1e3)
@@ -140,7 +140,7 @@ def plot_run(run: LoadRun, summary: dict, path: Path) -> None:
     queue = timeline.twinx()
     queue.plot([s["t"] for s in run.samples],
                [sum(e["vllm:num_requests_waiting"] for e in s["engines"].values()) for s in run.samples],
-               color="tab:red", label="queued in engines")  # fmt: skip
+               color="tab:red", label="queued in engines")
     queue.set_ylabel("requests waiting in engines", color="tab:red")
     figure.suptitle(f"{summary['label']}: {summary['request_throughput']:.2f} req/s")
     figure.tight_layout()
@@ -177,7 +177,7 @@ def compare(paths: list[Path], console: Console) -> list[dict]:
     summaries = [json.loads(p.read_text())["summary"] for p in paths]
     rows = [("requests completed", lambda s: s["completed"]), ("errors", lambda s: sum(s["errors"].values())),
             ("req/s", lambda s: s["request_throughput"]), ("output tok/s", lambda s: s["output_token_throughput"]),
-            ("goodput req/s", lambda s: s["goodput"]), ("prefix hit rate", lambda s: s["prefix_hit_rate"])]  # fmt: skip
+            ("goodput req/s", lambda s: s["goodput"]), ("prefix hit rate", lambda s: s["prefix_hit_rate"])]
     for metric in ("ttft", "itl", "tpot", "e2e"):
         for p in ("p50", "p90", "p99"):
             rows.append((f"{metric} {p} ms", lambda s, m=metric, p=p: s[m].get(f"{p}_ms")))

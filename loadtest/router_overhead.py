@@ -42,11 +42,11 @@ def timed_stream(client: httpx.Client, base_url: str, body: dict, headers: dict 
 
 
 def measure(router_url: str, engine_url: str, model: str, rounds: int, max_tokens: int,
-            engine_headers: dict | None = None) -> dict:  # fmt: skip
+            engine_headers: dict | None = None) -> dict:
     """Alternating requests through the router and straight to the engine (with the engine
     token, which the router presents too)."""
     body = {"model": model, "prompt": "Measure the router's overhead, please.", "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "ignore_eos": True}  # fmt: skip
+            "temperature": 0, "stream": True, "ignore_eos": True}
     samples: dict[str, dict[str, list[float]]] = {p: {"ttft": [], "total": []} for p in ("router", "engine")}
     with httpx.Client(timeout=60) as client:
         paths = (("router", router_url, None), ("engine", engine_url, engine_headers))
@@ -61,7 +61,7 @@ def measure(router_url: str, engine_url: str, model: str, rounds: int, max_token
         path: {metric: {"median_ms": statistics.median(v) * 1e3,
                         "p90_ms": statistics.quantiles(v, n=10)[-1] * 1e3} for metric, v in metrics.items()}
         for path, metrics in samples.items()
-    }  # fmt: skip
+    }
     summary["added_ms"] = {
         metric: summary["router"][metric]["median_ms"] - summary["engine"][metric]["median_ms"]
         for metric in ("ttft", "total")
@@ -113,7 +113,7 @@ def null_engine_run(rounds: int, runs: int) -> list[dict]:
         context.Process(target=uvicorn.run, args=(null_engine_app,),
                         kwargs={"host": "127.0.0.1", "port": engine_port, "log_level": "error"}),
         context.Process(target=_serve_router_before, args=(engine_url, router_port)),
-    ]  # fmt: skip
+    ]
     for process in processes:
         process.start()
     try:
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
             (instance,) = httpx.get(f"{router_url}/admin/instances", headers=admin, timeout=5).json()["instances"][:1]
             model = httpx.get(f"{router_url}/v1/models", timeout=5).json()["data"][0]["id"]
             runs = [measure(router_url, instance["url"], model, args.rounds, args.max_tokens,
-                            credentials.engine_headers()) for _ in range(args.runs)]  # fmt: skip
+                            credentials.engine_headers()) for _ in range(args.runs)]
         finally:
             if server:
                 server.stop()
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
            for path in ("router", "engine")},
         "added_ms": {m: statistics.median(r["added_ms"][m] for r in runs) for m in ("ttft", "total")},
         "per_run": runs,
-    }  # fmt: skip
+    }
     print_table(result, console)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))

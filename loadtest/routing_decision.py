@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         "blocks": len(prompt_hashes),
         **{part: {"p50_ms": percentile(v, 50), "p99_ms": percentile(v, 99)} for part, v in parts.items()},
         "tokenize_2000_words_p50_ms": statistics.median(tokenize),
-    }  # fmt: skip
+    }
     table = Table(title=f"routing decision, {args.tokens}-token prompt, {args.instances} instances")
     for column in ("part", "p50 ms", "p99 ms"):
         table.add_column(column, justify="right")

@@ -62,9 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     results = [measure(p, args.instances, workload, args.concurrency, args.out.parent) for p in args.policies]
     base = results[0]
     table = Table(title=f"{args.instances} engines, {args.groups} groups x {args.questions} questions, "
-                  f"concurrency {args.concurrency} (ratios to {base['policy']})")  # fmt: skip
+                  f"concurrency {args.concurrency} (ratios to {base['policy']})")
     for column in ("policy", "errors", "vLLM prefix hit rate", "hit ratio", "TTFT p50 s", "p50 ratio",
-                   "TTFT p90 s", "p90 ratio"):  # fmt: skip
+                   "TTFT p90 s", "p90 ratio"):
         table.add_column(column, justify="right")
     for r in results:
         r["hit_rate_ratio"] = r["vllm_prefix_hit_rate"] / max(base["vllm_prefix_hit_rate"], 1e-9)
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         r["ttft_p90_ratio"] = r["ttft_p90_s"] / base["ttft_p90_s"]
         table.add_row(r["policy"], str(r["errors"]), f"{r['vllm_prefix_hit_rate']:.3f}", f"{r['hit_rate_ratio']:.2f}",
                       f"{r['ttft_p50_s']:.3f}", f"{r['ttft_p50_ratio']:.2f}", f"{r['ttft_p90_s']:.3f}",
-                      f"{r['ttft_p90_ratio']:.2f}")  # fmt: skip
+                      f"{r['ttft_p90_ratio']:.2f}")
     Console(width=130).print(table)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(

@@ -51,7 +51,7 @@ class MetricsSampler:
     `interval_s`: the router's own metrics, each engine's prefix-cache counters and queue."""
 
     ENGINE_KEYS = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total",
-                   "vllm:num_requests_waiting", "vllm:num_requests_running")  # fmt: skip
+                   "vllm:num_requests_waiting", "vllm:num_requests_running")
 
     def __init__(self, url: str, interval_s: float = 1.0) -> None:
         self.url = url
@@ -127,7 +127,7 @@ async def _bounded(client: aiohttp.ClientSession, url: str, body: dict, timeout_
 async def run_load(
     url: str, jobs: Iterator[Job], arrival: Arrival, limits: Limits, progress: Progress | None = None,
     scrape_interval_s: float = 1.0,
-) -> LoadRun:  # fmt: skip
+) -> LoadRun:
     url = check_target(url)
     sampler = MetricsSampler(url, scrape_interval_s)
     started, started_at = time.perf_counter(), time.time()

@@ -7,7 +7,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 
 def scrape(url: str, prefixes: tuple[str, ...] = ("",), timeout_s: float = 5.0,
-           headers: dict[str, str] | None = None) -> dict[str, float]:  # fmt: skip
+           headers: dict[str, str] | None = None) -> dict[str, float]:
     """The samples of `url`/metrics whose names start with one of `prefixes`, summed over label
     sets, by sample name. Lines of other metrics are dropped before parsing: vLLM's page is
     large, and a load generator that parses all of it every second competes with the server.

@@ -65,7 +65,7 @@ def load_trace(path: Path, speed: float = 1.0) -> list[TraceRecord]:
         for line in lines:
             row = json.loads(line)
             records.append(TraceRecord(row["timestamp"] / 1000 / speed, row["input_length"],
-                                       row["output_length"], tuple(row["hash_ids"])))  # fmt: skip
+                                       row["output_length"], tuple(row["hash_ids"])))
     records.sort(key=lambda r: r.arrival_s)
     return records
 
@@ -185,7 +185,7 @@ def print_table(results: list[dict], title: str, console: Console) -> None:
         table.add_column(column, justify="right")
     for r in results:
         table.add_row(r["policy"], f"{r['hit_rate']:.3f}", f"{r['ttft_p50_s']:.3f}", f"{r['ttft_p90_s']:.3f}",
-                      f"{r['ttft_p99_s']:.3f}", f"{r['imbalance']:.3f}")  # fmt: skip
+                      f"{r['ttft_p99_s']:.3f}", f"{r['imbalance']:.3f}")
     console.print(table)
 
 
@@ -242,7 +242,7 @@ def run(args: argparse.Namespace) -> int:
     )
     results = [simulate(trace, name, config) for name in args.policy]
     title = (f"{args.trace.name}: {len(trace)} requests, {config.instances} instances x {config.cache_blocks} "
-             f"blocks, {config.prefill_rate:g} tok/s, store {config.store_blocks} blocks")  # fmt: skip
+             f"blocks, {config.prefill_rate:g} tok/s, store {config.store_blocks} blocks")
     print_table(results, title, console)
     ceiling = infinite_cache_hit_rate(trace)
     console.print(f"hit rate of one infinite cache: {ceiling:.3f}")
@@ -250,7 +250,7 @@ def run(args: argparse.Namespace) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     summary = {"trace": str(args.trace), "config": dataclasses.asdict(config), "speed": args.speed,
                "infinite_cache_hit_rate": ceiling,
-               "results": [{k: v for k, v in r.items() if k != "ttfts_s"} for r in results]}  # fmt: skip
+               "results": [{k: v for k, v in r.items() if k != "ttfts_s"} for r in results]}
     (args.out / f"{stem}.json").write_text(json.dumps(summary, indent=2))
     plot(results, title, args.out / f"{stem}.png")
     console.print(f"wrote {args.out / stem}.json and .png")

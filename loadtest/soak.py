@@ -58,7 +58,7 @@ async def soak(url: str, router_pid: int, minutes: float, streams: int) -> dict:
                 url, RandomLengths(input_tokens=128, output_tokens=32).jobs("tiny"),
                 FixedConcurrency(streams), Limits(max_requests=10**9, duration_s=minutes * 60, request_timeout_s=120),
                 progress,
-            )  # fmt: skip
+            )
     finally:
         watcher.cancel()
         await asyncio.gather(watcher, return_exceptions=True)
@@ -68,14 +68,14 @@ async def soak(url: str, router_pid: int, minutes: float, streams: int) -> dict:
         in_window = [r for r in run.results if start <= r.started_at - run.started_at < start + WINDOW_S]
         ttfts = [r.ttft_s for r in in_window if r.ok and r.ttft_s is not None]
         windows.append({"t_s": start, "requests": len(in_window), "errors": sum(not r.ok for r in in_window),
-                        "ttft_p50_s": statistics.median(ttfts) if ttfts else None, "ttft_p99_s": p99(ttfts)})  # fmt: skip
+                        "ttft_p50_s": statistics.median(ttfts) if ttfts else None, "ttft_p99_s": p99(ttfts)})
     errors: dict[str, int] = {}
     for result in run.results:
         if not result.ok:
             errors[result.error] = errors.get(result.error, 0) + 1
     return {"minutes": minutes, "streams": streams, "requests": len(run.results), "errors": errors,
             "duration_s": run.duration_s, "rss_mib": rss, "rss_start_mib": rss[0][1], "rss_end_mib": rss[-1][1],
-            "windows": windows}  # fmt: skip
+            "windows": windows}
 
 
 def report(result: dict, out: Path, console: Console) -> None:
@@ -92,7 +92,7 @@ def report(result: dict, out: Path, console: Console) -> None:
         )
     console.print(table)
     console.print(f"requests {result['requests']}, errors {sum(result['errors'].values())} {result['errors']}; "
-                  f"router RSS {result['rss_start_mib']:.0f} MiB at start, {result['rss_end_mib']:.0f} MiB at end")  # fmt: skip
+                  f"router RSS {result['rss_start_mib']:.0f} MiB at start, {result['rss_end_mib']:.0f} MiB at end")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     from loadtest.report import _pyplot
@@ -107,7 +107,7 @@ def report(result: dict, out: Path, console: Console) -> None:
     left.set_ylabel("TTFT p99 (ms)")
     right = left.twinx()
     right.plot([t / 60 for t, _ in result["rss_mib"]], [m for _, m in result["rss_mib"]], color="gray",
-               linestyle="--", label="router RSS")  # fmt: skip
+               linestyle="--", label="router RSS")
     right.set_ylabel("router RSS (MiB)")
     right.set_ylim(bottom=0)
     fig.legend(loc="lower right", fontsize=7)

@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
             raw = samples["raw_read" if name.endswith(("read", "get")) else "raw_write"]
             vs_raw = statistics.median(r / s for r, s in zip(raw, samples[name], strict=True))
             rows.append({"chunk_bytes": size, "path": name, "median_s": seconds, "gib_s": gib / seconds,
-                         "vs_raw": vs_raw, "samples_s": samples[name]})  # fmt: skip
+                         "vs_raw": vs_raw, "samples_s": samples[name]})
             print(f"{size // 1024:>6d} KiB {name:10s} {seconds:9.4f} {gib / seconds:7.2f} {vs_raw:7.2f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"chunks": args.chunks, "runs": args.runs, "rows": rows}, indent=2))

@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scratch", default=None, help="folder on the disk to measure")
     parser.add_argument("--warm-only", action="store_true", help="only the page-cache rows")
     parser.add_argument("--chunk-mib", default=str(weights.READ_CHUNK_BYTES // 1024**2),
-                        help="read sizes to try in the page-cache rows (MiB, comma-separated)")  # fmt: skip
+                        help="read sizes to try in the page-cache rows (MiB, comma-separated)")
     parser.add_argument("--out", type=Path, default=Path("results/weight_loader.json"))
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps({"gib": gib, "files": len(paths), "runs": args.runs, "median_s": median,
                                     "vs_ceiling": ratio, "ceiling": ceiling, "samples_s": samples,
                                     "resident_before_cold": resident_before, "resident_warm": resident_warm,
-                                    "gpu": torch.cuda.get_device_name(device)}, indent=2))  # fmt: skip
+                                    "gpu": torch.cuda.get_device_name(device)}, indent=2))
     print(f"wrote {args.out}")
     return 0
 

@@ -57,7 +57,7 @@ class RandomLengths:
             low = int(self.input_tokens * (1 - self.range_ratio))
             high = int(self.input_tokens * (1 + self.range_ratio))
             body = {"model": model, "prompt": random_token_ids(rng, rng.randint(max(low, 1), max(high, 1))),
-                    "max_tokens": self.output_tokens, "temperature": 0, "ignore_eos": True}  # fmt: skip
+                    "max_tokens": self.output_tokens, "temperature": 0, "ignore_eos": True}
             yield Job("/v1/completions", body)
 
 
@@ -92,7 +92,7 @@ class SharedPrefix:
                         },
                     ]
                     body = {"model": model, "messages": messages, "max_tokens": self.output_tokens,
-                            "temperature": 0, "ignore_eos": True}  # fmt: skip
+                            "temperature": 0, "ignore_eos": True}
                     yield Job("/v1/chat/completions", body)
 
 
@@ -114,7 +114,7 @@ class MultiTurn:
                 f"Session {session} turn {t}: " + random_text(rng, self.user_words) for t in range(self.turns)
             ]
             body = {"model": model, "messages": [], "max_tokens": self.output_tokens, "temperature": 0,
-                    "ignore_eos": True}  # fmt: skip
+                    "ignore_eos": True}
             yield Job("/v1/chat/completions", body, turns=questions)
             session += 1
 
@@ -155,7 +155,7 @@ class MooncakeReplay:
         start = records[0]["timestamp"] if records else 0
         for record in records:
             body = {"model": model, "prompt": self.prompt(record), "temperature": 0, "ignore_eos": True,
-                    "max_tokens": max(1, min(record["output_length"], self.max_output_tokens))}  # fmt: skip
+                    "max_tokens": max(1, min(record["output_length"], self.max_output_tokens))}
             yield Job("/v1/completions", body, arrival_s=(record["timestamp"] - start) / 1000 / self.speed)
 
 

@@ -26,7 +26,7 @@ AdmitRequest = Callable[[Request, type[SamplingRequest]], Awaitable[tuple[str, S
 
 
 def add_admin_routes(app: FastAPI, credentials: ClusterCredentials, analyzer: RequestAnalyzer,
-                     admitted_request: AdmitRequest, store_endpoints: tuple[str, ...]) -> None:  # fmt: skip
+                     admitted_request: AdmitRequest, store_endpoints: tuple[str, ...]) -> None:
     """Add /metrics and /admin/* to `app` (its state holds registry, index and listener)."""
 
     def admin_only(request: Request) -> None:
@@ -54,7 +54,7 @@ def add_admin_routes(app: FastAPI, credentials: ClusterCredentials, analyzer: Re
                 for i in registry.all()
             ],
             "kv_events_endpoint": app.state.config.kv_events_endpoint,
-        }  # fmt: skip
+        }
 
     @routes.get("/admin/store")
     async def store() -> dict:

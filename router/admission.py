@@ -37,7 +37,7 @@ class _Bucket:
 
 class Admission:
     def __init__(self, api_keys: dict[str, str], rate_per_s: float | None, max_concurrency: int | None,
-                 tenant_salt: Callable[[str], str]) -> None:  # fmt: skip
+                 tenant_salt: Callable[[str], str]) -> None:
         self.api_keys = api_keys
         self.tenant_salt = tenant_salt
         self.rate_per_s = rate_per_s

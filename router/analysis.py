@@ -53,7 +53,7 @@ class RequestAnalyzer:
             raise BadRequest(f"the {param} cannot be tokenized for this model: {exc}", param=param) from None
         if len(tokens) >= self.max_model_len:  # refused here: the engine never spends on it
             raise BadRequest(f"the prompt has {len(tokens)} tokens; the model takes fewer than {self.max_model_len}",
-                             param="messages" if isinstance(request, ChatCompletionRequest) else "prompt")  # fmt: skip
+                             param="messages" if isinstance(request, ChatCompletionRequest) else "prompt")
         hashes = self.hasher.block_hashes(tokens, getattr(request, "cache_salt", None))
         return RoutingRequest(hashes, len(tokens), self.block_size, text)
 

@@ -38,7 +38,7 @@ ERROR_RESPONSES = {
     for status, description in ((400, "Invalid request"), (401, "No or invalid API key"),
                                 (404, "Unknown model"), (413, "Body too large"), (429, "Rate limited"),
                                 (502, "Engine failed"), (503, "No ready instance"))
-}  # fmt: skip
+}
 
 
 def _body_schema(model: type[SamplingRequest]) -> dict:
@@ -81,12 +81,12 @@ def build_app(
     context = PolicyContext(
         index=index, store_holders=frozenset({STORE_HOLDER} if store_endpoints else ()),
         prefill_tokens_per_s=config.prefill_tokens_per_s, fetch_cost=config.fetch_cost,
-    )  # fmt: skip
+    )
     policy = make_policy(config.policy, context)
     credentials = config.credentials()
     analyzer = RequestAnalyzer(config)
     admission = Admission(config.api_keys, config.rate_limit_per_s, config.max_concurrency_per_key,
-                          credentials.tenant_salt)  # fmt: skip
+                          credentials.tenant_salt)
     if admission.open:
         log.warning("no API keys configured: anyone who reaches %s:%d may use it", config.host, config.port)
     prefill_policy = make_policy(config.policy, context)
@@ -94,7 +94,7 @@ def build_app(
     forwarder = Forwarder(config, registry, policy, queue, credentials.engine_headers())
     forwarder.prepare = RemotePrefill(config, registry, prefill_policy, lambda: forwarder.session).prepare
     monitor = HealthMonitor(registry, config.health_interval_s, config.health_timeout_s,
-                            config.health_failure_threshold, credentials.engine_headers())  # fmt: skip
+                            config.health_failure_threshold, credentials.engine_headers())
     listener = (
         KVEventListener(index, config.kv_events_endpoint, registry.replay_endpoint_of,
                         credentials.curve(KV_EVENTS_PLANE))
@@ -181,11 +181,11 @@ def build_app(
         parsed = parse(await bounded_body(request), model)
         if parsed.sequences() > config.max_sequences_per_request:
             raise BadRequest(f"at most {config.max_sequences_per_request} sequences (prompts x n) per request",
-                             param="n")  # fmt: skip
+                             param="n")
         asked = getattr(parsed, "max_completion_tokens", None) or parsed.max_tokens
         if asked is not None and asked > config.max_model_len:
             raise BadRequest(f"max_tokens is limited to the model's {config.max_model_len} tokens",
-                             param="max_tokens")  # fmt: skip
+                             param="max_tokens")
         salt = admission.cache_salt(key, getattr(parsed, "cache_salt", None))
         if salt is not None:
             parsed.cache_salt = salt  # an extra field: forwarded to vLLM, hashed by the analyzer
@@ -238,7 +238,7 @@ def build_app(
         )
         status = 200 if ready or standby else 503
         body = {"status": "ok" if status == 200 else "unavailable", "ready_instances": ready,
-                "standby_instances": standby}  # fmt: skip
+                "standby_instances": standby}
         return JSONResponse(body, status)
 
     add_admin_routes(app, credentials, analyzer, admitted_request, store_endpoints)

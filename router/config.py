@@ -95,7 +95,7 @@ class RouterConfig(BaseModel):
             raise ValueError(f"host {self.host} is not loopback; set allow_remote to bind it")
         if not is_loopback(self.host) and not self.api_keys:
             raise ValueError(f"the router would serve anyone who reaches {self.host}: give it API keys "
-                             "(--api-keys-file) to bind beyond loopback")  # fmt: skip
+                             "(--api-keys-file) to bind beyond loopback")
         return self
 
     def credentials(self) -> ClusterCredentials:

@@ -32,7 +32,7 @@ from router.policies import RoutingDecision, RoutingPolicy, RoutingRequest
 log = logging.getLogger(__name__)
 # Request fields that make no sense for the one-token prefill request.
 PREFILL_DROPS = ("stream", "stream_options", "min_tokens", "max_completion_tokens", "n", "logprobs",
-                 "top_logprobs", "echo")  # fmt: skip
+                 "top_logprobs", "echo")
 
 
 class RemotePrefill:
@@ -76,7 +76,7 @@ class RemotePrefill:
         prefill_body = {k: v for k, v in body.items() if k not in PREFILL_DROPS}
         prefill_body.update(max_tokens=1, stream=False, kv_transfer_params={
             "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-            "remote_block_ids": None, "remote_host": None, "remote_port": None})  # fmt: skip
+            "remote_block_ids": None, "remote_host": None, "remote_port": None})
         instance.inflight += 1
         pending = PendingPrefill(instance, tokens)
         started = time.monotonic()

@@ -128,7 +128,7 @@ class HealthMonitor:
                 instances = [
                     i for i in self.registry.all()
                     if i.state in (InstanceState.READY, InstanceState.FAILED)
-                ]  # fmt: skip
+                ]
                 await asyncio.gather(*(self.check(client, i) for i in instances))
                 await asyncio.sleep(self.interval_s)
 

@@ -24,7 +24,7 @@ PASSED_THROUGH = frozenset({
     "structured_outputs", "tools", "tool_choice", "parallel_tool_calls", "add_generation_prompt",
     "continue_final_message", "add_special_tokens", "chat_template_kwargs", "cache_salt", "suffix", "echo",
     "reasoning_effort", "documents", "metadata", "store", "service_tier",
-})  # fmt: skip
+})
 # Fields that steer the cluster or run code: refused with a 400 naming the field.
 REFUSED = {
     "kv_transfer_params": "KV transfer parameters are the router's to set",
@@ -69,7 +69,7 @@ class SamplingRequest(BaseModel):
             isinstance(options, dict) and len(options) <= MAX_TEMPLATE_OPTIONS
             and all(isinstance(v, bool | int | float) or (isinstance(v, str) and len(v) <= MAX_TEMPLATE_OPTION_CHARS)
                     for v in options.values())
-        ):  # fmt: skip
+        ):
             raise ValueError(f"chat_template_kwargs: at most {MAX_TEMPLATE_OPTIONS} scalar options")
         return self
 
@@ -85,7 +85,7 @@ class SamplingRequest(BaseModel):
         """The chat-template options a client may set (a chat's rendering depends on them)."""
         extra = self.model_extra or {}
         return {k: extra[k] for k in ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")
-                if k in extra}  # fmt: skip
+                if k in extra}
 
 
 TokenId = Annotated[int, Field(ge=0)]

@@ -69,7 +69,7 @@ class Forwarder:
         if self._session is None:
             connector = aiohttp.TCPConnector(limit=4096, keepalive_timeout=30)
             self._session = aiohttp.ClientSession(connector=connector, timeout=self.timeout,
-                                                  headers=self.engine_headers)  # fmt: skip
+                                                  headers=self.engine_headers)
         return self._session
 
     async def close(self) -> None:

@@ -108,7 +108,7 @@ class ClusterCredentials:
         if not path.exists():
             if not create:
                 raise CredentialsError(f"no cluster secret: set {SECRET_ENV} or create {path} "
-                                       "(`pdcluster secret`)")  # fmt: skip
+                                       "(`pdcluster secret`)")
             return cls.generate().save(path)
         if path.stat().st_mode & 0o077:
             raise CredentialsError(f"{path} is readable by others: chmod 600 {path}")
@@ -173,7 +173,7 @@ class ClusterCredentials:
         server_secret = z85.encode(self.derive(f"curve:{plane}:server"))
         client_secret = z85.encode(self.derive(f"curve:{plane}:client"))
         return CurveKeys(zmq.curve_public(server_secret), server_secret, zmq.curve_public(client_secret),
-                         client_secret)  # fmt: skip
+                         client_secret)
 
 
 def bearer_matches(authorization: str | None, token: str) -> bool:

@@ -35,7 +35,7 @@ NEAR_TIE = 0.05
 # instance's attention reads the prefill's KV with its decode kernel; 0 on the tiny models).
 LOGPROB_ABS, LOGPROB_REL, TOP_SHARED = 0.15, 0.08, 3
 LONG_TEXT = " ".join(f"Section {k}: the prefill computes this sentence once and the decode reads it back."
-                     for k in range(40))  # fmt: skip
+                     for k in range(40))
 WARM_UP = "A warm-up request that shares no prefix with the prompts under test. " * 8
 QUESTION = "What is the capital of France? One word."
 # name -> request body without model and sampling fields: completions and chats, a prompt shorter
@@ -45,7 +45,7 @@ PROMPTS: dict[str, dict] = {
     "completion-long": {"prompt": LONG_TEXT},
     "chat-question": {"messages": [{"role": "user", "content": QUESTION}]},
     "chat-long-system": {"messages": [{"role": "system", "content": LONG_TEXT[:1800]},
-                                      {"role": "user", "content": "Which section comes first?"}]},  # fmt: skip
+                                      {"role": "user", "content": "Which section comes first?"}]},
 }
 
 
@@ -106,13 +106,13 @@ def differences(ours: dict[str, Answer], oracle: dict[str, Answer]) -> list[str]
                 if len(ranked) > 1 and ranked[0] - ranked[1] <= NEAR_TIE and len(got.token_ids) > position:
                     break  # a near-tie taken the other way: the rest follows from a different token
                 found.append(f"{name}: token {position} is {mine}, vLLM's is {theirs} "
-                             f"(ours {got.text!r}, vLLM's {want.text!r})")  # fmt: skip
+                             f"(ours {got.text!r}, vLLM's {want.text!r})")
                 break
             off = {t: (tops_got[t], p) for t, p in tops_want.items()
-                   if t in tops_got and abs(tops_got[t] - p) > LOGPROB_ABS + LOGPROB_REL * abs(p)}  # fmt: skip
+                   if t in tops_got and abs(tops_got[t] - p) > LOGPROB_ABS + LOGPROB_REL * abs(p)}
             if off or len(tops_want.keys() & tops_got.keys()) < min(TOP_SHARED, len(tops_want)):
                 found.append(f"{name}: token {position}: top logprobs differ (ours, vLLM's): "
-                             f"{off or (tops_got, tops_want)}")  # fmt: skip
+                             f"{off or (tops_got, tops_want)}")
                 break
         else:
             if len(got.token_ids) != len(want.token_ids):
@@ -139,7 +139,7 @@ class PlainVLLM:
         command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(c.model),
                    "--served-model-name", c.served_model_name, "--host", "127.0.0.1", "--port", str(self.port),
                    "--max-model-len", str(c.max_model_len), "--block-size", str(c.block_size),
-                   "--gpu-memory-utilization", str(c.gpu_memory_utilization)]  # fmt: skip
+                   "--gpu-memory-utilization", str(c.gpu_memory_utilization)]
         return command + (["--enforce-eager"] if c.enforce_eager else [])
 
     def __enter__(self) -> PlainVLLM:
@@ -149,7 +149,7 @@ class PlainVLLM:
         env |= engine_env("127.0.0.1", self.config.kv_cache_gib, self.core) | {"VLLM_PLUGINS": ""}
         with self.log_path.open("w") as log:
             self._process = subprocess.Popen(self.command(), env=env, stdout=log, stderr=subprocess.STDOUT,
-                                             start_new_session=True)  # fmt: skip
+                                             start_new_session=True)
         deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline:
             if self._process.poll() is not None:

@@ -77,7 +77,7 @@ class PostedTransfer:
         try:
             self.handle = agent.initialize_xfer(op, agent.get_xfer_descs([(a, n, 0) for a, n in local_pieces], "DRAM"),
                                                 agent.get_xfer_descs([(a, n, 0) for a, n in remote_pieces], "DRAM"),
-                                                peer)  # fmt: skip
+                                                peer)
             self.state = agent.transfer(self.handle)
         except Exception as exc:  # NIXL's own errors: an unreachable or vanished peer
             self.release()
@@ -108,7 +108,7 @@ class PostedTransfer:
 
 
 def transfer(agent, op: str, local: Sequence[Extent], remote: Sequence[Extent], peer: str,
-             timeout_s: float) -> None:  # fmt: skip
+             timeout_s: float) -> None:
     """`op` ("READ" or "WRITE") between local and remote extents of equal total size: the two
     lists are cut at the same byte positions, so their pieces pair up. Raises NixlTransferError."""
     posted = PostedTransfer(agent, op, local, remote, peer)

@@ -120,7 +120,7 @@ class PrefixTreeChars:
     def choose(self, candidates: Sequence[Instance], request: RoutingRequest) -> RoutingDecision:
         loads = [i.inflight for i in candidates]
         imbalanced = (max(loads) - min(loads) > self.balance_abs_threshold
-                      and max(loads) > min(loads) * self.balance_rel_threshold)  # fmt: skip
+                      and max(loads) > min(loads) * self.balance_rel_threshold)
         trees = [self.trees.setdefault(i.instance_id, CharRadixTree()) for i in candidates]
         if imbalanced or not request.text:
             chosen = min(range(len(candidates)), key=lambda k: loads[k])

@@ -34,7 +34,7 @@ def tied_1b(tmp_path_factory) -> Path:
     """Built in its own process: torch work before vLLM starts can hang an engine."""
     path = Path(os.environ.get("PDC_CUDA_MODEL_DIR", tmp_path_factory.mktemp("models"))) / "llama1b-tied"
     code = ("import sys; from pathlib import Path; from engine.models import build_llama1b_tied; "
-            "build_llama1b_tied(Path(sys.argv[1]))")  # fmt: skip
+            "build_llama1b_tied(Path(sys.argv[1]))")
     if not (path / "config.json").exists():
         subprocess.run([sys.executable, "-c", code, str(path)], check=True, timeout=600)
     return path
@@ -43,7 +43,7 @@ def tied_1b(tmp_path_factory) -> Path:
 def test_disk_loader_and_cuda_ipc_standby_answer_as_plain_vllm(tied_1b, artifacts):
     config = EngineConfig(model=tied_1b, served_model_name="llama1b-tied", gpu_memory_utilization=0.25,
                           enforce_eager=os.environ.get("PDC_CUDA_EAGER", "1") == "1", max_model_len=2048,
-                          log_dir=artifacts / "conformance-gpu")  # fmt: skip
+                          log_dir=artifacts / "conformance-gpu")
     want = oracle_answers(config, artifacts / "plain-vllm-llama1b-tied-cuda.log")
     print({name: answer.token_ids for name, answer in want.items()})
     peer = EngineHost(config, "peer-1b", host="127.0.0.1")

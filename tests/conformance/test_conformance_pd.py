@@ -20,7 +20,7 @@ HITS = "vllm:external_prefix_cache_hits_total"
 def test_pd_answers_as_plain_vllm(model, transfer, oracle, artifacts):
     want = oracle(model)
     args = ["--model", model, "--prefill", "1", "--decode", "1", "--kv-transfer", transfer,
-            "--remote-prefill-min-tokens", "0"]  # fmt: skip
+            "--remote-prefill-min-tokens", "0"]
     with LocalServer(args, artifacts / f"serve-conformance-pd-{model}.log") as server:
         (decode,) = [i["url"] for i in server.instances() if i["role"] == "decode"]
         hits = scrape(decode, (HITS,), headers=ENGINE).get(HITS, 0.0)

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 def test_standby_activated_from_a_peer_answers_as_plain_vllm(model, transport, oracle, model_dir, artifacts):
     want = oracle(model)
     config = EngineConfig(model=model_dir(model), served_model_name=model, cpu_cores="1",
-                          log_dir=artifacts / "conformance-standby")  # fmt: skip
+                          log_dir=artifacts / "conformance-standby")
     peer = EngineHost(config, f"peer-{model}", host="127.0.0.1")
     standby = EngineHost(config, f"standby-{model}", host="127.0.0.1")
 

@@ -43,7 +43,7 @@ def engine_routes(engine_urls: list[str]) -> dict[str, list[int]]:
     ran pickled code, the dev routes, the OpenAI routes, health and metrics."""
     calls = [("POST", "/collective_rpc", {"method": "pdc_load_weights", "args": ['{"peer": {"kind": "cuda_ipc"}}']}),
              ("POST", "/reset_prefix_cache", None), ("POST", "/v1/completions", {"model": "tiny", "prompt": "x"}),
-             ("GET", "/metrics", None), ("GET", "/health", None), ("POST", "/tokenize", {"prompt": "x"})]  # fmt: skip
+             ("GET", "/metrics", None), ("GET", "/health", None), ("POST", "/tokenize", {"prompt": "x"})]
     seen: dict[str, list[int]] = {}
     with _stranger_http() as client:
         for url in engine_urls:
@@ -56,7 +56,7 @@ def store_shards(endpoints: list[str]) -> dict[str, list]:
     """A shard's hello (its NIXL metadata) and a reserve of 10**12 bytes, asked plainly and with a
     CURVE key pair of the attacker's own."""
     hello, reserve = msgpack.packb({"op": "hello"}), msgpack.packb(
-        {"op": "reserve", "keys": ["x"], "nbytes": [10**12], "checksums": [0]})  # fmt: skip
+        {"op": "reserve", "keys": ["x"], "nbytes": [10**12], "checksums": [0]})
     return {
         "plain": [_zmq_answer(zmq.REQ, e, [m]) for e in endpoints for m in (hello, reserve)],
         "own_curve_key": [_zmq_answer(zmq.REQ, e, [hello], curve_keys=zmq.curve_keypair()[0]) for e in endpoints],
@@ -75,7 +75,7 @@ def forged_kv_events(sub_endpoint: str, batches_before, batches_after_wait) -> d
     from vllm.distributed.kv_events import BlockStored, KVEventBatch
 
     event = BlockStored(block_hashes=[12345], parent_block_hash=None, token_ids=[], block_size=32,
-                        lora_id=None, medium="CPU", lora_name=None)  # fmt: skip
+                        lora_id=None, medium="CPU", lora_name=None)
     payload = msgspec.msgpack.encode(KVEventBatch(ts=time.time(), events=[event]))
     context = zmq.Context()
     socket = context.socket(zmq.PUB)
@@ -101,4 +101,4 @@ def ray_gcs(address: str) -> int:
 def router_edges(router_url: str) -> dict[str, int]:
     with _stranger_http() as client:
         return {path: client.get(f"{router_url}{path}").status_code
-                for path in ("/metrics", "/admin/instances", "/admin/store")}  # fmt: skip
+                for path in ("/metrics", "/admin/instances", "/admin/store")}

@@ -38,12 +38,12 @@ def start_sshd(workdir: Path) -> None:
     (workdir / "authorized_keys").write_text((workdir / "client_key.pub").read_text())
     env = {"PDCLUSTER_HOME": str(REPO), "PDCLUSTER_MODEL_ROOT": os.environ["PDCLUSTER_MODEL_ROOT"],
            "XDG_CONFIG_HOME": os.environ["XDG_CONFIG_HOME"],
-           "PATH": f"{BIN}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}  # fmt: skip
+           "PATH": f"{BIN}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
     config = [f"ListenAddress {h}" for h in HOSTS] + [
         f"HostKey {workdir / 'host_key'}", f"AuthorizedKeysFile {workdir / 'authorized_keys'}",
         "PermitRootLogin prohibit-password", "PasswordAuthentication no", "UsePAM no", "StrictModes no",
         f"PidFile {workdir / 'sshd.pid'}", "SetEnv " + " ".join(f"{k}={v}" for k, v in env.items()),
-    ]  # fmt: skip
+    ]
     (workdir / "sshd_config").write_text("\n".join(config) + "\n")
     Path("/run/sshd").mkdir(exist_ok=True)
     sh("/usr/sbin/sshd", "-f", str(workdir / "sshd_config"), "-E", str(workdir / "sshd.log"))
@@ -90,7 +90,7 @@ def main() -> int:
     started = time.monotonic()
     up = subprocess.run([BIN / "pdcluster", "up", str(path), "--port", "8000", "--model", "tiny", "--prefill", "1",
                          "--decode", "1", "--remote-prefill-min-tokens", "0", "--placement-timeout", "240"],
-                        capture_output=True, text=True, timeout=900)  # fmt: skip
+                        capture_output=True, text=True, timeout=900)
     seen["up_s"] = time.monotonic() - started
     seen["up_rc"] = up.returncode
     try:
@@ -101,11 +101,11 @@ def main() -> int:
         admin = ClusterCredentials.load().admin_headers()
         seen["instances"] = httpx.get(f"{base}/admin/instances", headers=admin, timeout=10).json()["instances"]
         chat = httpx.post(f"{base}/v1/chat/completions", timeout=120, json={
-            "model": "tiny", "max_tokens": 8, "messages": [{"role": "user", "content": "Hello, cluster!"}]})  # fmt: skip
+            "model": "tiny", "max_tokens": 8, "messages": [{"role": "user", "content": "Hello, cluster!"}]})
         seen["chat_status"] = chat.status_code
         seen["chat"] = chat.json()
         seen["prefills"] = [line for line in httpx.get(f"{base}/metrics", headers=admin, timeout=10).text.splitlines()
-                            if line.startswith("pdcluster_router_prefills_total")]  # fmt: skip
+                            if line.startswith("pdcluster_router_prefills_total")]
         attack(base, admin, seen)
     finally:
         down = subprocess.run(

@@ -33,7 +33,7 @@ def cluster_config() -> dict:
         "worker_setup_commands": [], "head_start_ray_commands": [], "worker_start_ray_commands": [],
         "file_mounts": {}, "cluster_synced_files": [], "file_mounts_sync_continuously": False,
         "rsync_exclude": [], "rsync_filter": [],
-    }  # fmt: skip
+    }
 
 
 def wait_for(condition, timeout_s: float) -> float:
@@ -51,7 +51,7 @@ def main() -> int:
     env = {**os.environ, "RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1"}
     subprocess.run([BIN / "ray", "start", "--head", "--num-cpus=1", "--include-dashboard=false",
                     "--object-store-memory=100000000", f"--autoscaling-config={config}"],
-                   env=env, check=True, capture_output=True)  # fmt: skip
+                   env=env, check=True, capture_output=True)
     try:
         import asyncio
 
@@ -85,7 +85,7 @@ def main() -> int:
         slots = [DecodeSlot.options(**placement_options(Role.DECODE, gpus=0)).remote() for _ in range(2)]
         nodes = ray.get([s.node.remote() for s in slots], timeout=180)
         seen.update(scale_up_s=time.monotonic() - started, decode_nodes_in_use=decode_nodes(),
-                    distinct_nodes=len(set(nodes)))  # fmt: skip
+                    distinct_nodes=len(set(nodes)))
         # The slots stand for engines: the launcher is told their nodes instead of asking engines.
         shards = asyncio.run(launcher.reconcile_store_shards(60, engine_nodes=set(nodes)))
         seen["store_shards_after_scale_up"] = len(shards)

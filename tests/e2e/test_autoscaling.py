@@ -21,7 +21,7 @@ def test_decode_pool_scales_from_zero_nodes_and_back():
     # Its own PID namespace: the `ray stop` that ends a fake cluster must not end the suite's others.
     command = ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, str(SCRIPT)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=420,
-                            cwd=SCRIPT.parents[2], env={**os.environ, "PYTHONPATH": str(SCRIPT.parents[2])})  # fmt: skip
+                            cwd=SCRIPT.parents[2], env={**os.environ, "PYTHONPATH": str(SCRIPT.parents[2])})
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     seen = json.loads(result.stdout.strip().splitlines()[-1])
     assert seen["decode_nodes_at_start"] == 0

@@ -20,7 +20,7 @@ MODEL = "tiny"
 
 def load(served, workload, arrival, requests: int, **limits):
     return asyncio.run(run_load(served.url, workload.jobs(MODEL), arrival,
-                                Limits(max_requests=requests, **limits), scrape_interval_s=0.5))  # fmt: skip
+                                Limits(max_requests=requests, **limits), scrape_interval_s=0.5))
 
 
 def assert_clean(run, requests: int) -> dict:
@@ -41,7 +41,7 @@ def test_random_lengths_with_poisson_arrivals(served):
 
 def test_shared_prefix_at_fixed_concurrency_hits_the_prefix_cache(served):
     run = load(served, SharedPrefix(groups=2, questions=4, system_words=200, output_tokens=4, seed=5),
-               FixedConcurrency(3), 8)  # fmt: skip
+               FixedConcurrency(3), 8)
     summary = assert_clean(run, 8)
     assert summary["prefix_hit_rate"] > 0.3  # vLLM's own counters: later questions reuse the system prompt
 
@@ -56,7 +56,7 @@ def test_multi_turn_sessions_grow_their_prompts_with_bursts(served):
 
 def test_mooncake_replay_follows_the_trace_clock(served, tmp_path):
     rows = [{"timestamp": 300 * k, "input_length": 1024, "output_length": 4, "hash_ids": [0, 1, 2, 100 + k]}
-            for k in range(5)]  # fmt: skip
+            for k in range(5)]
     trace = tmp_path / "trace.jsonl"
     trace.write_text("\n".join(json.dumps(r) for r in rows))
     started = time.monotonic()

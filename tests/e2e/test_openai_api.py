@@ -44,7 +44,7 @@ def test_streamed_chat_joins_to_the_unstreamed_text(client):
     stream = client.chat.completions.create(
         model=MODEL, messages=messages, max_tokens=24, temperature=0,
         stream=True, stream_options={"include_usage": True},
-    )  # fmt: skip
+    )
     pieces, usage = [], None
     for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
@@ -77,7 +77,7 @@ def test_sampling_parameters_pass_through(client):
     chat = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
         logprobs=True, top_logprobs=2, top_p=0.5,
-    )  # fmt: skip
+    )
     assert len(chat.choices[0].logprobs.content) == 3
     free = client.completions.create(model=MODEL, prompt="Once upon", max_tokens=12, temperature=0)
     first_word = free.choices[0].text[1:4]

@@ -56,7 +56,7 @@ def test_decode_counts_the_transferred_kv_as_external_prefix_hits(served_pd):
     after, router_after = scrape(decode, headers=engine), scrape(served_pd.url, ("pdcluster_",), headers=admin)
     delta = {name: after[name] - before.get(name, 0.0) for name in after if after[name] != before.get(name)}
     delta |= {name: v - router_before.get(name, 0.0) for name, v in router_after.items()
-              if v != router_before.get(name)}  # fmt: skip
+              if v != router_before.get(name)}
     shown = "\n".join(f"{name} {value:g}" for name, value in sorted(delta.items()))
     hits = delta["vllm:external_prefix_cache_hits_total"]
     prompt_tokens = delta["vllm:prompt_tokens_total"]
@@ -91,7 +91,7 @@ def test_a_load_report_splits_off_the_remote_prefill_part_of_ttft(served_pd):
 
 def store_shard(server) -> dict:
     (shard,) = httpx.get(f"{server.url}/admin/store", headers=server.credentials.admin_headers(),
-                         timeout=10).json()["shards"]  # fmt: skip
+                         timeout=10).json()["shards"]
     return shard
 
 
@@ -116,7 +116,7 @@ async def test_aborted_streams_strand_no_store_memory(served_pd):
 
     async def one(client: httpx.AsyncClient, k: int) -> None:
         body = {"model": "tiny", "prompt": f"Burst {k}. " + LONG[: 300 + 97 * k], "max_tokens": 48,
-                "temperature": 0, "stream": True}  # fmt: skip
+                "temperature": 0, "stream": True}
         async with client.stream("POST", f"{served_pd.url}/v1/completions", json=body) as response:
             assert response.status_code == 200
             async for _ in response.aiter_lines():
@@ -193,6 +193,6 @@ def test_one_tenants_store_chunks_are_invisible_to_another(served_pd):
         return after["vllm:external_prefix_cache_hits_total"] - before.get("vllm:external_prefix_cache_hits_total", 0)
 
     generate(engine_url(served_pd, "prefill"), {"prompt": prompt, "cache_salt": salt_a}, max_tokens=1,
-             headers=engine)  # tenant A's prefill: its chunks go to the store  # fmt: skip
+             headers=engine)  # tenant A's prefill: its chunks go to the store
     assert external_hits(salt_b) == 0
     assert external_hits(salt_a) > 500

@@ -36,13 +36,13 @@ pytestmark = pytest.mark.slow
 LONG = " ".join(f"line {k}: the quick brown fox jumps over the lazy dog." for k in range(60))
 # Each starts differently, so that no prompt finds another's blocks in the decode's own cache.
 PROMPTS = {"shorter-than-a-block": "Hello there", "several-chunks": "Several chunks. " + LONG,
-           "a-block-and-a-bit": "A block and a bit. " + LONG[:200]}  # fmt: skip
+           "a-block-and-a-bit": "A block and a bit. " + LONG[:200]}
 
 
 @pytest.fixture(scope="module")
 def cuda_model(tmp_path_factory) -> Path:
     """The tiny model, built in its own process: torch work before vLLM starts can hang an engine
-    (ARCHITECTURE.md, section 4)."""
+    (vLLM forks after OpenMP threads exist; docs/gpu-notes.md)."""
     path = Path(os.environ.get("PDC_CUDA_MODEL_DIR", tmp_path_factory.mktemp("models"))) / "tiny"
     code = "import sys; from pathlib import Path; from engine.models import build_tiny; build_tiny(Path(sys.argv[1]))"
     if not (path / "config.json").exists():
@@ -67,10 +67,10 @@ def engines(cuda_model, artifacts):
         return EngineConfig(model=cuda_model, served_model_name="tiny", role=role, max_model_len=2048,
                             gpu_memory_utilization=0.15, keep_host_weights=False, extra_args=("--dtype", dtype),
                             cluster_secret=credentials.secret.hex(),
-                            kv_store_endpoints=() if role is Role.COLOCATED else (shard.endpoint,))  # fmt: skip
+                            kv_store_endpoints=() if role is Role.COLOCATED else (shard.endpoint,))
 
     hosts = [EngineHost(config(role), f"cuda-{role.value}", host="127.0.0.1")
-             for role in (Role.COLOCATED, Role.PREFILL, Role.DECODE)]  # fmt: skip
+             for role in (Role.COLOCATED, Role.PREFILL, Role.DECODE)]
 
     async def start_all() -> None:
         for host in hosts:  # one at a time: vLLM's memory profiling assumes a quiet GPU
@@ -89,7 +89,7 @@ def engines(cuda_model, artifacts):
 
 def complete(host: EngineHost, prompt: str, max_tokens: int) -> list[int]:
     body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "return_token_ids": True}  # fmt: skip
+            "return_token_ids": True}
     response = httpx.post(f"{host.url}/v1/completions", json=body, headers=host.auth_headers, timeout=120)
     assert response.status_code == 200, response.text
     return response.json()["choices"][0]["token_ids"]
@@ -113,7 +113,7 @@ def test_pd_through_the_store_on_cuda_equals_one_engine_and_really_loads(engines
     assert complete(decode, prompt, max_tokens=24) == want
     loaded = external_hits(decode) - before
     tokenized = httpx.post(f"{decode.url}/tokenize", json={"model": "tiny", "prompt": prompt},
-                           headers=decode.auth_headers, timeout=30)  # fmt: skip
+                           headers=decode.auth_headers, timeout=30)
     prompt_tokens = len(tokenized.json()["tokens"])
     whole_blocks = (prompt_tokens - 1) // decode.config.block_size * decode.config.block_size
     assert loaded == whole_blocks  # every whole block but the last token's came from the store

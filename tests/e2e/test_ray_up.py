@@ -32,14 +32,14 @@ def ensure_packages() -> None:
 
 @pytest.mark.timeout(1500)
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("unshare") is None,
-                    reason="needs root, iproute2 and unshare")  # fmt: skip
+                    reason="needs root, iproute2 and unshare")
 def test_pdcluster_up_on_a_local_cluster_in_a_network_namespace(tmp_path, tiny_model):
     ensure_packages()
     namespace = f"pdcluster-{os.getpid()}"
     subprocess.run(["ip", "netns", "add", namespace], check=True)
     try:
         command = ["ip", "netns", "exec", namespace, "unshare", "--pid", "--fork", "--mount-proc",
-                   sys.executable, str(SCRIPT), str(tmp_path)]  # fmt: skip
+                   sys.executable, str(SCRIPT), str(tmp_path)]
         env = {**os.environ, "PYTHONPATH": str(SCRIPT.parents[2])}
         result = subprocess.run(
             command, capture_output=True, text=True, timeout=1500, env=env, cwd=SCRIPT.parents[2]

@@ -17,7 +17,7 @@ REQUESTS = [
         {"role": "system", "content": LONG}, {"role": "user", "content": "And a question?"}]}),
     ("/v1/chat/completions", {"model": "tiny", "messages": [
         {"role": "user", "content": [{"type": "text", "text": LONG}, {"type": "text", "text": "Part two."}]}]}),
-]  # fmt: skip
+]
 
 
 def engine_prompt_tokens(answer: dict) -> list[int]:
@@ -27,7 +27,7 @@ def engine_prompt_tokens(answer: dict) -> list[int]:
 @pytest.mark.parametrize("endpoint,body", REQUESTS, ids=["completion", "salted", "chat", "chat-parts"])
 def test_router_tokens_and_block_hashes_are_the_engines(served, endpoint, body):
     answer = httpx.post(f"{served.url}{endpoint}", json={**body, "max_tokens": 1, "return_token_ids": True},
-                        timeout=60).json()  # fmt: skip
+                        timeout=60).json()
     explained = httpx.post(f"{served.url}/admin/explain", json=body, headers=served.credentials.admin_headers(), timeout=10).json()
     assert explained["token_ids"] == engine_prompt_tokens(answer)
     full_blocks = len(explained["token_ids"]) // BLOCK

@@ -45,7 +45,7 @@ async def burst(url: str) -> list[tuple[int, str, float]]:
 def test_a_burst_on_an_empty_pool_is_queued_and_served_by_the_activated_standby(served, artifacts, tmp_path):
     start_log = tmp_path / "starts.jsonl"
     args = ["--model", "tiny", "--instances", "0", "--standby", "1", "--max-instances", "1",
-            "--queue-timeout", str(QUEUE_TIMEOUT_S), "--start-log", str(start_log)]  # fmt: skip
+            "--queue-timeout", str(QUEUE_TIMEOUT_S), "--start-log", str(start_log)]
     with LocalServer(args, artifacts / "serve-scale-up.log", ready=has_standby) as server:
         assert not [i for i in server.instances() if i["state"] == "ready"]
         health = httpx.get(f"{server.url}/health", timeout=5)
@@ -71,7 +71,7 @@ def test_first_tokens_later_than_the_target_grow_the_pool(artifacts, tmp_path):
     controller adds an instance, from the standby."""
     start_log = tmp_path / "starts.jsonl"
     args = ["--model", "tiny", "--instances", "1", "--standby", "1", "--max-instances", "2",
-            "--target-ttft", "0.001", "--start-log", str(start_log)]  # fmt: skip
+            "--target-ttft", "0.001", "--start-log", str(start_log)]
     with LocalServer(args, artifacts / "serve-ttft-trigger.log", ready=has_standby) as server:
         assert len([i for i in server.instances() if i["state"] == "ready"]) == 1
         body = {"model": "tiny", "prompt": "Count slowly:", "max_tokens": 4, "temperature": 0, "stream": True}

@@ -26,7 +26,7 @@ def test_one_tenant_never_hits_anothers_cached_prompt(served, tiny_model):
     registry.add(Instance(engine["instance_id"], Role.COLOCATED, engine["url"]))
     config = RouterConfig(served_model_name="tiny", max_model_len=4096, tokenizer=tiny_model, health_interval_s=60,
                           api_keys={"key-a": "tenant-a", "key-b": "tenant-b"},
-                          cluster_secret=ClusterCredentials.load().secret.hex())  # fmt: skip
+                          cluster_secret=ClusterCredentials.load().secret.hex())
     prompt = f"A private prompt {uuid.uuid4()} " + "with a long shared body. " * 60
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 2, "temperature": 0}
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from fastapi.testclient import TestClient
 
-from deploy.cli import parse_api_keys
+from deploy.serve import parse_api_keys
 from router.admission import Admission
 from router.app import build_app
 from router.config import RouterConfig
@@ -18,7 +18,7 @@ BODY = {"model": "m", "prompt": "x"}
 
 def client(**config) -> TestClient:
     settings = RouterConfig(served_model_name="m", max_model_len=64, health_interval_s=60,
-                            queue_timeout_s=0, **config)  # fmt: skip
+                            queue_timeout_s=0, **config)
     return TestClient(build_app(settings, InstanceRegistry()))
 
 

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from deploy.cli import Topology, roles_to_start
 from deploy.cluster import ClusterConfigError, validate_cluster_yaml
 from deploy.launcher import placement_options
 from deploy.pool import PoolSpec, wants_more
+from deploy.topology import Topology, roles_to_start
 from engine.config import Role
 from router.instances import Instance
 
@@ -87,7 +87,7 @@ def test_a_restarted_launcher_starts_only_what_adoption_did_not_cover():
     wanted = Topology.from_args(0, prefill=2, decode=1).roles()
     assert roles_to_start(wanted, []) == wanted
     adopted = [Instance("prefill-1", Role.PREFILL, "http://127.0.0.1:1"),
-               Instance("decode-1700000000-0", Role.DECODE, "http://127.0.0.1:2")]  # fmt: skip
+               Instance("decode-1700000000-0", Role.DECODE, "http://127.0.0.1:2")]
     assert roles_to_start(wanted, adopted) == [("prefill-0", Role.PREFILL)]
 
 

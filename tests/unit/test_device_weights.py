@@ -34,7 +34,7 @@ def exchange(rank: int, port: int, results) -> None:
             received = unpack(layout, regions)
             # Plain data back: tensors in the queue would live in this process's shared memory.
             results.put({name: (str(received[name].dtype), torch.equal(received[name], sent))
-                         for name, sent in tensors()})  # fmt: skip
+                         for name, sent in tensors()})
     finally:
         dist.destroy_process_group()
 
@@ -50,7 +50,7 @@ def test_weights_cross_processes_bit_identical_in_one_region_per_dtype():
     assert all(r.numel() * r.element_size() % 4 == 0 for r in regions.values())
     assert {n: torch.equal(t, dict(tensors())[n]) for n, t in unpack(layout, regions).items()} == {
         "embed": True, "norm": True, "proj": True, "step": True
-    }  # fmt: skip
+    }
 
 
 @pytest.mark.parametrize("damage", ["flip", "swap"])
@@ -76,6 +76,6 @@ def test_the_cuda_kernel_equals_the_torch_definition():
     generator = torch.Generator(device="cuda").manual_seed(3)
     # more than one 2^24-word chunk and a ragged last block; extreme words make products wrap
     words = torch.randint(-(2**31), 2**31 - 1, ((1 << 24) + 12345,), generator=generator,
-                          device="cuda", dtype=torch.int32)  # fmt: skip
+                          device="cuda", dtype=torch.int32)
     words[:4] = torch.tensor([-(2**31), 2**31 - 1, -1, 0], dtype=torch.int32)
     assert region_checksum(words) == checksum_torch(words)

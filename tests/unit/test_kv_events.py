@@ -36,7 +36,7 @@ def stored(*hashes: int, medium: str = "CPU"):
     from vllm.distributed.kv_events import BlockStored, KVEventBatch
 
     event = BlockStored(block_hashes=list(hashes), parent_block_hash=None, token_ids=[0] * 32 * len(hashes),
-                        block_size=32, lora_id=None, medium=medium, lora_name=None)  # fmt: skip
+                        block_size=32, lora_id=None, medium=medium, lora_name=None)
     return KVEventBatch(ts=time.time(), events=[event])
 
 

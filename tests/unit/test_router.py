@@ -28,7 +28,7 @@ def make_client(instances: list[Instance]) -> TestClient:
     config = RouterConfig(
         served_model_name="m", max_model_len=128, health_interval_s=60, policy="round_robin",
         queue_timeout_s=0,
-    )  # fmt: skip
+    )
     return TestClient(build_app(config, registry))
 
 
@@ -122,7 +122,7 @@ def test_router_refuses_a_non_loopback_bind_unless_allowed():
     with pytest.raises(ValueError, match="API keys"):  # beyond loopback, only with keys
         RouterConfig(host="0.0.0.0", served_model_name="m", max_model_len=1, allow_remote=True)
     assert RouterConfig(host="0.0.0.0", served_model_name="m", max_model_len=1, allow_remote=True,
-                        api_keys={"k": "t"})  # fmt: skip
+                        api_keys={"k": "t"})
 
 
 async def test_capacity_queue_hands_over_the_instance_that_becomes_ready():
@@ -189,7 +189,7 @@ async def test_a_prefill_instance_with_too_much_queued_leaves_the_prefill_to_dec
     registry.add(prefill)
     registry.add(decode)
     config = RouterConfig(served_model_name="m", max_model_len=4096, remote_prefill_min_tokens=0,
-                          remote_prefill_max_queued_tokens=1000, prefill_timeout_s=5)  # fmt: skip
+                          remote_prefill_max_queued_tokens=1000, prefill_timeout_s=5)
     body, request = {"prompt": "p"}, RoutingRequest((), 600, 32)
     async with aiohttp.ClientSession() as session:
         remote = RemotePrefill(config, registry, make_policy("least_loaded"), lambda: session)
@@ -261,7 +261,7 @@ async def test_a_hanging_prefill_instance_costs_timeouts_until_its_circuit_opens
     registry.add(prefill)
     registry.add(decode)
     config = RouterConfig(served_model_name="m", max_model_len=4096, remote_prefill_min_tokens=0,
-                          prefill_timeout_s=0.5, prefill_circuit_failures=2, prefill_circuit_s=60)  # fmt: skip
+                          prefill_timeout_s=0.5, prefill_circuit_failures=2, prefill_circuit_s=60)
     body, request = {"prompt": "p"}, RoutingRequest((), 600, 32)
     try:
         async with aiohttp.ClientSession() as session:

@@ -22,7 +22,7 @@ CREDENTIALS = ClusterCredentials.load()  # the session's (tests/conftest.py)
 
 def router(**config) -> TestClient:
     settings = RouterConfig(served_model_name="m", max_model_len=64, health_interval_s=60, queue_timeout_s=0,
-                            cluster_secret=CREDENTIALS.secret.hex(), **config)  # fmt: skip
+                            cluster_secret=CREDENTIALS.secret.hex(), **config)
     return TestClient(build_app(settings, InstanceRegistry()), raise_server_exceptions=False)
 
 
@@ -43,7 +43,7 @@ def test_operator_routes_need_the_admin_token(path):
     ("priority", -1000), ("request_id", "someone-elses"), ("vllm_xargs", {"a": 1}),
     ("logits_processors", ["os.system"]), ("chat_template_kwargs", {"x": "y" * 10_000}),
     ("an_unknown_field", 1),
-])  # fmt: skip
+])
 def test_internal_and_unknown_fields_are_refused_not_forwarded(field, value):
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], field: value}
     with router() as client:
@@ -139,4 +139,4 @@ def test_derived_keys_differ_per_use_and_per_cluster():
     assert one.tenant_salt("a") != other.tenant_salt("a") and one.engine_token != other.engine_token
     assert one.curve("store").server_public != one.curve("kv-events").server_public
     assert one.secret.hex() not in repr(one) and one.curve("store").server_secret.decode() not in repr(
-        one.curve("store"))  # fmt: skip
+        one.curve("store"))

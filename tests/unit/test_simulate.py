@@ -17,7 +17,7 @@ def record(t: float, hash_ids: tuple[int, ...], tokens: int | None = None) -> Tr
 def test_load_trace_reads_mooncake_records_and_applies_speed(tmp_path):
     path = tmp_path / "t.jsonl"
     rows = [{"timestamp": 2000, "input_length": 600, "output_length": 5, "hash_ids": [0, 1]},
-            {"timestamp": 1000, "input_length": 100, "output_length": 5, "hash_ids": [0]}]  # fmt: skip
+            {"timestamp": 1000, "input_length": 100, "output_length": 5, "hash_ids": [0]}]
     path.write_text("\n".join(json.dumps(r) for r in rows))
     trace = load_trace(path, speed=2.0)
     assert [r.arrival_s for r in trace] == [0.5, 1.0]

@@ -78,12 +78,12 @@ def test_absurd_sizes_are_an_error_and_evict_nothing(shard):
                     {"op": "reserve", "keys": ["x", "y"], "nbytes": [1], "checksums": [0]},
                     {"op": "contains", "keys": ["x"] * (protocol.MAX_KEYS + 1)},
                     {"op": "lease", "keys": ["k" * 100_000]},
-                    {"op": "corrupt", "count": 1}):  # fmt: skip
+                    {"op": "corrupt", "count": 1}):
             with pytest.raises(StoreUnavailable):
                 request_once(shard.endpoint, bad, 5.0, KEYS)
         after = client.stats()
         assert (after["chunks"], after["evictions"], after["stored_bytes"]) == (
-            before["chunks"], before["evictions"], before["stored_bytes"])  # fmt: skip
+            before["chunks"], before["evictions"], before["stored_bytes"])
         assert after["malformed"] >= 4
     finally:
         client.close()
@@ -109,7 +109,7 @@ def test_ten_thousand_random_frames_leave_the_shard_serving(shard):
                 frames = [b"", msgpack.packb(rng.choice(values))]
             else:
                 frames = [b"", msgpack.packb({"op": rng.choice(["hello", "lease", "reserve", "commit", "x"]),
-                                               "keys": rng.choice(values)})]  # fmt: skip
+                                               "keys": rng.choice(values)})]
             dealer.send_multipart(frames)
             while dealer.poll(0):
                 dealer.recv_multipart()

@@ -26,7 +26,7 @@ def caches(seed: int | None) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(seed or 0)
     shape = (BLOCKS, KV_HEADS, BLOCK, 2 * HEAD_DIM)  # one layer as vLLM's CPU build allocates it
     return [(torch.randn(shape, generator=generator) if seed is not None else torch.zeros(shape)).to(torch.bfloat16)
-            for _ in range(LAYERS)]  # fmt: skip
+            for _ in range(LAYERS)]
 
 
 def slots(block_ids: list[int], tokens: int) -> torch.Tensor:

@@ -45,7 +45,7 @@ def served_weights(tiny_model, tmp_path):
 
 def fetch(descriptor, tiny_model, tmp_path, key=KEY, expected=None, **options):
     return fetch_from_peer(descriptor, expected or model_id(tiny_model), key, HOST, tmp_path, timeout_s=30,
-                           **options)  # fmt: skip
+                           **options)
 
 
 def checkpoint(model_dir) -> dict[str, torch.Tensor]:
@@ -130,7 +130,7 @@ time.sleep(600)
 
 def test_a_peer_that_died_costs_a_clean_error_not_a_hang(tiny_model, tmp_path):
     peer = subprocess.Popen([sys.executable, "-c", PEER_SCRIPT, str(tiny_model)],
-                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+                            stdout=subprocess.PIPE, text=True)
     try:
         line = peer.stdout.readline()
         while not line.startswith("{"):  # NIXL logs to stdout too

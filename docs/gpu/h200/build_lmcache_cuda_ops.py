@@ -18,7 +18,7 @@ from torch.utils.cpp_extension import load  # noqa: E402
 # The sources of setup_extensions/build_profiles/cuda.py in the LMCache 0.5.6 sdist.
 SOURCES = ["pybind.cpp", "mem_kernels.cu", "mp_mem_kernels.cu", "phase_timing_recorder.cu", "blend_kernels.cu",
            "cal_cdf.cu", "ac_enc.cu", "ac_dec.cu", "pos_kernels.cu", "mem_alloc.cpp", "utils.cpp",
-           "event_recorder.cpp", "completion_recorder.cpp"]  # fmt: skip
+           "event_recorder.cpp", "completion_recorder.cpp"]
 
 if __name__ == "__main__":
     csrc, site = sys.argv[1], sys.argv[2]
@@ -26,7 +26,7 @@ if __name__ == "__main__":
     started = time.time()
     load(name="cuda_ops", sources=[f"{csrc}/cuda/{name}" for name in SOURCES], extra_include_paths=[csrc],
          extra_cflags=["-O3"], extra_cuda_cflags=["-O3", "--threads=2"], build_directory="/tmp/lmbuild",
-         is_python_module=True)  # fmt: skip
+         is_python_module=True)
     dest = os.path.join(site, "lmcache", "cuda_ops.cpython-312-x86_64-linux-gnu.so")
     shutil.copy("/tmp/lmbuild/cuda_ops.so", dest)
     print(f"cuda_ops rebuilt against the local torch in {time.time() - started:.0f} s -> {dest}")

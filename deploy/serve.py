@@ -1,0 +1,200 @@
+"""`pdcluster serve` / `launch`: the composition root. Reads the configuration, loads the
+cluster's credentials, joins or starts Ray, adopts what a previous launcher left, starts the store
+and the engines, builds the router and the pool controller, serves until Ctrl-C, and stops what it
+started (a failed restart leaves the fleet it adopted serving)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from pydantic import ValidationError
+from rich.console import Console
+
+from deploy.topology import Topology, roles_to_start
+from engine.config import Role
+from engine.environment import is_loopback, use_ray
+from engine.models import BUILDERS, COMPLETE_MARKER, default_model_root
+
+log = logging.getLogger(__name__)
+console = Console(stderr=True)
+# Tests only: store shards then honour the "corrupt" op (fault injection into stored chunks).
+STORE_FAULT_INJECTION_ENV = "PDCLUSTER_STORE_FAULT_INJECTION"
+
+
+def resolve_model(model: str) -> tuple[Path, str]:
+    """A builder name is built (in its own process: torch must not load here) and cached."""
+    if model in BUILDERS:
+        path = default_model_root() / model
+        if not (path / COMPLETE_MARKER).exists():  # a built model costs no child process (seconds)
+            subprocess.run([sys.executable, "-m", "deploy.cli", "model", model, str(path)], check=True)
+        return path, model
+    path = Path(model)
+    return path, path.name
+
+
+def load_api_keys(path: Path | None) -> dict[str, str]:
+    """The API keys from `path` (KEY:TENANT per line or comma-separated), else from env
+    PDCLUSTER_API_KEYS."""
+    spec = path.read_text() if path else os.environ.get("PDCLUSTER_API_KEYS", "")
+    return parse_api_keys(spec.replace("\n", ","))
+
+
+def parse_api_keys(spec: str) -> dict[str, str]:
+    """ "KEY:TENANT,KEY:TENANT" -> {KEY: TENANT}; a key without a tenant is its own tenant."""
+    keys = {}
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        key, _, tenant = item.partition(":")
+        if key in keys:
+            raise ValueError(f"API key listed twice: {key[:4]}...")
+        keys[key] = tenant or key
+    return keys
+
+
+def serve(args: argparse.Namespace) -> int:
+    """`pdcluster serve` and `pdcluster launch`."""
+    from engine.config import EngineConfig
+    from router.config import RouterConfig
+    from security.credentials import ClusterCredentials, CredentialsError
+
+    model_path, default_name = resolve_model(args.model)
+    name = args.served_model_name or default_name
+    try:
+        # One machine makes its own secret; a cluster's head must be given one (README, cluster steps).
+        credentials = ClusterCredentials.load(args.secret_file, create=args.address is None)
+        secret = credentials.secret.hex()
+        engine_config = EngineConfig(
+            model=model_path,
+            served_model_name=name,
+            max_model_len=args.max_model_len,
+            kv_cache_gib=args.kv_cache_gib,
+            enforce_eager=not args.no_eager,
+            start_timeout_s=args.start_timeout,
+            cluster_secret=secret,
+            log_dir=args.engine_log_dir.resolve() if args.engine_log_dir else None,
+        )
+        router_config = RouterConfig(
+            host=args.host, port=args.port, served_model_name=name,
+            max_model_len=args.max_model_len, policy=args.policy, tokenizer=model_path,
+            block_size=engine_config.block_size, allow_remote=args.address is not None,
+            remote_prefill_min_tokens=args.remote_prefill_min_tokens,
+            remote_prefill_max_queued_tokens=args.remote_prefill_max_queued_tokens,
+            api_keys=load_api_keys(args.api_keys_file), rate_limit_per_s=args.rate_limit, cluster_secret=secret,
+            max_concurrency_per_key=args.max_concurrency_per_key,
+            queue_timeout_s=args.queue_timeout,
+        )
+        topology = Topology.from_args(args.instances, args.prefill, args.decode, args.standby, args.max_instances,
+                                      args.target_ttft, args.colocated)
+    except (ValidationError, ValueError, OSError, CredentialsError) as exc:
+        console.print(f"[red]invalid configuration:[/] {exc}")
+        return 2
+    # Loopback: else Ray swaps a loopback address for the machine's routable one.
+    use_ray(credentials.ray_auth_env(), loopback=args.address is None or is_loopback(args.address.rpartition(":")[0]))
+    pd = topology.prefill or topology.decode
+    store_bytes = int(args.store_gib * 1024**3) if pd and args.kv_transfer == "store" else 0
+    return asyncio.run(_serve(engine_config, router_config, topology, args.address, args.placement_timeout,
+                              args.start_log, store_bytes))
+
+
+async def _serve(engine_config, router_config, topology, address: str | None, placement_timeout_s: float,
+                 start_log: Path, store_bytes: int = 0) -> int:
+    import uvicorn
+
+    from deploy.launcher import Launcher, cpu_core_sets, start_ray
+    from deploy.pool import PoolController
+    from engine.environment import free_port, is_cpu_build
+    from engine.host import node_address
+    from router.app import build_app
+    from router.instances import InstanceRegistry
+    from router.kv_events import STORE_HOLDER
+
+    started_head = start_ray(address, resources=topology.ray_resources())
+    failed = True
+    registry = InstanceRegistry()
+    launcher = Launcher(registry, router_config.credentials(), console, start_log)
+    controller = None
+    try:
+        # A router restarted on a running cluster takes over the engines its predecessor left.
+        adopted = await launcher.adopt(engine_config, keep_store=store_bytes > 0)
+        # The engines publish their KV events to the router's SUB socket, on the router's node.
+        events_host = node_address()
+        events_endpoint = adopted.kv_events_endpoint or f"tcp://{events_host}:{free_port(events_host)}"
+        router_config = router_config.model_copy(update={"kv_events_endpoint": events_endpoint})
+        engine_config = engine_config.model_copy(update={"kv_events_endpoint": events_endpoint})
+        roles = roles_to_start(topology.roles(), registry.ready(tuple(Role)))
+        engines = topology.engines_at_most()
+        cores = cpu_core_sets(engines, os.cpu_count() or 1) if is_cpu_build() and not address else []
+        configs = [
+            (
+                instance_id,
+                engine_config.model_copy(update={"role": role, "cpu_cores": cores[k] if cores else None}),
+            )
+            for k, (instance_id, role) in enumerate(roles)
+        ]
+        if store_bytes:
+            fault_injection = os.environ.get(STORE_FAULT_INJECTION_ENV) == "1"
+            # Adopted shards are kept; nodes without one get one, now and as they join.
+            shards = await launcher.start_store_shards(store_bytes, fault_injection)
+            launcher.watch_store()
+            engine_config = engine_config.model_copy(update={"kv_store_endpoints": shards})
+            configs = [(i, c.model_copy(update={"kv_store_endpoints": shards})) for i, c in configs]
+        await launcher.start_instances(configs, placement_timeout_s)
+        app = build_app(router_config, registry, store_endpoints=engine_config.kv_store_endpoints)
+        launcher.on_store_restart.append(lambda: app.state.index.clear(STORE_HOLDER))
+        # Instances the controller adds get the core sets the initial ones left (all, if none).
+        controller = PoolController(launcher, registry, app.state.queue, topology.pools(), engine_config,
+                                    core_sets=cores[len(roles):] or cores or None,
+                                    first_tokens=app.state.first_tokens)
+        controller.start()
+        server = uvicorn.Server(
+            uvicorn.Config(app, host=router_config.host, port=router_config.port, log_level="warning")
+        )
+        url = f"http://{router_config.host}:{router_config.port}"
+        console.print(f"[bold]pdcluster[/] serving [cyan]{router_config.served_model_name}[/] at {url}")
+        console.print(
+            f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
+            f'-d \'{{"model": "{router_config.served_model_name}", '
+            f'"messages": [{{"role": "user", "content": "Hello!"}}]}}\''
+        )
+        _keep_cleanup_on_signals()
+        await server.serve()
+        if not server.started:  # it could not listen (uvicorn logged why)
+            raise RuntimeError(f"the router could not serve on {url}")
+        failed = False
+        return 0
+    except Exception as exc:  # a failed start: say why, stop what started, exit non-zero
+        console.print(f"[red]pdcluster serve failed:[/] {exc or repr(exc)}")  # some errors have no message
+        return 1
+    finally:
+        console.print("stopping engines...")
+        if controller is not None:
+            await controller.stop()
+        # A failed restart leaves the fleet it adopted serving: the next attempt adopts it again.
+        await launcher.shutdown(keep_adopted=failed)
+        if started_head:
+            import ray
+
+            ray.shutdown()
+
+
+def _keep_cleanup_on_signals() -> None:
+    """uvicorn handles Ctrl-C / SIGTERM, then re-raises the signal once it has stopped: under the
+    default handlers that cancels (SIGINT) or kills (SIGTERM) this process before it stops its
+    engines. Swallow that first re-raise; a further signal interrupts the clean-up."""
+    raised = {"count": 0}
+
+    def on_signal(signum, frame) -> None:
+        raised["count"] += 1
+        if raised["count"] > 1:
+            raise KeyboardInterrupt
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, on_signal)
+
+
