@@ -4,10 +4,11 @@
 started itself it also stops. Every start is timed stage by stage: a Prometheus histogram per
 path and stage, and one JSON line per start in `start_log`.
 
-Engines and store shards are detached, named actors in the `pdcluster` namespace: a launcher that
-dies without `shutdown()` (the router process killed, OOM) leaves them serving, and the next
-launcher on the same Ray cluster adopts them (`adopt()`) instead of starting cold ones. (With a
-Ray head of its own, the head, and so everything, goes down with the process anyway.)
+Engines and store shards (deploy/store_shards.py) are detached, named actors in the `pdcluster`
+namespace: a launcher that dies without `shutdown()` (the router process killed, OOM) leaves them
+serving, and the next launcher on the same Ray cluster adopts them (`adopt()`, only actors that
+prove the cluster's secret) instead of starting cold ones. (With a Ray head of its own, the head,
+and so everything, goes down with the process anyway.)
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,19 +30,17 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from deploy.store_shards import STORE_SHARD_PREFIX, StoreShards
 from engine.config import EngineConfig, Role
 from engine.environment import RAY_LOOPBACK_ENV, UCX_LOOPBACK_ENV, is_cpu_build
 from engine.host import EngineHost
 from engine.lifecycle import InstanceState
-from kvstore.shard import StoreShardActor
 from router.instances import Instance, InstanceRegistry
 from security.credentials import ClusterCredentials
 
 log = logging.getLogger(__name__)
 RAY_NAMESPACE = "pdcluster"
-STORE_SHARD_PREFIX = "store-"
 EngineActor = ray.remote(EngineHost)
-StoreShard = ray.remote(StoreShardActor)
 START_SECONDS = Histogram(
     "pdcluster_engine_start_stage_seconds",
     "Engine start stages by path (disk, peer, standby_start, standby); stage 'total' is the sum.",
@@ -135,97 +133,25 @@ class Launcher:
         self._adopted: set[str] = set()  # engines a launcher before this one started
         self._descriptors: dict[str, dict] = {}
         """Weight descriptors of ready instances, by instance id (see peer_weights)."""
-        self._shards: dict[str, ray.actor.ActorHandle] = {}  # by actor name (the node's)
-        self._shard_options: dict = {}  # how this launcher starts a shard (start_store_shards)
-        self._shard_boots: dict[str, str] = {}  # the boot id each shard last answered with
-        self.on_store_restart: list[Callable[[], None]] = []
-        """Called when a shard answers as a new one (restarted, empty): the router's index
-        forgets what it thought the store held."""
-        self._store_watch: asyncio.Task | None = None
+        self.store = StoreShards(credentials, self.console, self._engine_nodes)
 
-    async def start_store_shards(self, capacity_bytes: int, fault_injection: bool = False,
-                                 timeout_s: float = 120.0) -> tuple[str, ...]:
-        """One KV store shard on every node of the cluster (the engines are about to be placed);
-        returns their endpoints. Ray restarts a shard whose process dies, on its node and endpoint
-        (an empty store: misses until refilled). `watch_store()` then keeps one where engines run
-        as nodes join and leave (reconcile_store_shards)."""
-        self._shard_options = {"capacity_bytes": capacity_bytes, "fault_injection": fault_injection,
-                               "cluster_secret": self.credentials.secret.hex()}
-        endpoints = await self.reconcile_store_shards(timeout_s, engine_nodes=set(self._all_nodes()))
-        if not endpoints:
-            raise RuntimeError(f"no KV store shard answered within {timeout_s:g} s")
-        self.console.print(f"KV store: {len(endpoints)} shard(s) of {capacity_bytes / 1024**3:.1f} GiB: "
-                           f"{', '.join(endpoints)}")
-        return endpoints
+    async def start_store_shards(self, capacity_bytes: int, fault_injection: bool = False) -> tuple[str, ...]:
+        """One KV store shard on this node and every node that will host engines (deploy/store_shards.py)."""
+        return await self.store.start(capacity_bytes, fault_injection)
 
-    async def reconcile_store_shards(self, timeout_s: float = 10.0,
-                                     engine_nodes: set[str] | None = None) -> tuple[str, ...]:
-        """Keep a shard on this process's node and on every node that hosts one of our engines
-        (`engine_nodes`; by default asked of the engines): start the missing ones (with the
-        options of `start_store_shards`), end those on nodes that host none any more (a shard
-        would keep an idle node from being scaled down; its chunks are a cache), and tell every
-        shard the list of those that answer, under a new epoch when it changed: store clients
-        follow it (ShardedStore). Returns the list."""
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        if engine_nodes is None:
-            engine_nodes = await self._engine_nodes(timeout_s)
-        alive = set(self._all_nodes())
-        wanted = alive & (engine_nodes | {ray.get_runtime_context().get_node_id()})
-        for node_id in wanted:
-            name = f"{STORE_SHARD_PREFIX}{node_id}"
-            if name not in self._shards and self._shard_options:
-                strategy = NodeAffinitySchedulingStrategy(node_id, soft=False)
-                self._shards[name] = StoreShard.options(
-                    name=name, lifetime="detached", num_cpus=0, scheduling_strategy=strategy, max_restarts=-1
-                ).remote(**self._shard_options)
-        for name in [n for n in self._shards if n.removeprefix(STORE_SHARD_PREFIX) not in wanted]:
-            ray.kill(self._shards.pop(name))
-        answers = await asyncio.gather(*(asyncio.wait_for(h.membership.remote(), timeout_s)
-                                         for h in self._shards.values()), return_exceptions=True)
-        live = {name: a for name, a in zip(self._shards, answers, strict=True) if isinstance(a, dict)}
-        restarted = [n for n, a in live.items() if self._shard_boots.get(n, a["boot_id"]) != a["boot_id"]]
-        self._shard_boots.update((n, a["boot_id"]) for n, a in live.items())
-        if restarted:
-            log.warning("KV store shard(s) restarted, empty: %s", restarted)
-            for callback in self.on_store_restart:
-                callback()
-        members = sorted(a["endpoint"] for a in live.values())
-        newest = max(live.values(), key=lambda a: a["epoch"], default={"epoch": 0, "members": []})
-        epoch = newest["epoch"] if newest["members"] == members else newest["epoch"] + 1
-        await asyncio.gather(*(asyncio.wait_for(self._shards[name].set_members.remote(members, epoch), timeout_s)
-                               for name, a in live.items() if a["epoch"] < epoch), return_exceptions=True)
-        if epoch != newest["epoch"]:
-            log.info("KV store shards (epoch %d): %s", epoch, members)
-        return tuple(members)
-
-    @staticmethod
-    def _all_nodes() -> list[str]:
-        return [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+    def watch_store(self) -> None:
+        self.store.watch()
 
     async def _engine_nodes(self, timeout_s: float) -> set[str]:
+        """The Ray nodes our engines run on (a store shard is kept on each)."""
         answers = await asyncio.gather(*(asyncio.wait_for(a.node_id.remote(), timeout_s)
                                          for a in self._actors.values()), return_exceptions=True)
         return {node for node in answers if isinstance(node, str)}
 
-    def watch_store(self, interval_s: float = 5.0) -> None:
-        """Reconcile the store's shards with the cluster's nodes every `interval_s`, until
-        `shutdown()`."""
-
-        async def watch() -> None:
-            while True:
-                await asyncio.sleep(interval_s)
-                try:
-                    await self.reconcile_store_shards()
-                except Exception:  # one failed pass must not end the watch
-                    log.exception("reconciling the KV store's shards failed")
-
-        self._store_watch = asyncio.create_task(watch(), name="store-shards")
-
     async def adopt(self, config: EngineConfig, keep_store: bool, timeout_s: float = 10.0) -> Adopted:
         """Take over what a launcher that died left on this Ray cluster: its ready and standby
         engines of `config`'s model are registered as they are (weights, KV cache and all); its
-        store shards are kept if `keep_store` (reconcile_store_shards then keeps those that answer,
+        store shards are kept if `keep_store` (StoreShards.reconcile then keeps those that answer,
         where engines run). Any other engine of ours there (another model, a start cut short, one
         that does not answer) is stopped. Only actors that prove they hold the cluster's secret
         are ours: a named actor anyone else put in the namespace is neither adopted nor used."""
@@ -255,14 +181,10 @@ class Launcher:
             events_endpoints.add(info["kv_events_endpoint"])
             adopted.append(name)
         await _end_engines(ended)
-        for name, actor in shards.items():
-            if keep_store:
-                self._shards[name] = actor
-            else:
-                ray.kill(actor)
+        self.store.adopt(shards, keep_store)
         if len(events_endpoints) > 1:
             raise RuntimeError(f"adopted engines publish KV events to different routers: {events_endpoints}")
-        self.console.print(f"adopted {len(adopted)} engine(s) {adopted} and {len(self._shards)} store shard(s) "
+        self.console.print(f"adopted {len(adopted)} engine(s) {adopted} and {len(self.store.shards)} store shard(s) "
                            f"in {time.monotonic() - started:.2f} s; stopped {len(ended)} engine(s) that did not fit")
         return Adopted(tuple(adopted), next(iter(events_endpoints), None))
 
@@ -441,18 +363,9 @@ class Launcher:
         self._actors.clear()
         self.instances.clear()
         self._descriptors.clear()
-        if self._store_watch is not None:
-            self._store_watch.cancel()
-            await asyncio.gather(self._store_watch, return_exceptions=True)
         if kept:
             log.warning("left %d adopted engine(s) and the store's shards serving: %s", len(kept), sorted(kept))
-            return
-        await asyncio.gather(
-            *(asyncio.wait_for(s.close.remote(), 10) for s in self._shards.values()), return_exceptions=True
-        )
-        for shard in self._shards.values():
-            ray.kill(shard)
-        self._shards.clear()
+        await self.store.stop(keep_serving=bool(kept))
 
 
 async def _end_engines(actors: list[ray.actor.ActorHandle]) -> None:

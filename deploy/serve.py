@@ -146,7 +146,7 @@ async def _serve(engine_config, router_config, topology, address: str | None, pl
             configs = [(i, c.model_copy(update={"kv_store_endpoints": shards})) for i, c in configs]
         await launcher.start_instances(configs, placement_timeout_s)
         app = build_app(router_config, registry, store_endpoints=engine_config.kv_store_endpoints)
-        launcher.on_store_restart.append(lambda: app.state.index.clear(STORE_HOLDER))
+        launcher.store.on_restart.append(lambda: app.state.index.clear(STORE_HOLDER))
         # Instances the controller adds get the core sets the initial ones left (all, if none).
         controller = PoolController(launcher, registry, app.state.queue, topology.pools(), engine_config,
                                     core_sets=cores[len(roles):] or cores or None,

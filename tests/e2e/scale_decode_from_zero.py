@@ -87,7 +87,7 @@ def main() -> int:
         seen.update(scale_up_s=time.monotonic() - started, decode_nodes_in_use=decode_nodes(),
                     distinct_nodes=len(set(nodes)))
         # The slots stand for engines: the launcher is told their nodes instead of asking engines.
-        shards = asyncio.run(launcher.reconcile_store_shards(60, engine_nodes=set(nodes)))
+        shards = asyncio.run(launcher.store.reconcile(60, engine_nodes=set(nodes)))
         seen["store_shards_after_scale_up"] = len(shards)
         store.contains(["any"])  # a reply names the new member list's epoch
         store.contains(["any"])  # followed before this call
@@ -96,7 +96,7 @@ def main() -> int:
             ray.kill(slot)
         # No engine left there: their shards end, or the nodes would never be idle.
         seen["store_shards_after_engines_left"] = len(
-            asyncio.run(launcher.reconcile_store_shards(engine_nodes=set()))
+            asyncio.run(launcher.store.reconcile(engine_nodes=set()))
         )
         seen["scale_down_s"] = wait_for(lambda: decode_nodes() == 0, 180)
         seen["decode_nodes_at_end"] = decode_nodes()
