@@ -21,6 +21,8 @@ from lmcache.v1.metadata import LMCacheMetadata
 
 from kvstore.lmcache_plugin import PLUGIN_NAME
 
+CHUNK_TOKENS = 256  # LMCache's chunk: the unit of a store key (whole KV blocks of any block size we use)
+
 
 @dataclasses.dataclass(frozen=True)
 class StoreSettings:
@@ -28,7 +30,6 @@ class StoreSettings:
 
     endpoints: tuple[str, ...]  # the store's shards (ZMQ control sockets)
     timeout_s: float = 5.0
-    chunk_tokens: int = 256
     transfer_buffer_gib: float = 0.25  # LMCache's per-engine memory for chunks in flight
 
     @classmethod
@@ -36,7 +37,6 @@ class StoreSettings:
         if not extra.get("endpoints"):
             raise ValueError("kv_connector_extra_config needs the store shards' 'endpoints'")
         return cls(endpoints=tuple(extra["endpoints"]), timeout_s=float(extra.get("timeout_s", cls.timeout_s)),
-                   chunk_tokens=int(extra.get("chunk_tokens", cls.chunk_tokens)),
                    transfer_buffer_gib=float(extra.get("transfer_buffer_gib", cls.transfer_buffer_gib)))
 
 
@@ -70,7 +70,7 @@ def build_engine(
     other algorithm would change every block hash vLLM computes from then on (its own prefix
     cache, its KV events, and so the router's index would no longer match them)."""
     config = LMCacheEngineConfig.from_dict({
-        "chunk_size": settings.chunk_tokens,
+        "chunk_size": CHUNK_TOKENS,
         "local_cpu": False,  # the store shard is the host-memory tier
         "max_local_cpu_size": settings.transfer_buffer_gib if gpu_connector else 0.01,
         "save_unfull_chunk": True,
@@ -87,9 +87,9 @@ def build_engine(
     })
     metadata = LMCacheMetadata(
         model_name=layout.tag(model), world_size=1, local_world_size=1, worker_id=0, local_worker_id=0,
-        kv_dtype=layout.dtype, kv_shape=(layout.num_layers, 2, settings.chunk_tokens, layout.kv_heads,
+        kv_dtype=layout.dtype, kv_shape=(layout.num_layers, 2, CHUNK_TOKENS, layout.kv_heads,
                                          layout.head_dim),
-        role="worker", chunk_size=settings.chunk_tokens,
+        role="worker", chunk_size=CHUNK_TOKENS,
     )
     engine = LMCacheEngineBuilder.get_or_create(
         f"pdc-{uuid.uuid4().hex[:8]}", config, metadata, gpu_connector(config, metadata) if gpu_connector else None,

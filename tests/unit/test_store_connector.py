@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 
-from kvstore.connector import usable_tokens
+from kvstore.connector_types import salted, usable_tokens
 from kvstore.lmcache_engine import KVLayout, StoreSettings, build_engine
 from kvstore.paged_blocks import PagedBlockConnector
 from kvstore.shard import ShardServer
@@ -106,3 +106,68 @@ def test_building_an_lmcache_engine_keeps_vllms_prefix_hash_root():
     finally:
         engine.close()
         shard.close()
+
+
+def scheduler_half(saves: bool = True):
+    """The scheduler's half of a producer's connector (no lookups: not a consumer)."""
+    from kvstore.connector_types import ConnectorSpec
+    from kvstore.store_scheduler import StoreScheduler
+
+    layout = KVLayout(LAYERS, KV_HEADS, HEAD_DIM, torch.bfloat16, (KV_HEADS, BLOCK, 2 * HEAD_DIM))
+    spec = ConnectorSpec(StoreSettings(endpoints=("tcp://127.0.0.1:9",)), BLOCK, "m", layout, VLLM_HASH,
+                         saves=saves, loads=False)
+    return StoreScheduler(spec)
+
+
+def step(new=(), cached=(), scheduled=None):
+    """vLLM's SchedulerOutput for one step, as far as the connector reads it (a stand-in: its
+    real constructor takes thirty fields the connector never reads)."""
+    cached_ids = [c[0] for c in cached]
+    return types.SimpleNamespace(
+        scheduled_new_reqs=[types.SimpleNamespace(req_id=r, block_ids=(blocks,), prompt_token_ids=prompt,
+                                                  num_computed_tokens=0) for r, prompt, blocks in new],
+        scheduled_cached_reqs=types.SimpleNamespace(req_ids=cached_ids, new_block_ids=[None] * len(cached),
+                                                    num_computed_tokens=[c[1] for c in cached]),
+        num_scheduled_tokens=scheduled or {})
+
+
+HASHES = [bytes([k]) * 32 for k in (1, 2, 3)]  # vLLM's block hashes are bytes
+
+
+def finished(request_id: str, prompt: list[int], asked: bool):
+    return types.SimpleNamespace(request_id=request_id, cache_salt="tenant-salt", block_hashes=HASHES,
+                                 all_token_ids=prompt, kv_transfer_params={"do_remote_decode": True} if asked else None)
+
+
+def test_a_prompt_is_saved_in_the_step_that_completes_it_and_announced_once_it_landed():
+    from kvstore.connector_types import SaveResults
+
+    scheduler = scheduler_half()
+    prompt = list(range(100))  # 3 whole blocks usable (the last token is never stored)
+    scheduler.update_state_after_alloc(finished("r1", prompt, True), None, 0)
+    first = scheduler.build_meta(step(new=[("r1", prompt, [4, 5, 6, 7])], scheduled={"r1": 64}))
+    assert first.saves == []  # chunked prefill: 64 of 96 usable tokens computed
+    second = scheduler.build_meta(step(cached=[("r1", 64)], scheduled={"r1": 36}))
+    (save,) = second.saves
+    assert (save.token_ids, save.block_ids) == (prompt[:96], [4, 5, 6, 7])
+    assert save.request_configs == salted("tenant-salt")  # the tenant's salt goes into the keys
+    done, params = scheduler.request_finished(finished("r1", prompt, asked=True), [4, 5, 6, 7])
+    assert params == {"kv_via_store": True}
+    assert scheduler.take_events() == []  # not before the worker says the save landed
+    scheduler.update_connector_output(types.SimpleNamespace(kv_connector_worker_meta=SaveResults({"r1": True})))
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    (event,) = scheduler.take_events()
+    assert event.block_hashes == [maybe_convert_block_hash(h) for h in HASHES] and event.token_ids == []
+
+
+def test_a_save_that_did_not_land_is_never_announced_and_clients_get_no_transfer_params():
+    from kvstore.connector_types import SaveResults
+
+    scheduler = scheduler_half()
+    prompt = list(range(70))
+    scheduler.update_state_after_alloc(finished("r2", prompt, False), None, 0)
+    scheduler.build_meta(step(new=[("r2", prompt, [1, 2, 3])], scheduled={"r2": 70}))
+    scheduler.update_connector_output(types.SimpleNamespace(kv_connector_worker_meta=SaveResults({"r2": False})))
+    assert scheduler.request_finished(finished("r2", prompt, asked=False), [1, 2, 3]) == (False, None)
+    assert scheduler.take_events() == []
