@@ -1,8 +1,4 @@
-"""The decode pool: engine instances in the KV-consumer role, streaming the tokens.
-
-A decode instance is an `engine.host.EngineHost` with `Role.DECODE`, placed on nodes that offer
-the Ray resource `decode` (`deploy.launcher.placement_options`) and scaled by
-`deploy.pool.PoolController`; its `kvstore.connector.StoreConnector` loads the prompt's KV from
-the store before it decodes (or, with `--kv-transfer direct`, vLLM's NixlConnector reads the
-prefill's blocks over UCX). What only this pool needs beyond that belongs here.
+"""The decode pool's own code: its role (`role.DECODE`: Ray resource, vLLM flags, a KV consumer
+that streams the answer to the client and prefills itself when the router's placement says so).
+The stream itself is the router's (router/proxy.py); the engine is engine/'s `EngineHost`.
 """

@@ -31,10 +31,12 @@ from rich.live import Live
 from rich.table import Table
 
 from deploy.store_shards import STORE_SHARD_PREFIX, StoreShards
-from engine.config import EngineConfig, Role
+from deploy.topology import ROLES
+from engine.config import EngineConfig
 from engine.environment import RAY_LOOPBACK_ENV, UCX_LOOPBACK_ENV, is_cpu_build
 from engine.host import EngineHost
 from engine.lifecycle import InstanceState
+from engine.roles import Role, RoleSpec
 from router.instances import Instance, InstanceRegistry
 from security.credentials import ClusterCredentials
 
@@ -91,12 +93,12 @@ def cpu_core_sets(engines: int, cores: int) -> list[str]:
     return sets
 
 
-def placement_options(role: Role, gpus: int) -> dict:
+def placement_options(role: RoleSpec, gpus: int) -> dict:
     """Where Ray may place an engine actor of `role`: role resources pin the pools to the nodes a
     cluster YAML gives that role (and make the autoscaler add such nodes when none is free)."""
     options: dict = {"num_cpus": 0, "num_gpus": gpus}
-    if role != Role.COLOCATED:
-        options["resources"] = {role.value: 1}
+    if role.ray_resource:
+        options["resources"] = {role.ray_resource: 1}
     return options
 
 
@@ -105,7 +107,7 @@ class StartedInstance:
     instance_id: str
     actor: ray.actor.ActorHandle
     url: str
-    role: Role
+    role: RoleSpec
     timeline: dict
 
 
@@ -175,8 +177,9 @@ class Launcher:
                 continue
             self._actors[name] = actor
             self._adopted.add(name)
-            self.instances[name] = StartedInstance(name, actor, info["url"], Role(info["role"]), {})
-            self.registry.add(Instance(name, Role(info["role"]), info["url"], InstanceState(info["state"]),
+            role = ROLES[Role(info["role"])]
+            self.instances[name] = StartedInstance(name, actor, info["url"], role, {})
+            self.registry.add(Instance(name, role, info["url"], InstanceState(info["state"]),
                                        kv_events_replay_endpoint=info["kv_events_replay_endpoint"]))
             events_endpoints.add(info["kv_events_endpoint"])
             adopted.append(name)
@@ -255,7 +258,7 @@ class Launcher:
             timeline = task.result()
             info = await actors[instance_id].describe.remote()
             record = StartedInstance(
-                instance_id, actors[instance_id], info["url"], Role(info["role"]), timeline
+                instance_id, actors[instance_id], info["url"], ROLES[Role(info["role"])], timeline
             )
             self.instances[instance_id] = record
             self.registry.add(

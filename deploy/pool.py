@@ -24,8 +24,9 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from engine.config import EngineConfig, Role
+from engine.config import EngineConfig
 from engine.lifecycle import InstanceState
+from engine.roles import RoleSpec
 from router.instances import CapacityQueue, InstanceRegistry, LatencyWindow
 
 if TYPE_CHECKING:  # deploy.launcher imports ray, which must not happen before use_ray()
@@ -39,7 +40,7 @@ class PoolSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    role: Role
+    role: RoleSpec
     min_ready: int = Field(1, ge=0)
     max_ready: int = Field(1, ge=1)
     standby: int = Field(0, ge=0)
@@ -56,7 +57,7 @@ class PoolSpec(BaseModel):
     def _bounds(self) -> PoolSpec:
         if self.max_ready < self.min_ready:
             raise ValueError(
-                f"{self.role.value} pool: max_ready {self.max_ready} < min_ready {self.min_ready}"
+                f"{self.role.name} pool: max_ready {self.max_ready} < min_ready {self.min_ready}"
             )
         return self
 
@@ -108,10 +109,10 @@ class PoolController:
         self._cores = itertools.cycle(core_sets or [None])
         self.events: list[ScaleEvent] = []
         self._ids = itertools.count()
-        self._growing: dict[Role, int] = {role: 0 for role in self.specs}
-        self._standby_starting: dict[Role, int] = {role: 0 for role in self.specs}
-        self._last_busy: dict[Role, float] = {role: time.monotonic() for role in self.specs}
-        self._grown_at: dict[Role, float] = {role: 0.0 for role in self.specs}
+        self._growing: dict[RoleSpec, int] = {role: 0 for role in self.specs}
+        self._standby_starting: dict[RoleSpec, int] = {role: 0 for role in self.specs}
+        self._last_busy: dict[RoleSpec, float] = {role: time.monotonic() for role in self.specs}
+        self._grown_at: dict[RoleSpec, float] = {role: 0.0 for role in self.specs}
         self._tasks: set[asyncio.Task] = set()
         self._loop: asyncio.Task | None = None
 
@@ -138,10 +139,10 @@ class PoolController:
                 try:
                     self._step(spec)
                 except Exception:  # one bad step must not stop scaling
-                    log.exception("pool controller step for %s failed", spec.role.value)
+                    log.exception("pool controller step for %s failed", spec.role.name)
             await asyncio.sleep(self.interval_s)
 
-    def _instances(self, role: Role, state: InstanceState) -> list:
+    def _instances(self, role: RoleSpec, state: InstanceState) -> list:
         return [i for i in self.registry.all() if i.role == role and i.state == state]
 
     def _step(self, spec: PoolSpec) -> None:
@@ -149,7 +150,7 @@ class PoolController:
         ready = self._instances(role, InstanceState.READY)
         inflight = sum(i.inflight for i in ready)
         # Requests wait for serving instances; without prefill instances decode prefills locally.
-        queued = self.queue.waiting if role != Role.PREFILL else 0
+        queued = self.queue.waiting if role.waits_on_queue else 0
         if inflight or queued:
             self._last_busy[role] = time.monotonic()
         ttft_p90 = None
@@ -158,20 +159,20 @@ class PoolController:
         grow = wants_more(spec, len(ready), inflight, queued, self._growing[role], ttft_p90)
         if grow and len(ready) + self._growing[role] < spec.max_ready:
             self._growing[role] += 1
-            self._spawn(self._grow(spec), f"grow-{role.value}")
+            self._spawn(self._grow(spec), f"grow-{role.name}")
         standbys = len(self._instances(role, InstanceState.STANDBY)) + self._standby_starting[role]
         if standbys < spec.standby:
             self._standby_starting[role] += 1
-            self._spawn(self._add_standby(spec), f"standby-{role.value}")
+            self._spawn(self._add_standby(spec), f"standby-{role.name}")
         idle = time.monotonic() - self._last_busy[role]
         if len(ready) > spec.min_ready and idle > spec.idle_s and not self._growing[role]:
             self._last_busy[role] = time.monotonic()
-            self._spawn(self.launcher.stop_instance(ready[-1].instance_id), f"shrink-{role.value}")
+            self._spawn(self.launcher.stop_instance(ready[-1].instance_id), f"shrink-{role.name}")
 
-    def _new_id(self, role: Role) -> str:
-        return f"{role.value}-{int(time.time())}-{next(self._ids)}"
+    def _new_id(self, role: RoleSpec) -> str:
+        return f"{role.name}-{int(time.time())}-{next(self._ids)}"
 
-    def _config(self, role: Role) -> EngineConfig:
+    def _config(self, role: RoleSpec) -> EngineConfig:
         return self.config.model_copy(update={"role": role, "cpu_cores": next(self._cores)})
 
     async def _grow(self, spec: PoolSpec) -> None:
@@ -188,11 +189,11 @@ class PoolController:
                     [(instance_id, self._config(spec.role))], peer=peer, progress=False
                 )
                 timeline = started[0].timeline
-            event = ScaleEvent(spec.role.value, instance_id, path, time.monotonic() - decided, timeline)
+            event = ScaleEvent(spec.role.name, instance_id, path, time.monotonic() - decided, timeline)
             self.events.append(event)
-            log.info("%s pool grew by %s via %s in %.3f s", spec.role.value, instance_id, path, event.seconds)
+            log.info("%s pool grew by %s via %s in %.3f s", spec.role.name, instance_id, path, event.seconds)
         except Exception:
-            log.exception("growing the %s pool failed", spec.role.value)
+            log.exception("growing the %s pool failed", spec.role.name)
         finally:
             self._growing[spec.role] -= 1
             self._grown_at[spec.role] = time.monotonic()
@@ -201,6 +202,6 @@ class PoolController:
         try:
             await self.launcher.start_standby(self._new_id(spec.role), self._config(spec.role))
         except Exception:
-            log.exception("starting a %s standby failed", spec.role.value)
+            log.exception("starting a %s standby failed", spec.role.name)
         finally:
             self._standby_starting[spec.role] -= 1

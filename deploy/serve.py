@@ -18,7 +18,6 @@ from pydantic import ValidationError
 from rich.console import Console
 
 from deploy.topology import Topology, roles_to_start
-from engine.config import Role
 from engine.environment import is_loopback, use_ray
 from engine.models import BUILDERS, COMPLETE_MARKER, default_model_root
 
@@ -127,7 +126,7 @@ async def _serve(engine_config, router_config, topology, address: str | None, pl
         events_endpoint = adopted.kv_events_endpoint or f"tcp://{events_host}:{free_port(events_host)}"
         router_config = router_config.model_copy(update={"kv_events_endpoint": events_endpoint})
         engine_config = engine_config.model_copy(update={"kv_events_endpoint": events_endpoint})
-        roles = roles_to_start(topology.roles(), registry.ready(tuple(Role)))
+        roles = roles_to_start(topology.roles(), registry.ready())
         engines = topology.engines_at_most()
         cores = cpu_core_sets(engines, os.cpu_count() or 1) if is_cpu_build() and not address else []
         configs = [

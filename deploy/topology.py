@@ -7,7 +7,12 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass
 
-from engine.config import Role
+from decode.role import DECODE
+from engine.roles import COLOCATED, Role, RoleSpec
+from prefill.role import PREFILL
+
+ROLES: dict[Role, RoleSpec] = {spec.kind: spec for spec in (COLOCATED, PREFILL, DECODE)}
+"""Every role's record, by name (an adopted engine names its role)."""
 
 
 @dataclass(frozen=True)
@@ -42,21 +47,21 @@ class Topology:
             raise ValueError("--instances must be at least 1 (or 0 with --standby)")
         return cls(instances, 0, 0, standby, max_instances, target_ttft_s)
 
-    def _counts(self) -> list[tuple[Role, int]]:
+    def _counts(self) -> list[tuple[RoleSpec, int]]:
         if self.colocated or not (self.prefill or self.decode):
-            return [(Role.COLOCATED, self.colocated)]
-        return [(Role.PREFILL, self.prefill), (Role.DECODE, self.decode)]
+            return [(COLOCATED, self.colocated)]
+        return [(PREFILL, self.prefill), (DECODE, self.decode)]
 
-    def roles(self) -> list[tuple[str, Role]]:
+    def roles(self) -> list[tuple[str, RoleSpec]]:
         """The instances started at once, by id."""
-        return [(f"{role.value}-{i}", role) for role, count in self._counts() for i in range(count)]
+        return [(f"{role.name}-{i}", role) for role, count in self._counts() for i in range(count)]
 
     def pools(self) -> list:
         from deploy.pool import PoolSpec
 
         return [
             PoolSpec(role=role, min_ready=count, max_ready=max(count, self.max_instances, 1), standby=self.standby,
-                     target_ttft_s=self.target_ttft_s if role != Role.DECODE else None)  # decode does not prefill
+                     target_ttft_s=self.target_ttft_s if role.prefills else None)
             for role, count in self._counts()
         ]
 
@@ -65,11 +70,11 @@ class Topology:
 
     def ray_resources(self) -> dict[str, float]:
         """A one-machine head offers the role resources the pools are placed by."""
-        return {pool.role.value: float(pool.max_ready + pool.standby) for pool in self.pools()
-                if pool.role != Role.COLOCATED}
+        return {pool.role.ray_resource: float(pool.max_ready + pool.standby) for pool in self.pools()
+                if pool.role.ray_resource}
 
 
-def roles_to_start(wanted: list[tuple[str, Role]], present: list) -> list[tuple[str, Role]]:
+def roles_to_start(wanted: list[tuple[str, RoleSpec]], present: list) -> list[tuple[str, RoleSpec]]:
     """The initial instances (id, role) still to start when `present` (adopted, ready) instances
     already serve: per role that many fewer, skipping ids in use."""
     taken = {i.instance_id for i in present}

@@ -2,19 +2,12 @@
 
 from __future__ import annotations
 
-import enum
 import secrets
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
-
-class Role(enum.StrEnum):
-    """What an instance does in the cluster."""
-
-    COLOCATED = "colocated"  # prefill and decode in one engine
-    PREFILL = "prefill"  # KV producer
-    DECODE = "decode"  # KV consumer
+from engine.roles import COLOCATED, RoleSpec
 
 
 class EngineConfig(BaseModel):
@@ -26,7 +19,8 @@ class EngineConfig(BaseModel):
     """Folder of a Hugging Face checkpoint (safetensors, config, tokenizer)."""
     served_model_name: str
     """The name clients put in `model`; also the name in vLLM's metrics."""
-    role: Role = Role.COLOCATED
+    role: RoleSpec = COLOCATED
+    """What the instance does (engine/roles.py: its flags, environment, KV connector)."""
     max_model_len: int = Field(4096, ge=16)
     """Longest prompt plus completion, in tokens."""
     block_size: int = Field(32, ge=1)

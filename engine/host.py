@@ -31,7 +31,7 @@ import time
 
 import httpx
 
-from engine.config import EngineConfig, Role
+from engine.config import EngineConfig
 from engine.environment import KV_EVENTS_PLUGIN, engine_process_env, free_port, is_cpu_build
 from engine.lifecycle import InstanceState, StartTimeline
 from engine.weights import new_weights_file
@@ -116,7 +116,7 @@ class EngineHost:
         """What the router needs to know about this instance."""
         return {
             "instance_id": self.instance_id,
-            "role": self.config.role.value,
+            "role": self.config.role.name,
             "url": self.url,
             "state": self.state.value,
             "model": str(self.config.model),
@@ -156,13 +156,9 @@ class EngineHost:
                 "replay_endpoint": self.kv_events_replay_endpoint,
             }
             command += ["--kv-events-config", json.dumps(events)]
-        if c.role != Role.COLOCATED:
-            # Synchronous scheduling, and the V1 model runner (set in start()): vLLM's recompute
-            # after a failed KV load starts from the wrong offset with asynchronous scheduling or
-            # its V2 GPU runner (vllm#49250, open; the CUDA test saw it).
+        if c.role.kv_transfer:
             command += ["--kv-transfer-config", json.dumps(self.kv_transfer_config())]
-            command.append("--no-async-scheduling")
-        return command + list(c.extra_args)
+        return command + list(c.role.vllm_args) + list(c.extra_args)
 
     def kv_transfer_config(self) -> dict:
         """With a store: our StoreConnector (kvstore/), every instance saving the prompts it
@@ -193,9 +189,9 @@ class EngineHost:
         env[WEIGHTS_DIR_ENV] = str(self.config.weights_dir)
         if self.weights_file is not None:
             env[WEIGHTS_FILE_ENV] = str(self.weights_file)
-        if self.config.role != Role.COLOCATED:
+        env.update(self.config.role.env)
+        if self.config.role.kv_transfer:
             env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port(self.host))
-            env["VLLM_USE_V2_MODEL_RUNNER"] = "0"  # see server_command
         self._process = subprocess.Popen(
             ["bash", "-c", _GROUP_GUARD, "pdcluster-engine", str(os.getpid()), *self.server_command()],
             env=env,

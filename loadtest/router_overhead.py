@@ -87,13 +87,13 @@ async def null_engine_app(scope, receive, send) -> None:
 def _serve_router_before(engine_url: str, port: int) -> None:
     import uvicorn
 
-    from engine.config import Role
+    from engine.roles import COLOCATED
     from router.app import build_app
     from router.config import RouterConfig
     from router.instances import Instance, InstanceRegistry
 
     registry = InstanceRegistry()
-    registry.add(Instance("null-0", Role.COLOCATED, engine_url))
+    registry.add(Instance("null-0", COLOCATED, engine_url))
     config = RouterConfig(served_model_name="null", max_model_len=4096, port=port, health_interval_s=3600)
     uvicorn.run(build_app(config, registry), host="127.0.0.1", port=port, log_level="error")
 

@@ -1,8 +1,9 @@
-"""Offline replay of a Mooncake trace through the router's own policies and KV index.
+"""Offline replay of a Mooncake trace through the router's own placement step, policies and KV
+index.
 
     pdcluster simulate --trace ../shared/traces/mooncake_conversation_trace.jsonl \
         [--policy kv_aware ...] [--instances 8 --cache-blocks 1000 --prefill-rate 20000 --speed 1
-         --store-blocks 0 --fetch-cost 0.05]
+         --store-blocks 0 --fetch-cost 0.05] [--prefill-instances 0 --remote-prefill-min-tokens 256]
 
 A Mooncake record is (timestamp ms, input_length, output_length, hash_ids), each hash id naming
 one 512-token block of the prompt, chained: equal ids mean equal prefixes. Each simulated
@@ -10,8 +11,11 @@ instance has an LRU prefix cache of `cache-blocks` blocks and a FIFO prefill que
 store tier is an LRU of `store-blocks` blocks that every instance can read, a fetched block
 costing `fetch-cost` of computing it. TTFT = queue wait + (computed tokens + fetch-cost x
 fetched tokens) / prefill rate. The instances publish what they store and evict to the same
-`KVIndex` the live router uses (as vLLM's KV events do), and policies are built by the same
-`make_policy`. Decode is not simulated.
+`KVIndex` the live router uses (as vLLM's KV events do), and requests are placed by the same
+`Placer` (router/placement.py) with policies built by the same `make_policy`. With
+`--prefill-instances N` the `--instances` are decode instances and N prefill instances join them:
+a request the placer prefills remotely is computed there, and its KV (every prompt block) is
+handed to the decode instance at `fetch-cost` of computing it. Decode itself is not simulated.
 
 Prints, per policy, the prefix hit rate ((cached + fetched) / prompt tokens), TTFT p50/p90/p99
 and the load imbalance (max / mean requests per instance); writes JSON and a PNG.
@@ -31,9 +35,12 @@ from rich.console import Console
 from rich.progress import track
 from rich.table import Table
 
-from engine.config import Role
+from decode.role import DECODE
+from engine.roles import COLOCATED
+from prefill.role import PREFILL
 from router.instances import Instance
 from router.kv_index import KVIndex
+from router.placement import PlacementSettings, Placer
 from router.policies import POLICIES, PolicyContext, RoutingRequest, make_policy
 
 TRACE_BLOCK_TOKENS = 512
@@ -100,6 +107,35 @@ class SimConfig:
     prefill_rate: float = 20_000.0
     store_blocks: int = 0
     fetch_cost: float = 0.05
+    prefill_instances: int = 0
+    remote_prefill_min_tokens: int = 256
+
+
+class _SimInstance:
+    """One simulated engine: its prefix cache, its FIFO prefill queue, its requests in flight."""
+
+    def __init__(self, instance: Instance, config: SimConfig) -> None:
+        self.instance, self.cache, self.busy_until = instance, LRUBlocks(config.cache_blocks), 0.0
+        self.finishes: collections.deque[float] = collections.deque()
+        self.requests = 0
+
+    def observe(self, now: float, prefill_rate: float) -> None:
+        """What the router would know of it now (its queue, its requests in flight)."""
+        self.instance.pending_prefill_tokens = max(0.0, self.busy_until - now) * prefill_rate
+        while self.finishes and self.finishes[0] <= now:
+            self.finishes.popleft()
+        self.instance.inflight = len(self.finishes)
+
+    def compute(self, record: TraceRecord, start: float, store: LRUBlocks | None, config: SimConfig) -> tuple[float, int]:
+        """Prefill `record` here from `start` on (queued behind earlier work); returns when it is
+        done and the prompt tokens it found cached or fetched."""
+        sizes = record.block_tokens()
+        local = self.cache.leading_hits(record.hash_ids)
+        fetched_blocks = store.leading_hits(record.hash_ids, local) if store else 0
+        cached, fetched = sum(sizes[:local]), sum(sizes[local : local + fetched_blocks])
+        computed = record.input_length - cached - fetched
+        self.busy_until = max(start, self.busy_until) + (computed + config.fetch_cost * fetched) / config.prefill_rate
+        return self.busy_until, cached + fetched
 
 
 def simulate(
@@ -115,46 +151,43 @@ def simulate(
         prefill_tokens_per_s=config.prefill_rate,
         fetch_cost=config.fetch_cost,
     )
-    policy = make_policy(policy_name, context)
-    instances = [Instance(f"sim-{i}", Role.COLOCATED, "sim://") for i in range(config.instances)]
-    caches = {i.instance_id: LRUBlocks(config.cache_blocks) for i in instances}
-    busy_until = dict.fromkeys(caches, 0.0)
-    finishes: dict[str, collections.deque[float]] = {i.instance_id: collections.deque() for i in instances}
-    counts = dict.fromkeys(caches, 0)
-    ttfts, hit_tokens, prompt_tokens = [], 0, 0
+    placer = Placer(PlacementSettings(config.remote_prefill_min_tokens), make_policy(policy_name, context),
+                    make_policy(policy_name, context))
+    serving_role = DECODE if config.prefill_instances else COLOCATED
+    sims = {f"sim-{i}": _SimInstance(Instance(f"sim-{i}", serving_role, "sim://"), config)
+            for i in range(config.instances)}
+    sims |= {f"prefill-{i}": _SimInstance(Instance(f"prefill-{i}", PREFILL, "sim://"), config)
+             for i in range(config.prefill_instances)}
+    servers = [s.instance for s in sims.values() if s.instance.role.serves_clients]
+    prefillers = [s.instance for s in sims.values() if s.instance.role.takes_remote_prefills]
+    ttfts, hit_tokens, prompt_tokens, remote = [], 0, 0, 0
     records = track(trace, description=f"{policy_name:>18}", transient=True) if progress else trace
     for record in records:
         now = record.arrival_s
-        for instance in instances:
-            iid = instance.instance_id
-            instance.pending_prefill_tokens = max(0.0, busy_until[iid] - now) * config.prefill_rate
-            while finishes[iid] and finishes[iid][0] <= now:
-                finishes[iid].popleft()
-            instance.inflight = len(finishes[iid])
+        for sim in sims.values():
+            sim.observe(now, config.prefill_rate)
         request = RoutingRequest(record.hash_ids, record.input_length, TRACE_BLOCK_TOKENS, record.text())
-        chosen = policy.choose(instances, request).instance.instance_id
+        placement = placer.place(request, servers, prefillers)
+        served = sims[placement.serve.instance.instance_id]
         # What really happens there, whatever the policy believed.
-        sizes = record.block_tokens()
-        local = caches[chosen].leading_hits(record.hash_ids)
-        fetched_blocks = store.leading_hits(record.hash_ids, local) if store else 0
-        cached = sum(sizes[:local])
-        fetched = sum(sizes[local : local + fetched_blocks])
-        computed = record.input_length - cached - fetched
-        start = max(now, busy_until[chosen])
-        busy_until[chosen] = start + (computed + config.fetch_cost * fetched) / config.prefill_rate
-        finishes[chosen].append(busy_until[chosen])
-        ttfts.append(busy_until[chosen] - now)
-        counts[chosen] += 1
-        hit_tokens += cached + fetched
+        if placement.prefill is not None:
+            remote += 1
+            computing = sims[placement.prefill.instance_id]
+            done, hits = computing.compute(record, now, store, config)
+            done += config.fetch_cost * record.input_length / config.prefill_rate  # the KV handoff
+            served.busy_until = max(served.busy_until, done)
+            served.cache.touch(record.hash_ids)  # it now holds the prompt's blocks
+            _published(index, computing, record, store)
+        else:
+            done, hits = served.compute(record, now, store, config)
+        served.finishes.append(done)
+        served.requests += 1
+        ttfts.append(done - now)
+        hit_tokens += hits
         prompt_tokens += record.input_length
-        # The engine reports what it stored and evicted; the store keeps every computed block.
-        index.stored(chosen, record.hash_ids)
-        index.removed(chosen, caches[chosen].touch(record.hash_ids))
-        if store:
-            index.stored(STORE_HOLDER, record.hash_ids)
-            index.removed(STORE_HOLDER, store.touch(record.hash_ids))
+        _published(index, served, record, store)
     ttft = np.array(ttfts)
-    per_instance = np.array(list(counts.values()))
+    per_instance = np.array([sims[i.instance_id].requests for i in servers])
     return {
         "policy": policy_name,
         "hit_rate": hit_tokens / prompt_tokens,
@@ -163,8 +196,19 @@ def simulate(
         "ttft_p99_s": float(np.percentile(ttft, 99)),
         "imbalance": float(per_instance.max() / per_instance.mean()),
         "requests_per_instance": per_instance.tolist(),
+        "remote_prefills": remote,
         "ttfts_s": ttft.tolist(),
     }
+
+
+def _published(index: KVIndex, sim: _SimInstance, record: TraceRecord, store: LRUBlocks | None) -> None:
+    """The engine reports what it stored and evicted; the store keeps every computed block."""
+    iid = sim.instance.instance_id
+    index.stored(iid, record.hash_ids)
+    index.removed(iid, sim.cache.touch(record.hash_ids))
+    if store:
+        index.stored(STORE_HOLDER, record.hash_ids)
+        index.removed(STORE_HOLDER, store.touch(record.hash_ids))
 
 
 def infinite_cache_hit_rate(trace: Sequence[TraceRecord]) -> float:
@@ -231,15 +275,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speed", type=float, default=1.0, help="replay speed-up of the arrival times")
     parser.add_argument("--store-blocks", type=int, default=0)
     parser.add_argument("--fetch-cost", type=float, default=0.05)
+    parser.add_argument("--prefill-instances", type=int, default=0,
+                        help="P/D: this many prefill instances; --instances are then decode instances")
+    parser.add_argument("--remote-prefill-min-tokens", type=int, default=256)
     parser.add_argument("--out", type=Path, default=Path("results"), help="folder for JSON and PNG")
 
 
 def run(args: argparse.Namespace) -> int:
     console = Console()
     trace = load_trace(args.trace, args.speed)
-    config = SimConfig(
-        args.instances, args.cache_blocks, args.prefill_rate, args.store_blocks, args.fetch_cost
-    )
+    config = SimConfig(args.instances, args.cache_blocks, args.prefill_rate, args.store_blocks, args.fetch_cost,
+                       args.prefill_instances, args.remote_prefill_min_tokens)
     results = [simulate(trace, name, config) for name in args.policy]
     title = (f"{args.trace.name}: {len(trace)} requests, {config.instances} instances x {config.cache_blocks} "
              f"blocks, {config.prefill_rate:g} tok/s, store {config.store_blocks} blocks")

@@ -1,9 +1,6 @@
-"""The prefill pool: engine instances in the KV-producer role.
-
-A prefill instance is an `engine.host.EngineHost` with `Role.PREFILL`, placed on nodes that
-offer the Ray resource `prefill` (`deploy.launcher.placement_options`) and scaled by
-`deploy.pool.PoolController`; the router's `router.disagg` sends it the prefill half of each
-request, and its `kvstore.connector.StoreConnector` writes the prompt's KV to the store (or,
-with `--kv-transfer direct`, vLLM's NixlConnector lets the decode side read it). What only this
-pool needs beyond that belongs here.
+"""The prefill pool's own code: its role (`role.PREFILL`: Ray resource, vLLM flags, a KV
+producer that no client streams from) and the prefill half of a disaggregated request
+(`handoff`: the one-token request, the typed `KVHandoff` the decode instance gets, the circuit of
+a failing prefill instance). The router's placement step (router/placement.py) decides when a
+request goes through here; the engine itself is engine/'s `EngineHost`.
 """

@@ -40,7 +40,7 @@ def add_admin_routes(app: FastAPI, credentials: ClusterCredentials, analyzer: Re
     async def prometheus_metrics() -> Response:
         metrics.INSTANCES.clear()
         for instance in registry.all():
-            metrics.INSTANCES.labels(instance.role.value, instance.state.value).inc()
+            metrics.INSTANCES.labels(instance.role.name, instance.state.value).inc()
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     @routes.get("/admin/instances")
@@ -48,7 +48,7 @@ def add_admin_routes(app: FastAPI, credentials: ClusterCredentials, analyzer: Re
         """The instances behind this router (for `pdcluster status` and benchmarks)."""
         return {
             "instances": [
-                {"instance_id": i.instance_id, "role": i.role.value, "url": i.url,
+                {"instance_id": i.instance_id, "role": i.role.name, "url": i.url,
                  "state": i.state.value, "inflight": i.inflight, "index_blocks": index.num_blocks(i.instance_id),
                  "kv_events_replay_endpoint": i.kv_events_replay_endpoint}
                 for i in registry.all()

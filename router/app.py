@@ -15,24 +15,22 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.config import Role
 from engine.lifecycle import InstanceState
 from router.admin import add_admin_routes
 from router.admission import Admission, release_after
 from router.analysis import RequestAnalyzer
 from router.config import RouterConfig
-from router.disagg import RemotePrefill
 from router.errors import BadRequest, ModelNotFound, PayloadTooLarge, RouterError, error_body
 from router.instances import CapacityQueue, HealthMonitor, InstanceRegistry
 from router.kv_events import STORE_HOLDER, KVEventListener
 from router.kv_index import KVIndex
+from router.placement import PlacementSettings, Placer
 from router.policies import PolicyContext, make_policy
 from router.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from router.proxy import Forwarder
 from transport.zmq_curve import KV_EVENTS_PLANE
 
 log = logging.getLogger(__name__)
-SERVING_ROLES = (Role.COLOCATED, Role.DECODE)
 ERROR_RESPONSES = {
     status: {"description": description}
     for status, description in ((400, "Invalid request"), (401, "No or invalid API key"),
@@ -82,17 +80,16 @@ def build_app(
         index=index, store_holders=frozenset({STORE_HOLDER} if store_endpoints else ()),
         prefill_tokens_per_s=config.prefill_tokens_per_s, fetch_cost=config.fetch_cost,
     )
-    policy = make_policy(config.policy, context)
+    placer = Placer(PlacementSettings(config.remote_prefill_min_tokens, config.remote_prefill_max_queued_tokens),
+                    make_policy(config.policy, context), make_policy(config.policy, context))
     credentials = config.credentials()
     analyzer = RequestAnalyzer(config)
     admission = Admission(config.api_keys, config.rate_limit_per_s, config.max_concurrency_per_key,
                           credentials.tenant_salt)
     if admission.open:
         log.warning("no API keys configured: anyone who reaches %s:%d may use it", config.host, config.port)
-    prefill_policy = make_policy(config.policy, context)
     queue = CapacityQueue(config.queue_max_waiting, config.queue_timeout_s)
-    forwarder = Forwarder(config, registry, policy, queue, credentials.engine_headers())
-    forwarder.prepare = RemotePrefill(config, registry, prefill_policy, lambda: forwarder.session).prepare
+    forwarder = Forwarder(config, registry, placer, queue, credentials.engine_headers())
     monitor = HealthMonitor(registry, config.health_interval_s, config.health_timeout_s,
                             config.health_failure_threshold, credentials.engine_headers())
     listener = (
@@ -149,7 +146,7 @@ def build_app(
             raise ModelNotFound(f"The model `{request.model}` does not exist.", param="model")
 
     def serving_instances():
-        return registry.ready(SERVING_ROLES)
+        return registry.ready(lambda role: role.serves_clients)
 
     def parse(body: bytes, model: type[SamplingRequest]) -> SamplingRequest:
         # pydantic-core parses and validates the raw bytes in one pass, several times faster
@@ -234,7 +231,7 @@ def build_app(
         controller activates for them (a scaled-to-zero pool is not down)."""
         ready = len(serving_instances())
         standby = sum(
-            1 for i in registry.all() if i.state == InstanceState.STANDBY and i.role in SERVING_ROLES
+            1 for i in registry.all() if i.state == InstanceState.STANDBY and i.role.serves_clients
         )
         status = 200 if ready or standby else 503
         body = {"status": "ok" if status == 200 else "unavailable", "ready_instances": ready,

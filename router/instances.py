@@ -17,8 +17,8 @@ from collections.abc import Callable
 
 import httpx
 
-from engine.config import Role
 from engine.lifecycle import InstanceState
+from engine.roles import RoleSpec
 from router import metrics
 from router.errors import NoInstance
 
@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 @dataclasses.dataclass
 class Instance:
     instance_id: str
-    role: Role
+    role: RoleSpec
     url: str
     state: InstanceState = InstanceState.READY
     inflight: int = 0
@@ -87,8 +87,9 @@ class InstanceRegistry:
     def all(self) -> list[Instance]:
         return list(self._instances.values())
 
-    def ready(self, roles: tuple[Role, ...]) -> list[Instance]:
-        return [i for i in self._instances.values() if i.state == InstanceState.READY and i.role in roles]
+    def ready(self, where: Callable[[RoleSpec], bool] = lambda role: True) -> list[Instance]:
+        """The ready instances whose role `where` accepts."""
+        return [i for i in self._instances.values() if i.state == InstanceState.READY and where(i.role)]
 
     def mark_failed(self, instance: Instance, reason: str) -> None:
         if instance.state == InstanceState.READY:

@@ -1,4 +1,6 @@
-"""Forwarding a validated request to an engine and its answer back to the client.
+"""Forwarding a validated request to an engine and its answer back to the client: its placement
+(router/placement.py), the prefill half elsewhere when placed so (prefill/handoff.py), the
+request, and the stream back.
 
 The engine hop uses aiohttp: its C HTTP parser costs a fraction of httpx's pure-Python h11 per
 streamed chunk, which halved the router's added latency in `loadtest.router_overhead`.
@@ -16,20 +18,22 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 
 import aiohttp
 from fastapi.responses import Response, StreamingResponse
 
+from prefill.handoff import PrefillClient
 from router import metrics
 from router.config import RouterConfig
 from router.errors import EngineFailed, error_body
 from router.instances import CapacityQueue, Instance, InstanceRegistry, LatencyWindow, PendingPrefill
-from router.policies import RoutingDecision, RoutingPolicy, RoutingRequest
+from router.placement import Placement, Placer
+from router.policies import RoutingRequest
 
 log = logging.getLogger(__name__)
-# Turns the body for the chosen instance into the body to send it (P/D: adds the prefill's KV).
-Prepare = Callable[[str, dict, RoutingRequest, RoutingDecision], Awaitable[dict]]
+# The router's prefills metric keeps its labels: "local" for a short prompt or no prefill pool.
+_PREFILL_LABELS = {"short": "local", "no_prefill": "local"}
 
 
 class _RetryableEngineError(Exception):
@@ -43,17 +47,17 @@ class Forwarder:
         self,
         config: RouterConfig,
         registry: InstanceRegistry,
-        policy: RoutingPolicy,
+        placer: Placer,
         queue: CapacityQueue,
         engine_headers: dict[str, str],
-        prepare: Prepare | None = None,
     ):
         self.config = config
         self.registry = registry
-        self.policy = policy
+        self.placer = placer
         self.queue = queue
         self.first_tokens = LatencyWindow()
-        self.prepare = prepare
+        self.prefills = PrefillClient(lambda: self.session, config.prefill_timeout_s, config.prefill_circuit_failures,
+                                      config.prefill_circuit_s, registry.mark_failed)
         self.engine_headers = engine_headers
         """Sent with every request to an engine: the cluster's engine token."""
         self.timeout = aiohttp.ClientTimeout(
@@ -91,21 +95,52 @@ class Forwarder:
             ready = await self.queue.wait(untried) if not tried else untried()
             if not ready:
                 break
-            decision = self.policy.choose(ready, request)
-            instance = decision.instance
-            tried.add(instance.instance_id)
             if attempt:
                 metrics.RETRIES.inc()
-            send_body = await self.prepare(endpoint, body, request, decision) if self.prepare else body
-            uncached = request.num_tokens - decision.cached_tokens - decision.store_tokens
-            # With the KV prefilled elsewhere, the decode instance has (almost) nothing to prefill.
-            prefill = PendingPrefill(instance, 0 if "kv_transfer_params" in send_body else uncached)
+            placement, send_body, computes = await self.prepare(endpoint, body, request, ready)
+            instance = placement.serve.instance
+            tried.add(instance.instance_id)
+            prefill = PendingPrefill(instance, computes)
             try:
                 return await self._send(instance, endpoint, send_body, started, prefill)
             except _RetryableEngineError as exc:
                 last_error = str(exc)
                 log.warning("instance %s failed a request: %s", instance.instance_id, exc)
         raise EngineFailed(f"every instance tried failed; last error: {last_error}")
+
+    async def prepare(self, endpoint: str, body: dict, request: RoutingRequest,
+                      servers: list[Instance]) -> tuple[Placement, dict, int]:
+        """Place the request among `servers` (and the prefill instances whose circuit is
+        closed), run its prefill elsewhere if so placed; returns the placement, the body for the
+        serving instance (with the prefill's KV handoff if it succeeded) and the prompt tokens
+        the serving instance will compute itself."""
+        now = time.monotonic()
+        prefillers = [i for i in self.registry.ready(lambda role: role.takes_remote_prefills)
+                      if self.prefills.circuit_closed(i, now)]
+        placement = self.placer.place(request, servers, prefillers)
+        send_body, computes = await self._handed_over(endpoint, body, request, placement)
+        return placement, send_body, computes
+
+    async def _handed_over(self, endpoint: str, body: dict, request: RoutingRequest,
+                           placement: Placement) -> tuple[dict, int]:
+        if placement.reason != "colocated" and placement.prefill is None:
+            metrics.PREFILLS.labels(_PREFILL_LABELS.get(placement.reason, placement.reason)).inc()
+        if placement.prefill is None:
+            return body, placement.served_prefill_tokens
+        prefiller = placement.prefill
+        prefiller.inflight += 1
+        queued = PendingPrefill(prefiller, request.num_tokens)
+        try:
+            handoff = await self.prefills.run(prefiller, endpoint, body)
+        finally:
+            prefiller.inflight -= 1
+            queued.done()
+        if handoff is None:
+            metrics.PREFILLS.labels("fallback_local").inc()
+            return body, placement.uncached_tokens
+        metrics.PREFILLS.labels("remote").inc()
+        metrics.REMOTE_PREFILL.observe(handoff.seconds)
+        return handoff.decode_body(body), 0
 
     async def _send(
         self, instance: Instance, endpoint: str, body: dict, started: float, prefill: PendingPrefill

@@ -57,8 +57,8 @@ def main() -> int:
 
         import ray
 
+        from decode.role import DECODE
         from deploy.launcher import Launcher, placement_options
-        from engine.config import Role
         from kvstore.client import ShardedStore
         from router.instances import InstanceRegistry
         from security.credentials import ClusterCredentials
@@ -82,7 +82,7 @@ def main() -> int:
                 return ray.get_runtime_context().get_node_id()
 
         started = time.monotonic()
-        slots = [DecodeSlot.options(**placement_options(Role.DECODE, gpus=0)).remote() for _ in range(2)]
+        slots = [DecodeSlot.options(**placement_options(DECODE, gpus=0)).remote() for _ in range(2)]
         nodes = ray.get([s.node.remote() for s in slots], timeout=180)
         seen.update(scale_up_s=time.monotonic() - started, decode_nodes_in_use=decode_nodes(),
                     distinct_nodes=len(set(nodes)))

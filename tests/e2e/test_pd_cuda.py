@@ -26,10 +26,13 @@ if not torch.cuda.is_available():
 for module in ("vllm", "lmcache", "nixl"):
     pytest.importorskip(module)
 
-from engine.config import EngineConfig, Role  # noqa: E402
+from decode.role import DECODE  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
 from engine.host import EngineHost  # noqa: E402
+from engine.roles import COLOCATED, RoleSpec  # noqa: E402
 from kvstore.shard import ShardServer  # noqa: E402
 from loadtest.scrape import scrape  # noqa: E402
+from prefill.role import PREFILL  # noqa: E402
 from security.credentials import ClusterCredentials  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -63,14 +66,14 @@ def engines(cuda_model, artifacts):
     # tests in the dtype GPUs serve in (docs/gpu-notes.md, session 7).
     dtype = os.environ.get("PDC_CUDA_DTYPE", "float32")
 
-    def config(role: Role) -> EngineConfig:
+    def config(role: RoleSpec) -> EngineConfig:
         return EngineConfig(model=cuda_model, served_model_name="tiny", role=role, max_model_len=2048,
                             gpu_memory_utilization=0.15, keep_host_weights=False, extra_args=("--dtype", dtype),
                             cluster_secret=credentials.secret.hex(),
-                            kv_store_endpoints=() if role is Role.COLOCATED else (shard.endpoint,))
+                            kv_store_endpoints=() if role is COLOCATED else (shard.endpoint,))
 
-    hosts = [EngineHost(config(role), f"cuda-{role.value}", host="127.0.0.1")
-             for role in (Role.COLOCATED, Role.PREFILL, Role.DECODE)]
+    hosts = [EngineHost(config(role), f"cuda-{role.name}", host="127.0.0.1")
+             for role in (COLOCATED, PREFILL, DECODE)]
 
     async def start_all() -> None:
         for host in hosts:  # one at a time: vLLM's memory profiling assumes a quiet GPU

@@ -8,7 +8,7 @@ import uuid
 import pytest
 from fastapi.testclient import TestClient
 
-from engine.config import Role
+from engine.roles import COLOCATED
 from loadtest.scrape import scrape
 from router.app import build_app
 from router.config import RouterConfig
@@ -23,7 +23,7 @@ HITS = "vllm:prefix_cache_hits_total"
 def test_one_tenant_never_hits_anothers_cached_prompt(served, tiny_model):
     (engine,) = served.instances()
     registry = InstanceRegistry()
-    registry.add(Instance(engine["instance_id"], Role.COLOCATED, engine["url"]))
+    registry.add(Instance(engine["instance_id"], COLOCATED, engine["url"]))
     config = RouterConfig(served_model_name="tiny", max_model_len=4096, tokenizer=tiny_model, health_interval_s=60,
                           api_keys={"key-a": "tenant-a", "key-b": "tenant-b"},
                           cluster_secret=ClusterCredentials.load().secret.hex())

@@ -7,11 +7,13 @@ from pathlib import Path
 import pytest
 import yaml
 
+from decode.role import DECODE
 from deploy.cluster import ClusterConfigError, validate_cluster_yaml
 from deploy.launcher import placement_options
 from deploy.pool import PoolSpec, wants_more
 from deploy.topology import Topology, roles_to_start
-from engine.config import Role
+from engine.roles import COLOCATED
+from prefill.role import PREFILL
 from router.instances import Instance
 
 CLUSTERS = sorted((Path(__file__).resolve().parents[2] / "deploy" / "clusters").glob("*.yaml"))
@@ -47,20 +49,20 @@ def test_a_broken_yaml_is_reported_with_its_path(tmp_path):
 
 
 def test_pools_are_placed_by_role_resources():
-    assert placement_options(Role.PREFILL, gpus=1) == {
+    assert placement_options(PREFILL, gpus=1) == {
         "num_cpus": 0,
         "num_gpus": 1,
         "resources": {"prefill": 1},
     }
-    assert placement_options(Role.COLOCATED, gpus=0) == {"num_cpus": 0, "num_gpus": 0}
+    assert placement_options(COLOCATED, gpus=0) == {"num_cpus": 0, "num_gpus": 0}
 
 
 def test_topology_from_flags():
     assert Topology.from_args(2, 0, 0).roles() == [
-        ("colocated-0", Role.COLOCATED),
-        ("colocated-1", Role.COLOCATED),
+        ("colocated-0", COLOCATED),
+        ("colocated-1", COLOCATED),
     ]
-    assert [r for _, r in Topology.from_args(1, 1, 2).roles()] == [Role.PREFILL, Role.DECODE, Role.DECODE]
+    assert [r for _, r in Topology.from_args(1, 1, 2).roles()] == [PREFILL, DECODE, DECODE]
     with pytest.raises(ValueError, match="prefill"):
         Topology.from_args(1, 1, 0)
     assert Topology.from_args(2, 0, 0, colocated=True) == Topology.from_args(2, 0, 0)
@@ -70,30 +72,30 @@ def test_topology_from_flags():
 
 def test_topology_pools_scale_to_zero_only_with_a_standby():
     pools = Topology.from_args(0, 0, 0, standby=1, max_instances=2).pools()
-    assert [(p.role, p.min_ready, p.max_ready, p.standby) for p in pools] == [(Role.COLOCATED, 0, 2, 1)]
+    assert [(p.role, p.min_ready, p.max_ready, p.standby) for p in pools] == [(COLOCATED, 0, 2, 1)]
     with pytest.raises(ValueError, match="--standby"):
         Topology.from_args(0, 0, 0)
     pd = Topology.from_args(1, 1, 0, standby=1)
     assert [(p.role, p.min_ready, p.max_ready) for p in pd.pools()] == [
-        (Role.PREFILL, 1, 1),
-        (Role.DECODE, 0, 1),
+        (PREFILL, 1, 1),
+        (DECODE, 0, 1),
     ]
     assert pd.ray_resources() == {"prefill": 2.0, "decode": 2.0}  # ready at most + standby, per pool
     with pytest.raises(ValueError, match="max_ready"):
-        PoolSpec(role=Role.DECODE, min_ready=3, max_ready=2)
+        PoolSpec(role=DECODE, min_ready=3, max_ready=2)
 
 
 def test_a_restarted_launcher_starts_only_what_adoption_did_not_cover():
     wanted = Topology.from_args(0, prefill=2, decode=1).roles()
     assert roles_to_start(wanted, []) == wanted
-    adopted = [Instance("prefill-1", Role.PREFILL, "http://127.0.0.1:1"),
-               Instance("decode-1700000000-0", Role.DECODE, "http://127.0.0.1:2")]
-    assert roles_to_start(wanted, adopted) == [("prefill-0", Role.PREFILL)]
+    adopted = [Instance("prefill-1", PREFILL, "http://127.0.0.1:1"),
+               Instance("decode-1700000000-0", DECODE, "http://127.0.0.1:2")]
+    assert roles_to_start(wanted, adopted) == [("prefill-0", PREFILL)]
 
 
 def test_the_ttft_target_goes_to_the_pool_that_prefills():
     pd = Topology.from_args(1, 1, 1, target_ttft_s=0.5).pools()
-    assert [(p.role, p.target_ttft_s) for p in pd] == [(Role.PREFILL, 0.5), (Role.DECODE, None)]
+    assert [(p.role, p.target_ttft_s) for p in pd] == [(PREFILL, 0.5), (DECODE, None)]
     assert Topology.from_args(1, 0, 0, target_ttft_s=0.5).pools()[0].target_ttft_s == 0.5
     with pytest.raises(ValueError, match="--target-ttft"):
         Topology.from_args(1, 0, 0, target_ttft_s=0)
@@ -112,7 +114,7 @@ def test_the_ttft_target_goes_to_the_pool_that_prefills():
     ],
 )
 def test_when_a_pool_grows(ready, inflight, queued, growing, ttft_p90, grow):
-    spec = PoolSpec(role=Role.COLOCATED, min_ready=1, max_ready=4, target_inflight=8, target_ttft_s=0.5)
+    spec = PoolSpec(role=COLOCATED, min_ready=1, max_ready=4, target_inflight=8, target_ttft_s=0.5)
     assert wants_more(spec, ready, inflight, queued, growing, ttft_p90) is grow
     untargeted = spec.model_copy(update={"target_ttft_s": None})
     assert wants_more(untargeted, 1, 1, 0, 0, ttft_p90=9.0) is False  # no target, no TTFT trigger

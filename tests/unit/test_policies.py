@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import Role
+from engine.roles import COLOCATED
 from router.instances import Instance
 from router.kv_index import KVIndex
 from router.policies import POLICIES, PolicyContext, RoutingRequest, make_policy
@@ -14,7 +14,7 @@ BLOCK = 32
 
 
 def instances(n: int, pending: tuple[float, ...] = ()) -> list[Instance]:
-    out = [Instance(f"i{k}", Role.COLOCATED, "http://127.0.0.1:1") for k in range(n)]
+    out = [Instance(f"i{k}", COLOCATED, "http://127.0.0.1:1") for k in range(n)]
     for instance, tokens in zip(out, pending, strict=False):
         instance.pending_prefill_tokens = tokens
     return out

@@ -5,20 +5,22 @@ from __future__ import annotations
 import asyncio
 import time
 
-import aiohttp
 import pytest
 from fastapi.testclient import TestClient
 from prometheus_client import REGISTRY
 
-from engine.config import Role
+from decode.role import DECODE
 from engine.environment import free_port
 from engine.lifecycle import InstanceState
+from engine.roles import COLOCATED, RoleSpec
+from prefill.role import PREFILL
 from router.app import build_app
 from router.config import RouterConfig
-from router.disagg import RemotePrefill
 from router.errors import NoInstance
 from router.instances import CapacityQueue, Instance, InstanceRegistry, LatencyWindow, PendingPrefill
-from router.policies import PolicyContext, RoutingDecision, RoutingRequest, make_policy
+from router.placement import PlacementSettings, Placer
+from router.policies import PolicyContext, RoutingRequest, make_policy
+from router.proxy import Forwarder
 
 
 def make_client(instances: list[Instance]) -> TestClient:
@@ -32,7 +34,7 @@ def make_client(instances: list[Instance]) -> TestClient:
     return TestClient(build_app(config, registry))
 
 
-def dead_instance(instance_id: str = "dead-0", role: Role = Role.COLOCATED) -> Instance:
+def dead_instance(instance_id: str = "dead-0", role: RoleSpec = COLOCATED) -> Instance:
     """An instance whose port nothing listens on: a real refused connection."""
     return Instance(instance_id, role, f"http://127.0.0.1:{free_port('127.0.0.1')}")
 
@@ -94,7 +96,7 @@ def test_models_lists_the_served_model():
 
 
 def test_round_robin_cycles_and_least_loaded_prefers_idle():
-    instances = [Instance(f"i{n}", Role.COLOCATED, "http://127.0.0.1:1") for n in range(3)]
+    instances = [Instance(f"i{n}", COLOCATED, "http://127.0.0.1:1") for n in range(3)]
     request = RoutingRequest((), 10, 32)
     rr = make_policy("round_robin")
     picks = [rr.choose(instances, request).instance.instance_id for _ in range(6)]
@@ -108,12 +110,12 @@ def test_round_robin_cycles_and_least_loaded_prefers_idle():
 
 def test_registry_serves_only_ready_instances_of_serving_roles():
     registry = InstanceRegistry()
-    registry.add(Instance("a", Role.COLOCATED, "u", InstanceState.READY))
-    registry.add(Instance("b", Role.COLOCATED, "u", InstanceState.LOADING))
-    registry.add(Instance("c", Role.PREFILL, "u", InstanceState.READY))
-    assert [i.instance_id for i in registry.ready((Role.COLOCATED, Role.DECODE))] == ["a"]
+    registry.add(Instance("a", COLOCATED, "u", InstanceState.READY))
+    registry.add(Instance("b", COLOCATED, "u", InstanceState.LOADING))
+    registry.add(Instance("c", PREFILL, "u", InstanceState.READY))
+    assert [i.instance_id for i in registry.ready(lambda role: role.serves_clients)] == ["a"]
     with pytest.raises(ValueError):
-        registry.add(Instance("a", Role.COLOCATED, "u"))
+        registry.add(Instance("a", COLOCATED, "u"))
 
 
 def test_router_refuses_a_non_loopback_bind_unless_allowed():
@@ -177,30 +179,55 @@ def test_latency_window_quantile_counts_only_recent_samples_after_since():
     assert window.quantile(0.5, min_samples=1) is None  # all older than the window
 
 
+def pd_forwarder(prefill: Instance, **config) -> tuple[Forwarder, Instance]:
+    """A P/D router's forwarder with one prefill and one decode instance (the decode unreached)."""
+    registry = InstanceRegistry()
+    decode = Instance("decode-0", DECODE, "http://127.0.0.1:1")
+    registry.add(prefill)
+    registry.add(decode)
+    settings = RouterConfig(served_model_name="m", max_model_len=4096, remote_prefill_min_tokens=0, **config)
+    placer = Placer(PlacementSettings(0, settings.remote_prefill_max_queued_tokens), make_policy("least_loaded"),
+                    make_policy("least_loaded"))
+    return Forwarder(settings, registry, placer, CapacityQueue(0, 0), {}), decode
+
+
 async def test_a_prefill_instance_with_too_much_queued_leaves_the_prefill_to_decode():
     def prefilled(where: str) -> float:
         return REGISTRY.get_sample_value("pdcluster_router_prefills_total", {"where": where}) or 0.0
 
-    registry = InstanceRegistry()
-    prefill, decode = (
-        dead_instance("prefill-0", Role.PREFILL),
-        Instance("decode-0", Role.DECODE, "http://127.0.0.1:1"),
-    )
-    registry.add(prefill)
-    registry.add(decode)
-    config = RouterConfig(served_model_name="m", max_model_len=4096, remote_prefill_min_tokens=0,
-                          remote_prefill_max_queued_tokens=1000, prefill_timeout_s=5)
+    prefill = dead_instance("prefill-0", PREFILL)
+    forwarder, decode = pd_forwarder(prefill, remote_prefill_max_queued_tokens=1000, prefill_timeout_s=5)
     body, request = {"prompt": "p"}, RoutingRequest((), 600, 32)
-    async with aiohttp.ClientSession() as session:
-        remote = RemotePrefill(config, registry, make_policy("least_loaded"), lambda: session)
+    try:
         queued = PendingPrefill(prefill, 1200)  # another request's prompt, not yet prefilled
         busy = prefilled("local_busy")
-        assert await remote.prepare("/v1/completions", body, request, RoutingDecision(decode)) == body
+        placement, sent, computes = await forwarder.prepare("/v1/completions", body, request, [decode])
+        assert (placement.reason, sent, computes) == ("local_busy", body, 600)
         assert prefilled("local_busy") == busy + 1
         queued.done()  # now under the limit: the router tries the prefill instance (refused: local)
         fallback = prefilled("fallback_local")
-        assert await remote.prepare("/v1/completions", body, request, RoutingDecision(decode)) == body
+        placement, sent, computes = await forwarder.prepare("/v1/completions", body, request, [decode])
+        assert (placement.reason, sent, computes) == ("remote", body, 600)
         assert prefilled("fallback_local") == fallback + 1 and prefilled("local_busy") == busy + 1
+    finally:
+        await forwarder.close()
+
+
+def test_placement_is_one_pure_step():
+    """Colocated instances prefill themselves; a decode instance gets a remote prefill unless the
+    uncached prompt is short, no prefill instance is ready, or the chosen one is too busy."""
+    prefill, decode, colocated = (Instance("p", PREFILL, "u"), Instance("d", DECODE, "u"),
+                                  Instance("c", COLOCATED, "u"))
+    placer = Placer(PlacementSettings(256, 1000), make_policy("least_loaded"), make_policy("least_loaded"))
+    long, short = RoutingRequest((), 600, 32), RoutingRequest((), 100, 32)
+    assert placer.place(long, [colocated], [prefill]).reason == "colocated"
+    assert placer.place(short, [decode], [prefill]).reason == "short"
+    assert placer.place(long, [decode], []).reason == "no_prefill"
+    remote = placer.place(long, [decode], [prefill])
+    assert (remote.reason, remote.prefill, remote.serve.instance, remote.served_prefill_tokens) == (
+        "remote", prefill, decode, 0)
+    prefill.pending_prefill_tokens = 1001
+    assert placer.place(long, [decode], [prefill]).reason == "local_busy"
 
 
 class StandInEngine:
@@ -244,7 +271,7 @@ class StandInEngine:
 def test_a_request_that_broke_an_engine_is_not_retried_on_another():
     engines = [StandInEngine("crash") for _ in range(2)]
     try:
-        with make_client([Instance(f"e{k}", Role.COLOCATED, e.url) for k, e in enumerate(engines)]) as client:
+        with make_client([Instance(f"e{k}", COLOCATED, e.url) for k, e in enumerate(engines)]) as client:
             response = client.post("/v1/completions", json={"model": "m", "prompt": "x"})
         assert response.status_code == 502
         assert sorted(e.requests for e in engines) == [0, 1]  # it reached one engine, and only one
@@ -255,20 +282,15 @@ def test_a_request_that_broke_an_engine_is_not_retried_on_another():
 
 async def test_a_hanging_prefill_instance_costs_timeouts_until_its_circuit_opens():
     hung = StandInEngine("hang")
-    registry = InstanceRegistry()
-    prefill = Instance("prefill-0", Role.PREFILL, hung.url)
-    decode = Instance("decode-0", Role.DECODE, "http://127.0.0.1:1")
-    registry.add(prefill)
-    registry.add(decode)
-    config = RouterConfig(served_model_name="m", max_model_len=4096, remote_prefill_min_tokens=0,
-                          prefill_timeout_s=0.5, prefill_circuit_failures=2, prefill_circuit_s=60)
+    prefill = Instance("prefill-0", PREFILL, hung.url)
+    forwarder, decode = pd_forwarder(prefill, prefill_timeout_s=0.5, prefill_circuit_failures=2,
+                                     prefill_circuit_s=60)
     body, request = {"prompt": "p"}, RoutingRequest((), 600, 32)
     try:
-        async with aiohttp.ClientSession() as session:
-            remote = RemotePrefill(config, registry, make_policy("least_loaded"), lambda: session)
-            for _ in range(4):
-                assert await remote.prepare("/v1/completions", body, request, RoutingDecision(decode)) == body
+        reasons = [(await forwarder.prepare("/v1/completions", body, request, [decode]))[0].reason for _ in range(4)]
+        assert reasons == ["remote", "remote", "no_prefill", "no_prefill"]
         assert hung.requests == 2  # two timeouts, then no request goes there for a minute
         assert prefill.prefill_open_until > time.monotonic() + 50
     finally:
+        await forwarder.close()
         hung.close()

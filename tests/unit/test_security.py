@@ -10,8 +10,8 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from engine.config import Role
 from engine.http_auth import EngineAuthMiddleware
+from engine.roles import COLOCATED
 from router.app import build_app
 from router.config import RouterConfig
 from router.instances import Instance, InstanceRegistry
@@ -113,7 +113,7 @@ def test_leaving_instances_are_forgotten_by_the_index():
     registry = InstanceRegistry()
     config = RouterConfig(served_model_name="m", max_model_len=64, health_interval_s=60)
     app = build_app(config, registry)
-    registry.add(Instance("gone-0", Role.COLOCATED, "http://127.0.0.1:9"))
+    registry.add(Instance("gone-0", COLOCATED, "http://127.0.0.1:9"))
     app.state.index.stored("gone-0", [1, 2, 3])
     registry.remove("gone-0")
     assert app.state.index.match([1, 2, 3]) == {}

@@ -61,3 +61,15 @@ def test_kv_aware_beats_round_robin_on_a_prefix_heavy_trace():
     assert ours["hit_rate"] > 2 * rr["hit_rate"]
     assert ours["ttft_p50_s"] < rr["ttft_p50_s"] / 2
     assert ours["imbalance"] <= 1.2
+
+
+def test_pd_places_long_prompts_on_prefill_instances_and_short_ones_on_decode():
+    """The simulator runs the router's own placement step: a long uncached prompt is prefilled on
+    the prefill instance (then handed to decode at fetch cost), a short one by decode itself."""
+    long, short = record(0, (1, 2, 3, 4)), record(10, (9,), tokens=100)
+    config = SimConfig(instances=1, cache_blocks=100, prefill_rate=1024, prefill_instances=1,
+                       remote_prefill_min_tokens=256, fetch_cost=0.05)
+    result = simulate([long, short], "least_loaded", config, progress=False)
+    assert result["remote_prefills"] == 1
+    # 2 s to compute 2048 tokens on the prefill instance, then 0.1 s to hand 2048 tokens over.
+    assert result["ttfts_s"] == pytest.approx([2.0 + 0.05 * 2048 / 1024, 100 / 1024])

@@ -1,0 +1,53 @@
+"""What an instance's role decides, in one frozen record per role, read by the engine's host, the
+launcher, the pool controller and the router instead of branching on the role.
+
+`COLOCATED` (prefill and decode in one engine) is the engine's own; `prefill.role.PREFILL` and
+`decode.role.DECODE` are the disaggregated pools'.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+
+class Role(enum.StrEnum):
+    """What an instance does in the cluster (the name a role's record goes by)."""
+
+    COLOCATED = "colocated"  # prefill and decode in one engine
+    PREFILL = "prefill"  # KV producer
+    DECODE = "decode"  # KV consumer
+
+
+@dataclasses.dataclass(frozen=True)
+class RoleSpec:
+    kind: Role
+    ray_resource: str | None
+    """The Ray node resource the role's pool is placed by (cluster YAMLs give nodes a role);
+    None: any node."""
+    vllm_args: tuple[str, ...] = ()
+    """vLLM server flags of the role, beyond every engine's."""
+    env: tuple[tuple[str, str], ...] = ()
+    """Environment of the role's vLLM server, beyond every engine's."""
+    kv_transfer: bool = False
+    """Runs a KV connector: hands prompts' KV over through the store, or directly (NIXL)."""
+    serves_clients: bool = True
+    """The router sends clients' requests there and streams the answers back."""
+    takes_remote_prefills: bool = False
+    """The router sends it the prefill half of requests served elsewhere."""
+    waits_on_queue: bool = True
+    """Requests wait in the router's queue for this pool (its depth grows the pool)."""
+    prefills: bool = True
+    """Computes prompts: a time-to-first-token target applies to its pool."""
+
+    @property
+    def name(self) -> str:
+        return self.kind.value
+
+
+COLOCATED = RoleSpec(Role.COLOCATED, ray_resource=None)
+
+# Both P/D roles: vLLM's synchronous scheduling and its V1 model runner, where a recompute after
+# a failed KV load starts from the right offset (vllm#49250, open; the CUDA test saw it).
+PD_VLLM_ARGS = ("--no-async-scheduling",)
+PD_ENV = (("VLLM_USE_V2_MODEL_RUNNER", "0"),)

@@ -1,0 +1,96 @@
+"""The prefill half of a disaggregated request, and the KV handoff it yields.
+
+The prefill instance gets the client's request with `max_tokens=1` and vLLM's
+`kv_transfer_params` asking for a remote decode (`prefill_body`); it computes the prompt, its
+connector hands the KV over (through the store, or held for the decode instance's NIXL reads),
+and it answers with transfer params that the decode instance needs (`KVHandoff`): with
+NixlConnector its engine, blocks, host and port; with the store a marker (the decode instance
+finds the KV by lookup). Degrade, don't fail: an error or a timeout yields no handoff, and the
+decode instance prefills itself; a prefill instance that fails or times out
+`circuit_failures` times in a row gets no prefill for `circuit_s` (one that hangs while passing
+its health checks costs one timeout, not one per request), then one request tries it again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import aiohttp
+
+log = logging.getLogger(__name__)
+# Request fields that make no sense for the one-token prefill request.
+PREFILL_DROPS = ("stream", "stream_options", "min_tokens", "max_completion_tokens", "n", "logprobs",
+                 "top_logprobs", "echo")
+# What asks vLLM's connectors (ours and NixlConnector alike) to keep a prompt's KV for a decode
+# elsewhere.
+REMOTE_DECODE = {"do_remote_decode": True}
+
+
+@dataclasses.dataclass(frozen=True)
+class KVHandoff:
+    """A prefilled prompt's KV, as the decode instance is told where to find it."""
+
+    transfer_params: Mapping[str, Any]
+    """The prefill's answer, verbatim (vLLM's `kv_transfer_params`)."""
+    prefill_instance: str
+    seconds: float
+    """From sending the prefill request to its answer (the KV is handed over by then)."""
+
+    def decode_body(self, body: dict) -> dict:
+        """The client's request as the decode instance gets it."""
+        return {**body, "kv_transfer_params": dict(self.transfer_params)}
+
+
+def prefill_body(body: dict) -> dict:
+    """The client's request as the prefill instance gets it: one token, KV kept for a decode."""
+    return {**{k: v for k, v in body.items() if k not in PREFILL_DROPS}, "max_tokens": 1, "stream": False,
+            "kv_transfer_params": REMOTE_DECODE}
+
+
+class PrefillClient:
+    """Runs prefill requests over the router's pooled HTTP session; keeps each prefill
+    instance's circuit (`failed_prefills`, `prefill_open_until` on the router's Instance)."""
+
+    def __init__(self, session: Callable[[], aiohttp.ClientSession], timeout_s: float, circuit_failures: int,
+                 circuit_s: float, on_unreachable: Callable[[Any, str], None]) -> None:
+        self.session = session
+        self.timeout_s = timeout_s
+        self.circuit_failures = circuit_failures
+        self.circuit_s = circuit_s
+        self.on_unreachable = on_unreachable
+
+    @staticmethod
+    def circuit_closed(instance, now: float) -> bool:
+        return instance.prefill_open_until <= now
+
+    async def run(self, instance, endpoint: str, body: dict) -> KVHandoff | None:
+        """Prefill `body` on `instance`; None (and the reason logged) if it failed or timed out."""
+        started = time.monotonic()
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                async with self.session().post(f"{instance.url}{endpoint}", json=prefill_body(body)) as response:
+                    answer = await response.json(content_type=None)
+                    if response.status != 200:
+                        raise RuntimeError(f"HTTP {response.status}: {str(answer)[:300]}")
+            params = answer.get("kv_transfer_params")
+            if not params:
+                raise RuntimeError("the prefill instance returned no kv_transfer_params")
+        except (aiohttp.ClientError, TimeoutError, RuntimeError, ValueError) as exc:
+            self._failed(instance, exc)
+            return None
+        instance.failed_prefills = 0
+        return KVHandoff(params, instance.instance_id, time.monotonic() - started)
+
+    def _failed(self, instance, exc: Exception) -> None:
+        if isinstance(exc, aiohttp.ClientConnectionError):
+            self.on_unreachable(instance, f"unreachable: {exc!r}")
+        instance.failed_prefills += 1
+        if instance.failed_prefills >= self.circuit_failures:
+            instance.prefill_open_until = time.monotonic() + self.circuit_s
+            log.warning("no remote prefills on %s for %g s", instance.instance_id, self.circuit_s)
+        log.warning("prefill on %s failed (%r); the decode instance prefills locally", instance.instance_id, exc)

@@ -1,0 +1,9 @@
+"""The prefill role: engines that compute prompts and hand their KV over (KV producers), placed
+on nodes offering the Ray resource `prefill`; no client streams from them."""
+
+from engine.roles import PD_ENV, PD_VLLM_ARGS, Role, RoleSpec
+
+PREFILL = RoleSpec(
+    Role.PREFILL, ray_resource="prefill", vllm_args=PD_VLLM_ARGS, env=PD_ENV, kv_transfer=True,
+    serves_clients=False, takes_remote_prefills=True, waits_on_queue=False, prefills=True,
+)
