@@ -81,7 +81,7 @@ def serve(args: argparse.Namespace) -> int:
         router_config = RouterConfig(
             host=args.host, port=args.port, served_model_name=name,
             max_model_len=args.max_model_len, policy=args.policy, tokenizer=model_path,
-            block_size=engine_config.block_size, allow_remote=args.address is not None,
+            kv_hashing=engine_config.kv_hashing, allow_remote=args.address is not None,
             remote_prefill_min_tokens=args.remote_prefill_min_tokens,
             remote_prefill_max_queued_tokens=args.remote_prefill_max_queued_tokens,
             api_keys=load_api_keys(args.api_keys_file), rate_limit_per_s=args.rate_limit, cluster_secret=secret,

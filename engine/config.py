@@ -7,7 +7,23 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
+from engine.environment import KV_HASH_SEED
 from engine.roles import COLOCATED, RoleSpec
+
+
+class KVHashing(BaseModel):
+    """How KV blocks are named, which the engines (their prefix caches and KV events), the store
+    (LMCache keys) and the router (its index) must agree on, or every hit turns into a miss: set
+    here once, read by all of them."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    block_size: int = Field(32, ge=1)
+    """KV block size in tokens; vLLM's CPU attention takes only multiples of 32."""
+    seed: str = KV_HASH_SEED
+    """The root of every block-hash chain (engines run with PYTHONHASHSEED set to it)."""
+    algorithm: str = "sha256"
+    """vLLM's `prefix_caching_hash_algo` (its default), passed to every engine explicitly."""
 
 
 class EngineConfig(BaseModel):
@@ -23,8 +39,7 @@ class EngineConfig(BaseModel):
     """What the instance does (engine/roles.py: its flags, environment, KV connector)."""
     max_model_len: int = Field(4096, ge=16)
     """Longest prompt plus completion, in tokens."""
-    block_size: int = Field(32, ge=1)
-    """KV block size in tokens; vLLM's CPU attention takes only multiples of 32."""
+    kv_hashing: KVHashing = KVHashing()
     enforce_eager: bool = True
     """Skip torch.compile and CUDA graphs (fast starts; slower steps on a GPU)."""
     kv_cache_gib: float = Field(1.0, gt=0)
@@ -61,6 +76,10 @@ class EngineConfig(BaseModel):
     <instance id>.log; None keeps only the last lines in memory (shown when a start fails)."""
     extra_args: tuple[str, ...] = ()
     """Further `vllm serve` arguments, passed through verbatim."""
+
+    @property
+    def block_size(self) -> int:
+        return self.kv_hashing.block_size
 
     @field_validator("model")
     @classmethod

@@ -66,14 +66,14 @@ def is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
-def engine_env(host: str, kv_cache_gib: float, cpu_cores: str | None) -> dict[str, str]:
+def engine_env(host: str, kv_cache_gib: float, cpu_cores: str | None, hash_seed: str = KV_HASH_SEED) -> dict[str, str]:
     """Variables for a vLLM server process that serves on `host`."""
     env = {
         "VLLM_HOST_IP": host,
         "VLLM_NIXL_SIDE_CHANNEL_HOST": host,
         "VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_gib:g}",
         # LMCache falls back to Python's randomized hash; KV keys must agree across processes.
-        "PYTHONHASHSEED": KV_HASH_SEED,
+        "PYTHONHASHSEED": hash_seed,
         "PYTHONUNBUFFERED": "1",
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",
@@ -92,7 +92,7 @@ _SCRUBBED = ("RAY_AUTH", "AWS_", "GOOGLE_", "AZURE_", "HF_TOKEN", "HUGGING_FACE_
              "SSH_AUTH_SOCK", "KUBECONFIG")
 
 
-def engine_process_env(host: str, kv_cache_gib: float, cpu_cores: str | None) -> dict[str, str]:
+def engine_process_env(host: str, kv_cache_gib: float, cpu_cores: str | None, hash_seed: str) -> dict[str, str]:
     """The whole environment of a vLLM server process: this process's, scrubbed of credentials
     (Ray's token, cloud keys, API keys), with `engine_env` on top, less PROMETHEUS_MULTIPROC_DIR.
     An inherited one (LMCache sets it in any process that builds an LMCache engine) would be
@@ -100,7 +100,7 @@ def engine_process_env(host: str, kv_cache_gib: float, cpu_cores: str | None) ->
     them; without it vLLM makes each engine a private one."""
     inherited = {k: v for k, v in os.environ.items()
                  if k != "PROMETHEUS_MULTIPROC_DIR" and not k.startswith(_SCRUBBED)}
-    return inherited | engine_env(host, kv_cache_gib, cpu_cores)
+    return inherited | engine_env(host, kv_cache_gib, cpu_cores, hash_seed)
 
 
 def free_port(host: str) -> int:

@@ -139,6 +139,7 @@ class EngineHost:
             "--port", str(self.port),
             "--max-model-len", str(c.max_model_len),
             "--block-size", str(c.block_size),
+            "--prefix-caching-hash-algo", c.kv_hashing.algorithm,
             "--gpu-memory-utilization", str(c.gpu_memory_utilization),
             "--disable-uvicorn-access-log",
             "--load-format", "dummy",
@@ -181,7 +182,8 @@ class EngineHost:
             raise EngineStartError(f"{self.instance_id} is {self.state.value}; cannot start")
         self.timeline = StartTimeline()
         self.state = InstanceState.LOADING
-        env = engine_process_env(self.host, self.config.kv_cache_gib, self.config.cpu_cores)
+        env = engine_process_env(self.host, self.config.kv_cache_gib, self.config.cpu_cores,
+                                 self.config.kv_hashing.seed)
         # /collective_rpc and /reset_prefix_cache, for weights; like every route, behind the token
         env["VLLM_SERVER_DEV_MODE"] = "1"
         env.update(self.credentials.as_env())

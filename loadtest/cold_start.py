@@ -59,7 +59,7 @@ async def plain_start(config: EngineConfig, cores: str) -> dict:
                "--gpu-memory-utilization", str(config.gpu_memory_utilization)]
     if config.enforce_eager:
         command.append("--enforce-eager")
-    env = engine_process_env("127.0.0.1", config.kv_cache_gib, cores)
+    env = engine_process_env("127.0.0.1", config.kv_cache_gib, cores, config.kv_hashing.seed)
     asked = time.perf_counter()
     process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                start_new_session=True)

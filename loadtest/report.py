@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from loadtest.runner import LoadRun
+from router.metrics import percentile
 
 PERCENTILES = (50, 90, 99)
 
@@ -20,7 +21,7 @@ def _stats(values: list[float]) -> dict:
         return {"count": 0}
     array = np.array(values) * 1e3
     return {"count": len(values), "mean_ms": float(array.mean()),
-            **{f"p{p}_ms": float(np.percentile(array, p)) for p in PERCENTILES}}
+            **{f"p{p}_ms": percentile(array.tolist(), p) for p in PERCENTILES}}
 
 
 def _prefix_hit_rate(samples: list[dict]) -> float | None:

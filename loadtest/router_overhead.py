@@ -26,6 +26,7 @@ from rich.progress import track
 from rich.table import Table
 
 from deploy.local import LocalServer
+from router.metrics import percentile
 from security.credentials import ClusterCredentials
 
 
@@ -59,7 +60,7 @@ def measure(router_url: str, engine_url: str, model: str, rounds: int, max_token
                 samples[path]["total"].append(total)
     summary = {
         path: {metric: {"median_ms": statistics.median(v) * 1e3,
-                        "p90_ms": statistics.quantiles(v, n=10)[-1] * 1e3} for metric, v in metrics.items()}
+                        "p90_ms": percentile(v, 90) * 1e3} for metric, v in metrics.items()}
         for path, metrics in samples.items()
     }
     summary["added_ms"] = {

@@ -21,16 +21,13 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from engine.environment import KV_HASH_SEED
+from engine.config import KVHashing
 from engine.roles import COLOCATED
 from router.hashing import PromptHasher
 from router.instances import Instance
 from router.kv_index import KVIndex
+from router.metrics import percentile
 from router.policies import PolicyContext, RoutingRequest, make_policy
-
-
-def percentile(values: list[float], q: float) -> float:
-    return statistics.quantiles(values, n=100)[q - 1] if q < 100 else max(values)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     from engine.models import ensure_model
 
     model = args.model or ensure_model("tiny")
-    hasher = PromptHasher(model, args.block_size, KV_HASH_SEED)
+    hasher = PromptHasher(model, KVHashing(block_size=args.block_size))
     rng = random.Random(0)
     tokens = [rng.randrange(1000) for _ in range(args.tokens)]
     prompt_hashes = hasher.block_hashes(tokens)

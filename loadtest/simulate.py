@@ -40,6 +40,7 @@ from engine.roles import COLOCATED
 from prefill.role import PREFILL
 from router.instances import Instance
 from router.kv_index import KVIndex
+from router.metrics import percentile
 from router.placement import PlacementSettings, Placer
 from router.policies import POLICIES, PolicyContext, RoutingRequest, make_policy
 
@@ -191,9 +192,9 @@ def simulate(
     return {
         "policy": policy_name,
         "hit_rate": hit_tokens / prompt_tokens,
-        "ttft_p50_s": float(np.percentile(ttft, 50)),
-        "ttft_p90_s": float(np.percentile(ttft, 90)),
-        "ttft_p99_s": float(np.percentile(ttft, 99)),
+        "ttft_p50_s": percentile(ttfts, 50),
+        "ttft_p90_s": percentile(ttfts, 90),
+        "ttft_p99_s": percentile(ttfts, 99),
         "imbalance": float(per_instance.max() / per_instance.mean()),
         "requests_per_instance": per_instance.tolist(),
         "remote_prefills": remote,

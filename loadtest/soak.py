@@ -24,6 +24,7 @@ from deploy.local import LocalServer
 from loadtest.arrivals import FixedConcurrency
 from loadtest.runner import Limits, run_load
 from loadtest.workloads import RandomLengths
+from router.metrics import percentile
 
 WINDOW_S = 30.0
 
@@ -44,8 +45,7 @@ async def watch_rss(pid: int, samples: list[tuple[float, float]], started: float
 def p99(values: list[float]) -> float | None:
     if not values:
         return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+    return percentile(values, 99)
 
 
 async def soak(url: str, router_pid: int, minutes: float, streams: int) -> dict:

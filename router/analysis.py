@@ -30,7 +30,7 @@ class RequestAnalyzer:
         self.max_model_len = config.max_model_len
         self.max_chars = config.max_model_len * config.max_chars_per_token
         self.hasher = (
-            PromptHasher(config.tokenizer, config.block_size, config.hash_seed) if config.tokenizer else None
+            PromptHasher(config.tokenizer, config.kv_hashing) if config.tokenizer else None
         )
         self.timeout_s = config.tokenize_timeout_s
         self._pool = concurrent.futures.ThreadPoolExecutor(config.tokenize_threads, "tokenize")

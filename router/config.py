@@ -7,7 +7,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
-from engine.environment import KV_HASH_SEED, is_loopback
+from engine.config import KVHashing
+from engine.environment import is_loopback
 from security.credentials import ClusterCredentials
 
 
@@ -24,10 +25,8 @@ class RouterConfig(BaseModel):
     """Routing policy: a name in router.policies.POLICIES, or module:Class."""
     tokenizer: Path | None = None
     """Model folder whose tokenizer the router hashes prompts with; None routes on load only."""
-    block_size: int = Field(32, ge=1)
-    """The engines' KV block size (their prefix-cache granularity)."""
-    hash_seed: str = KV_HASH_SEED
-    """The engines' block-hash seed (their PYTHONHASHSEED)."""
+    kv_hashing: KVHashing = KVHashing()
+    """The engines' (their block size, seed and hash algorithm: the router's hashes are theirs)."""
     kv_events_endpoint: str | None = None
     """Where the router's SUB socket binds for the engines' KV events (tcp://host:port)."""
     speculative_ttl_s: float = Field(2.0, gt=0)
@@ -97,6 +96,10 @@ class RouterConfig(BaseModel):
             raise ValueError(f"the router would serve anyone who reaches {self.host}: give it API keys "
                              "(--api-keys-file) to bind beyond loopback")
         return self
+
+    @property
+    def block_size(self) -> int:
+        return self.kv_hashing.block_size
 
     def credentials(self) -> ClusterCredentials:
         return ClusterCredentials.from_hex(self.cluster_secret.get_secret_value())

@@ -4,7 +4,7 @@ Tokenization follows vLLM's OpenAI server: a completion prompt is encoded with t
 special tokens, a chat is rendered with the model's chat template (generation prompt added) and
 encoded without them. Block hashes come from vLLM's own `hash_block_tokens` and hash function,
 chained from the same root (`NONE_HASH`, derived from the same seed: the engines run with
-PYTHONHASHSEED set to `hash_seed`), with the cache salt as extra key of the first block, and
+PYTHONHASHSEED set to the seed), with the cache salt as extra key of the first block, and
 converted to the 64-bit integers vLLM publishes in its KV events. A mismatch here silently
 turns every hit into a miss, so tests compare these hashes with the engines' own events.
 """
@@ -15,18 +15,19 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from engine.config import KVHashing
 from router.kv_index import BlockHash
 
 
 class PromptHasher:
-    def __init__(self, model: Path, block_size: int, hash_seed: str, hash_algorithm: str = "sha256") -> None:
+    def __init__(self, model: Path, hashing: KVHashing) -> None:
         from transformers import AutoTokenizer
         from vllm.utils.hashing import get_hash_fn_by_name
 
         self.tokenizer = AutoTokenizer.from_pretrained(model)
-        self.block_size = block_size
-        self._hash_fn = get_hash_fn_by_name(hash_algorithm)
-        self._root = self._hash_fn(hash_seed)
+        self.block_size = hashing.block_size
+        self._hash_fn = get_hash_fn_by_name(hashing.algorithm)
+        self._root = self._hash_fn(hashing.seed)
 
     # --- tokens -------------------------------------------------------------------------------
     def completion_tokens(

@@ -11,7 +11,6 @@ import asyncio
 import collections
 import dataclasses
 import logging
-import math
 import time
 from collections.abc import Callable
 
@@ -161,13 +160,13 @@ class LatencyWindow:
         self._samples.append((time.monotonic(), seconds))
 
     def quantile(self, q: float, since: float = 0.0, min_samples: int = 8) -> float | None:
-        """The q-quantile (nearest rank) of the samples of the last `window_s` seen after the
+        """The q-quantile (router.metrics.percentile) of the samples of the last `window_s` seen after the
         monotonic time `since`; None with fewer than `min_samples` of them."""
         oldest = max(since, time.monotonic() - self.window_s)
         recent = sorted(seconds for at, seconds in self._samples if at > oldest)
         if len(recent) < min_samples:
             return None
-        return recent[min(len(recent) - 1, math.ceil(q * len(recent)) - 1)]
+        return metrics.percentile(recent, 100 * q)
 
 
 class CapacityQueue:

@@ -1,8 +1,24 @@
-"""The router's Prometheus metrics (served at GET /metrics)."""
+"""The router's Prometheus metrics (served at GET /metrics), and the one definition of a
+percentile that the router's own signals and every report use."""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+
 from prometheus_client import Counter, Gauge, Histogram
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0-100) of `values`, interpolated between the two nearest ranks
+    (numpy's default, and `vllm bench serve`'s): the pool controller's TTFT trigger and the load
+    reports read the same number from the same samples."""
+    if not values:
+        raise ValueError("no values")
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q / 100
+    low, high = math.floor(position), math.ceil(position)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 

@@ -162,20 +162,6 @@ def test_a_killed_store_shard_comes_back_on_its_endpoint_and_hands_kv_over_again
     assert store_shard(served_pd)["chunks"] > 0
 
 
-def test_a_killed_prefill_costs_no_request(served, served_pd):
-    """Runs last in this module: it takes the prefill instance away for good."""
-    bodies = [{"prompt": f"Killed prefill {k}. " + LONG * 2} for k in range(4)]
-    expected = [generate(served.url, b) for b in bodies]
-    with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        futures = [pool.submit(generate, served_pd.url, b) for b in bodies]
-        time.sleep(0.05)
-        kill_engine(engine_url(served_pd, "prefill"))
-        results = [f.result(timeout=120) for f in futures]  # none hangs, none fails
-    assert results == expected
-    after = [generate(served_pd.url, b) for b in bodies[:1]]  # and the next one prefills locally
-    assert after == expected[:1]
-
-
 def test_one_tenants_store_chunks_are_invisible_to_another(served_pd):
     """Tenant salts (as the router sets them) are part of every store key: tenant B's identical
     prompt finds none of tenant A's chunks (a miss, its KV recomputed), while A's own second
@@ -196,3 +182,17 @@ def test_one_tenants_store_chunks_are_invisible_to_another(served_pd):
              headers=engine)  # tenant A's prefill: its chunks go to the store
     assert external_hits(salt_b) == 0
     assert external_hits(salt_a) > 500
+
+
+def test_a_killed_prefill_costs_no_request(served, served_pd):
+    """Runs last in this module: it takes the prefill instance away for good."""
+    bodies = [{"prompt": f"Killed prefill {k}. " + LONG * 2} for k in range(4)]
+    expected = [generate(served.url, b) for b in bodies]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(generate, served_pd.url, b) for b in bodies]
+        time.sleep(0.05)
+        kill_engine(engine_url(served_pd, "prefill"))
+        results = [f.result(timeout=120) for f in futures]  # none hangs, none fails
+    assert results == expected
+    after = [generate(served_pd.url, b) for b in bodies[:1]]  # and the next one prefills locally
+    assert after == expected[:1]

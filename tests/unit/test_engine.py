@@ -60,7 +60,7 @@ def test_engines_do_not_share_an_inherited_prometheus_multiprocess_dir(monkeypat
     # LMCache sets it in any process that builds its engine (this test process too): engines that
     # inherit it write their metrics to one folder and each /metrics reports the sum of all.
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", "/tmp/shared-by-everyone")
-    env = engine_process_env("127.0.0.1", 1, None)
+    env = engine_process_env("127.0.0.1", 1, None, "0")
     assert "PROMETHEUS_MULTIPROC_DIR" not in env
     assert env["PATH"] == os.environ["PATH"] and env["UCX_NET_DEVICES"] == "lo"
 
