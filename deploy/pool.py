@@ -16,7 +16,6 @@ without traffic; `min_ready=0` with a standby is scale-to-zero with a sub-second
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import logging
 import time
@@ -76,15 +75,6 @@ def wants_more(spec: PoolSpec, ready: int, inflight: int, queued: int, growing: 
     return queued > 0 or (ready > 0 and inflight / ready > spec.target_inflight) or slow
 
 
-@dataclasses.dataclass
-class ScaleEvent:
-    role: str
-    instance_id: str
-    path: str  # standby | peer | disk
-    seconds: float  # from the decision to READY
-    timeline: dict
-
-
 class PoolController:
     """Owns the scaling task; every instance it starts is owned by the launcher."""
 
@@ -107,7 +97,6 @@ class PoolController:
         self.config = config
         self.interval_s = interval_s
         self._cores = itertools.cycle(core_sets or [None])
-        self.events: list[ScaleEvent] = []
         self._ids = itertools.count()
         self._growing: dict[RoleSpec, int] = {role: 0 for role in self.specs}
         self._standby_starting: dict[RoleSpec, int] = {role: 0 for role in self.specs}
@@ -189,9 +178,8 @@ class PoolController:
                     [(instance_id, self._config(spec.role))], peer=peer, progress=False
                 )
                 timeline = started[0].timeline
-            event = ScaleEvent(spec.role.name, instance_id, path, time.monotonic() - decided, timeline)
-            self.events.append(event)
-            log.info("%s pool grew by %s via %s in %.3f s", spec.role.name, instance_id, path, event.seconds)
+            log.info("%s pool grew by %s via %s in %.3f s (start %.3f s)", spec.role.name, instance_id, path,
+                     time.monotonic() - decided, timeline["total_s"])
         except Exception:
             log.exception("growing the %s pool failed", spec.role.name)
         finally:

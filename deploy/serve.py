@@ -103,15 +103,8 @@ def serve(args: argparse.Namespace) -> int:
 
 async def _serve(engine_config, router_config, topology, address: str | None, placement_timeout_s: float,
                  start_log: Path, store_bytes: int = 0) -> int:
-    import uvicorn
-
-    from deploy.launcher import Launcher, cpu_core_sets, start_ray
-    from deploy.pool import PoolController
-    from engine.environment import free_port, is_cpu_build
-    from engine.host import node_address
-    from router.app import build_app
+    from deploy.launcher import Launcher, start_ray
     from router.instances import InstanceRegistry
-    from router.kv_events import STORE_HOLDER
 
     started_head = start_ray(address, resources=topology.ray_resources())
     failed = True
@@ -119,52 +112,9 @@ async def _serve(engine_config, router_config, topology, address: str | None, pl
     launcher = Launcher(registry, router_config.credentials(), console, start_log)
     controller = None
     try:
-        # A router restarted on a running cluster takes over the engines its predecessor left.
-        adopted = await launcher.adopt(engine_config, keep_store=store_bytes > 0)
-        # The engines publish their KV events to the router's SUB socket, on the router's node.
-        events_host = node_address()
-        events_endpoint = adopted.kv_events_endpoint or f"tcp://{events_host}:{free_port(events_host)}"
-        router_config = router_config.model_copy(update={"kv_events_endpoint": events_endpoint})
-        engine_config = engine_config.model_copy(update={"kv_events_endpoint": events_endpoint})
-        roles = roles_to_start(topology.roles(), registry.ready())
-        engines = topology.engines_at_most()
-        cores = cpu_core_sets(engines, os.cpu_count() or 1) if is_cpu_build() and not address else []
-        configs = [
-            (
-                instance_id,
-                engine_config.model_copy(update={"role": role, "cpu_cores": cores[k] if cores else None}),
-            )
-            for k, (instance_id, role) in enumerate(roles)
-        ]
-        if store_bytes:
-            fault_injection = os.environ.get(STORE_FAULT_INJECTION_ENV) == "1"
-            # Adopted shards are kept; nodes without one get one, now and as they join.
-            shards = await launcher.start_store_shards(store_bytes, fault_injection)
-            launcher.watch_store()
-            engine_config = engine_config.model_copy(update={"kv_store_endpoints": shards})
-            configs = [(i, c.model_copy(update={"kv_store_endpoints": shards})) for i, c in configs]
-        await launcher.start_instances(configs, placement_timeout_s)
-        app = build_app(router_config, registry, store_endpoints=engine_config.kv_store_endpoints)
-        launcher.store.on_restart.append(lambda: app.state.index.clear(STORE_HOLDER))
-        # Instances the controller adds get the core sets the initial ones left (all, if none).
-        controller = PoolController(launcher, registry, app.state.queue, topology.pools(), engine_config,
-                                    core_sets=cores[len(roles):] or cores or None,
-                                    first_tokens=app.state.first_tokens)
-        controller.start()
-        server = uvicorn.Server(
-            uvicorn.Config(app, host=router_config.host, port=router_config.port, log_level="warning")
-        )
-        url = f"http://{router_config.host}:{router_config.port}"
-        console.print(f"[bold]pdcluster[/] serving [cyan]{router_config.served_model_name}[/] at {url}")
-        console.print(
-            f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
-            f'-d \'{{"model": "{router_config.served_model_name}", '
-            f'"messages": [{{"role": "user", "content": "Hello!"}}]}}\''
-        )
-        _keep_cleanup_on_signals()
-        await server.serve()
-        if not server.started:  # it could not listen (uvicorn logged why)
-            raise RuntimeError(f"the router could not serve on {url}")
+        app, controller = await _start_fleet(launcher, registry, engine_config, router_config, topology,
+                                             address, placement_timeout_s, store_bytes)
+        await _serve_router(app, app.state.config)
         failed = False
         return 0
     except Exception as exc:  # a failed start: say why, stop what started, exit non-zero
@@ -180,6 +130,62 @@ async def _serve(engine_config, router_config, topology, address: str | None, pl
             import ray
 
             ray.shutdown()
+
+
+async def _start_fleet(launcher, registry, engine_config, router_config, topology, address: str | None,
+                       placement_timeout_s: float, store_bytes: int):
+    """Adopt what a previous launcher left, start the store and the missing engines, build the
+    router's app and the pool controller (started); returns both."""
+    from deploy.launcher import cpu_core_sets
+    from deploy.pool import PoolController
+    from engine.environment import free_port, is_cpu_build
+    from engine.host import node_address
+    from router.app import build_app
+    from router.kv_events import STORE_HOLDER
+
+    # A router restarted on a running cluster takes over the engines its predecessor left.
+    adopted = await launcher.adopt(engine_config, keep_store=store_bytes > 0)
+    # The engines publish their KV events to the router's SUB socket, on the router's node.
+    events_host = node_address()
+    events_endpoint = adopted.kv_events_endpoint or f"tcp://{events_host}:{free_port(events_host)}"
+    router_config = router_config.model_copy(update={"kv_events_endpoint": events_endpoint})
+    engine_config = engine_config.model_copy(update={"kv_events_endpoint": events_endpoint})
+    if store_bytes:
+        fault_injection = os.environ.get(STORE_FAULT_INJECTION_ENV) == "1"
+        # Adopted shards are kept; nodes without one get one, now and as they join.
+        shards = await launcher.start_store_shards(store_bytes, fault_injection)
+        launcher.watch_store()
+        engine_config = engine_config.model_copy(update={"kv_store_endpoints": shards})
+    roles = roles_to_start(topology.roles(), registry.ready())
+    cores = cpu_core_sets(topology.engines_at_most(), os.cpu_count() or 1) if is_cpu_build() and not address else []
+    configs = [(instance_id, engine_config.model_copy(update={"role": role, "cpu_cores": cores[k] if cores else None}))
+               for k, (instance_id, role) in enumerate(roles)]
+    await launcher.start_instances(configs, placement_timeout_s)
+    app = build_app(router_config, registry, store_endpoints=engine_config.kv_store_endpoints)
+    launcher.store.on_restart.append(lambda: app.state.index.clear(STORE_HOLDER))
+    # Instances the controller adds get the core sets the initial ones left (all, if none).
+    controller = PoolController(launcher, registry, app.state.queue, topology.pools(), engine_config,
+                                core_sets=cores[len(roles):] or cores or None, first_tokens=app.state.first_tokens)
+    controller.start()
+    return app, controller
+
+
+async def _serve_router(app, router_config) -> None:
+    """Serve the router's app until Ctrl-C / SIGTERM."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host=router_config.host, port=router_config.port, log_level="warning"))
+    url = f"http://{router_config.host}:{router_config.port}"
+    console.print(f"[bold]pdcluster[/] serving [cyan]{router_config.served_model_name}[/] at {url}")
+    console.print(
+        f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
+        f'-d \'{{"model": "{router_config.served_model_name}", '
+        f'"messages": [{{"role": "user", "content": "Hello!"}}]}}\''
+    )
+    _keep_cleanup_on_signals()
+    await server.serve()
+    if not server.started:  # it could not listen (uvicorn logged why)
+        raise RuntimeError(f"the router could not serve on {url}")
 
 
 def _keep_cleanup_on_signals() -> None:

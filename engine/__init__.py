@@ -1,4 +1,6 @@
 """What prefill and decode instances share: one vLLM engine per instance, built from a typed
-config, hosted by a Ray actor, with its lifecycle (standby, loading, warming, ready, draining),
-its start-up timeline and its health; the weight plane that fills an engine from disk or from a
-warm peer (`weights`, `device_weights`, `worker_extension`); the local model builders."""
+config (`config`, with the role's record from `roles`), hosted by a Ray actor (`host`: the
+server process, its start-up timeline, its health, the engine token on every route via
+`http_auth`, KV events on the cluster's keys via `kv_events`); the weight plane that fills an
+engine from disk (`checkpoint`) or from a warm peer (`weights`, `cuda_ipc`, `device_checksum`),
+inside the worker (`worker_extension`); the local model builders (`models`)."""

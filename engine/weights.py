@@ -29,24 +29,16 @@ import mmap
 import os
 import re
 import secrets
-import struct
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
 from transport.nixl import add_peer, new_agent, transfer
 
-ALIGNMENT = 4096
 WEIGHTS_FILE_PREFIX = "pdcluster-weights-"
 _WEIGHTS_FILE_NAME = re.compile(rf"{WEIGHTS_FILE_PREFIX}[0-9a-f]{{32}}")
-READ_CHUNK_BYTES = 16 * 1024**2
-# safetensors dtype names -> torch dtype attribute names
-_DTYPES = {
-    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
-    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
-}
 
 
 class WeightTransferError(RuntimeError):
@@ -160,7 +152,7 @@ class WeightSet:
             self.shm_path.unlink(missing_ok=True)
 
 
-def _allocate(nbytes: int, shm_path: Path | None) -> np.ndarray:
+def allocate(nbytes: int, shm_path: Path | None) -> np.ndarray:
     """A buffer of `nbytes`: private memory, or a new file at `shm_path` only its owner may read
     (created, never reused: O_EXCL, no links followed)."""
     if shm_path is None:
@@ -181,141 +173,6 @@ def _map_peer_file(weights_dir: Path, name: str, nbytes: int) -> np.ndarray:
     if len(mapped) < nbytes:
         raise WeightTransferError(f"the peer's weights file holds {len(mapped)} bytes, the manifest {nbytes}")
     return np.frombuffer(mapped, np.uint8)[:nbytes]
-
-
-def _safetensors_layout(model_dir: Path) -> tuple[list[TensorEntry], list[tuple[Path, int, int, int]]]:
-    """Tensor entries in a flat buffer holding each file's data section at an aligned offset,
-    and per file (path, file offset of its data, bytes, buffer offset)."""
-    entries: list[TensorEntry] = []
-    files: list[tuple[Path, int, int, int]] = []
-    cursor = 0
-    paths = sorted(model_dir.glob("*.safetensors"))
-    if not paths:
-        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
-    for path in paths:
-        with open(path, "rb") as handle:
-            (header_len,) = struct.unpack("<Q", handle.read(8))
-            header = json.loads(handle.read(header_len))
-        header.pop("__metadata__", None)
-        data_start = 8 + header_len
-        data_bytes = max((t["data_offsets"][1] for t in header.values()), default=0)
-        for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
-            begin, end = info["data_offsets"]
-            entries.append(TensorEntry(name, _DTYPES[info["dtype"]], tuple(info["shape"]),
-                                       cursor + begin, end - begin))
-        files.append((path, data_start, data_bytes, cursor))
-        cursor += -(-data_bytes // ALIGNMENT) * ALIGNMENT
-    return entries, files
-
-
-@dataclasses.dataclass(frozen=True)
-class _Chunk:
-    path: Path
-    file_offset: int
-    buffer_offset: int
-    nbytes: int
-
-
-def _read_chunks(
-    files: list[tuple[Path, int, int, int]],
-    threads: int,
-    land: Callable[[_Chunk, Callable[[memoryview], None]], None],
-) -> None:
-    """Read every file's data section in READ_CHUNK_BYTES chunks on `threads` threads; for each
-    chunk `land(chunk, read_into)` picks the memory and calls `read_into(view)` to fill it."""
-    chunks = [
-        _Chunk(path, file_offset + pos, buffer_offset + pos, min(READ_CHUNK_BYTES, nbytes - pos))
-        for path, file_offset, nbytes, buffer_offset in files
-        for pos in range(0, nbytes, READ_CHUNK_BYTES)
-    ]
-    descriptors = {path: os.open(path, os.O_RDONLY) for path, *_ in files}
-
-    def read(chunk: _Chunk) -> None:
-        def read_into(view: memoryview) -> None:
-            done = 0
-            while done < chunk.nbytes:
-                got = os.preadv(
-                    descriptors[chunk.path], [view[done : chunk.nbytes]], chunk.file_offset + done
-                )
-                if got <= 0:
-                    raise OSError(f"short read of {chunk.path} at {chunk.file_offset + done}")
-                done += got
-
-        land(chunk, read_into)
-
-    try:
-        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-            list(pool.map(read, chunks))
-    finally:
-        for fd in descriptors.values():
-            os.close(fd)
-
-
-def read_from_disk(model_dir: Path, shm_path: Path | None = None, threads: int = 8) -> WeightSet:
-    """Read every safetensors file of `model_dir` into one flat host buffer (a shared-memory file
-    at `shm_path`, if given) with `threads` parallel positional reads; digests are computed
-    on the way out, for serving peers."""
-    entries, files = _safetensors_layout(model_dir)
-    total = (files[-1][3] + files[-1][2]) if files else 0
-    buffer = _allocate(total, shm_path)
-    view = memoryview(buffer)
-    _read_chunks(
-        files, threads, lambda c, read_into: read_into(view[c.buffer_offset : c.buffer_offset + c.nbytes])
-    )
-    weights = WeightSet(WeightManifest(model_id(model_dir), tuple(entries), total), buffer,
-                        shm_path, owns_file=shm_path is not None)
-    weights.manifest = dataclasses.replace(weights.manifest, digests=weights.compute_digests(threads))
-    return weights
-
-
-def stream_to_device(model_dir: Path, device, threads: int = 8):
-    """Disk -> pinned staging slots -> one device buffer: each slot's host-to-device copy runs on
-    its reading thread's CUDA stream while other threads read on, so the disk and the PCIe link
-    work at once and no pageable or whole-model host buffer is touched.
-    Returns (name, device tensor) pairs, views of that buffer."""
-    import queue
-    import threading
-
-    import torch
-
-    entries, files = _safetensors_layout(model_dir)
-    total = (files[-1][3] + files[-1][2]) if files else 0
-    target = torch.empty(total, dtype=torch.uint8, device=device)
-    slots: queue.Queue = queue.Queue()
-    for _ in range(2 * threads):
-        slots.put((torch.empty(READ_CHUNK_BYTES, dtype=torch.uint8, pin_memory=True), torch.cuda.Event()))
-    local = threading.local()
-
-    def land(chunk: _Chunk, read_into: Callable[[memoryview], None]) -> None:
-        if not hasattr(local, "stream"):
-            local.stream = torch.cuda.Stream(device)
-        slot, copied = slots.get()
-        copied.synchronize()  # this slot's previous copy has left it
-        read_into(memoryview(slot.numpy()))
-        with torch.cuda.stream(local.stream):
-            target[chunk.buffer_offset : chunk.buffer_offset + chunk.nbytes].copy_(
-                slot[: chunk.nbytes], non_blocking=True
-            )
-            copied.record(local.stream)
-        slots.put((slot, copied))
-
-    _read_chunks(files, threads, land)
-    torch.cuda.synchronize(device)
-    return _device_views(entries, target)
-
-
-def _device_views(entries: list[TensorEntry], target) -> list[tuple[str, object]]:
-    import torch
-
-    tensors = []
-    for entry in entries:
-        dtype = getattr(torch, entry.dtype)
-        view = target[entry.offset : entry.offset + entry.nbytes].view(dtype)
-        tensors.append((entry.name, view.view(entry.shape)))
-    return tensors
-
-
-# --- serving weights to peers, and fetching them ---------------------------------------------
 
 
 class WeightExporter:
@@ -398,7 +255,7 @@ def fetch_from_peer(
         buffer = _map_peer_file(weights_dir, name, manifest.total_bytes)
         weights, transport = WeightSet(manifest, buffer, weights_dir / name), "shm"
     elif descriptor.get("nixl"):
-        buffer = _nixl_read(descriptor["nixl"], _allocate(manifest.total_bytes, own_file), timeout_s)
+        buffer = _nixl_read(descriptor["nixl"], allocate(manifest.total_bytes, own_file), timeout_s)
         weights = WeightSet(manifest, buffer, own_file, owns_file=own_file is not None)
         transport = "nixl"
     else:

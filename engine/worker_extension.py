@@ -32,6 +32,7 @@ import os
 import time
 from pathlib import Path
 
+from engine.checkpoint import read_from_disk, stream_to_device
 from engine.cuda_ipc import IpcTensor
 from engine.weights import (
     WeightExporter,
@@ -41,9 +42,7 @@ from engine.weights import (
     check_signature,
     fetch_from_peer,
     model_id,
-    read_from_disk,
     sign,
-    stream_to_device,
 )
 from security.credentials import ClusterCredentials
 from transport.nixl import quiet_progress_threads
@@ -219,7 +218,7 @@ class WeightPlaneExtension:
         return {name: p.data for name, p in self.model_runner.get_model().named_parameters()}
 
     def _pdc_ipc_descriptor(self) -> dict:
-        from engine.device_weights import region_checksum
+        from engine.device_checksum import region_checksum
 
         params = self._pdc_parameters()
         described = {
@@ -232,7 +231,7 @@ class WeightPlaneExtension:
     def _pdc_load_ipc(self, peer: dict) -> dict:
         import torch
 
-        from engine.device_weights import region_checksum
+        from engine.device_checksum import region_checksum
 
         check_signature(_weights_key(), peer)
         if peer["host"] != _node_host():

@@ -1,14 +1,16 @@
 """The KV plane: KV chunks shared by every engine through a store, moved one-sided over UCX.
 
-- `connector.StoreConnector`: vLLM's KV connector (loaded by `kv_connector_module_path`),
-  driving LMCache's engine: LMCache chunks, hashes and looks up; we save whole blocks after a
-  prefill and load them before a decode (`paged_blocks` copies them, on the CPU build and on
-  CUDA); `lmcache_engine` builds both halves' engines.
+- `connector.StoreConnector`: vLLM's KV connector (loaded by `kv_connector_module_path`), the
+  half of its role: `store_scheduler.StoreScheduler` (lookups, the plan of loads and saves, what
+  the router is told) or `store_worker.StoreWorker` (the copies, whole blocks through
+  `paged_blocks` on the CPU build and on CUDA), over `connector_types`; `lmcache_engine` builds
+  LMCache's engine for either half.
 - `lmcache_plugin`: the store as LMCache's remote storage plugin (errors are misses).
-- `client.ShardedStore` / `ShardClient`: batched put/get/contains over all shards (rendezvous
-  hashing), NIXL/UCX one-sided transfers, xxh3 checksums, timeouts.
-- `shard`: one shard per node (a Ray actor): a registered host-memory arena in pages, LRU,
-  leases and reservations that expire, damaged chunks dropped.
+- `sharded_store.ShardedStore` / `client.ShardClient`: batched put/get/contains over all shards
+  (rendezvous hashing), NIXL/UCX one-sided transfers, xxh3 checksums, timeouts.
+- `shard`: one shard per node (a Ray actor): a registered host-memory arena (`chunk_store`: pages,
+  LRU, leases and reservations that expire), typed control messages (`protocol`) on a CURVE
+  socket only the cluster's members reach.
 """
 
 # The `medium` of the BlockStored events the connector publishes (through its engine's KV event

@@ -35,14 +35,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from engine.device_weights import (
-    checksum_torch,
+from engine.device_checksum import checksum_torch, region_checksum
+from loadtest.device_transfer import (
     checksums,
     fetch_ipc,
     ipc_handles,
     pack,
     recv_weights,
-    region_checksum,
     send_weights,
     unpack,
 )
@@ -184,7 +183,7 @@ def single_process_paths(args, nbytes: int) -> dict:
     results["device_copy_s"] = timed(lambda: flat.clone(), src, args.runs)
     pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
     results["pinned_h2d_s"] = timed(lambda: pinned.to(dst, non_blocking=True), dst, args.runs)
-    from engine.weights import read_from_disk
+    from engine.checkpoint import read_from_disk
 
     with tempfile.TemporaryDirectory(dir=args.scratch) as folder:
         write_checkpoint(Path(folder), args.gib, args.tensors)

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from engine import weights
-from engine.weights import _read_chunks, _safetensors_layout, stream_to_device
+from engine.checkpoint import _read_chunks, _safetensors_layout, stream_to_device
 from loadtest.d2d_weights import timed, write_checkpoint
 
 _LIBC = ctypes.CDLL(None, use_errno=True)

@@ -12,9 +12,15 @@ from __future__ import annotations
 
 import hmac
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
 
-from router.errors import RateLimited, Unauthorized
+from fastapi import Request
+from pydantic import ValidationError
+
+from router.config import RouterConfig
+from router.errors import BadRequest, ModelNotFound, PayloadTooLarge, RateLimited, Unauthorized
+from router.protocol import SamplingRequest
 
 OPEN_TENANT = "public"
 
@@ -101,3 +107,64 @@ async def release_after(body: AsyncIterator[bytes], release: Callable[[], None])
             yield chunk
     finally:
         release()
+
+
+def validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
+    """An OpenAI-style message and the parameter it names, from pydantic's errors."""
+    first = errors[0]
+    location = [str(part) for part in first.get("loc", ()) if part != "body"]
+    if first.get("type") == "json_invalid":
+        return "the request body is not valid JSON", None
+    if first.get("type") == "value_error" and not location:  # the request's own checks name the field
+        message = str(first["ctx"]["error"])
+        return message, message.partition(":")[0]
+    param = ".".join(location) or None
+    return f"{param or 'body'}: {first.get('msg', 'invalid value')}", param
+
+
+class Intake:
+    """A client's request from the wire to a validated one of its tenant: the key checked, the
+    body read against its cap as it arrives (chunked too), parsed and validated in one pass
+    (pydantic-core on the raw bytes, several times faster than FastAPI's body handling), the work
+    bounded, the cache salted with the tenant's salt."""
+
+    def __init__(self, config: RouterConfig, admission: Admission) -> None:
+        self.config = config
+        self.admission = admission
+
+    async def admit(self, request: Request, model: type[SamplingRequest]) -> tuple[str, SamplingRequest]:
+        key = self.admission.authenticate(request.headers.get("authorization"))
+        parsed = self.parse(await self._bounded_body(request), model)
+        limit = self.config.max_sequences_per_request
+        if parsed.sequences() > limit:
+            raise BadRequest(f"at most {limit} sequences (prompts x n) per request", param="n")
+        asked = getattr(parsed, "max_completion_tokens", None) or parsed.max_tokens
+        if asked is not None and asked > self.config.max_model_len:
+            raise BadRequest(f"max_tokens is limited to the model's {self.config.max_model_len} tokens",
+                             param="max_tokens")
+        salt = self.admission.cache_salt(key, getattr(parsed, "cache_salt", None))
+        if salt is not None:
+            parsed.cache_salt = salt  # an extra field: forwarded to vLLM, hashed by the analyzer
+        return key, parsed
+
+    def parse(self, body: bytes, model: type[SamplingRequest]) -> SamplingRequest:
+        try:
+            parsed = model.model_validate_json(body)
+        except ValidationError as exc:
+            raise BadRequest(*validation_message(exc.errors())) from None
+        if parsed.model != self.config.served_model_name:
+            raise ModelNotFound(f"The model `{parsed.model}` does not exist.", param="model")
+        return parsed
+
+    async def _bounded_body(self, request: Request) -> bytes:
+        cap = self.config.max_body_bytes
+        too_large = PayloadTooLarge(f"request bodies are limited to {cap} bytes")
+        declared = request.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > cap:
+            raise too_large
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > cap:
+                raise too_large
+        return bytes(body)

@@ -1,4 +1,7 @@
-"""The OpenAI-compatible HTTP front: routes, validation, error mapping."""
+"""The OpenAI-compatible HTTP front: the router's parts put together (`build_app`), its routes
+and error mapping. A request's way: `Intake` (router/admission.py: key, body, validation,
+tenant salt) -> `RequestAnalyzer` (router/analysis.py: tokens, block hashes) -> `Forwarder`
+(router/proxy.py: placement, the prefill elsewhere, the engine, the stream back)."""
 
 from __future__ import annotations
 
@@ -6,21 +9,19 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.lifecycle import InstanceState
 from router.admin import add_admin_routes
-from router.admission import Admission, release_after
+from router.admission import Admission, Intake, release_after, validation_message
 from router.analysis import RequestAnalyzer
 from router.config import RouterConfig
-from router.errors import BadRequest, ModelNotFound, PayloadTooLarge, RouterError, error_body
+from router.errors import BadRequest, RouterError, error_body
 from router.instances import CapacityQueue, HealthMonitor, InstanceRegistry
 from router.kv_events import STORE_HOLDER, KVEventListener
 from router.kv_index import KVIndex
@@ -57,23 +58,12 @@ def _body_schema(model: type[SamplingRequest]) -> dict:
     return {"requestBody": {"content": content, "required": True}}
 
 
-def _validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
-    first = errors[0]
-    location = [str(part) for part in first.get("loc", ()) if part != "body"]
-    if first.get("type") == "json_invalid":
-        return "the request body is not valid JSON", None
-    if first.get("type") == "value_error" and not location:  # the request's own checks name the field
-        message = str(first["ctx"]["error"])
-        return message, message.partition(":")[0]
-    param = ".".join(location) or None
-    return f"{param or 'body'}: {first.get('msg', 'invalid value')}", param
-
-
 def build_app(
     config: RouterConfig, registry: InstanceRegistry, store_endpoints: tuple[str, ...] = ()
 ) -> FastAPI:
     """The router's FastAPI app; its lifespan owns the HTTP client, the health monitor and the
     KV event listener."""
+    credentials = config.credentials()
     index = KVIndex(config.max_index_blocks_per_instance, config.speculative_ttl_s)
     registry.on_remove.append(index.remove_holder)  # a departed instance's blocks route nothing
     context = PolicyContext(
@@ -82,22 +72,17 @@ def build_app(
     )
     placer = Placer(PlacementSettings(config.remote_prefill_min_tokens, config.remote_prefill_max_queued_tokens),
                     make_policy(config.policy, context), make_policy(config.policy, context))
-    credentials = config.credentials()
-    analyzer = RequestAnalyzer(config)
     admission = Admission(config.api_keys, config.rate_limit_per_s, config.max_concurrency_per_key,
                           credentials.tenant_salt)
     if admission.open:
         log.warning("no API keys configured: anyone who reaches %s:%d may use it", config.host, config.port)
+    analyzer = RequestAnalyzer(config)
     queue = CapacityQueue(config.queue_max_waiting, config.queue_timeout_s)
     forwarder = Forwarder(config, registry, placer, queue, credentials.engine_headers())
     monitor = HealthMonitor(registry, config.health_interval_s, config.health_timeout_s,
                             config.health_failure_threshold, credentials.engine_headers())
-    listener = (
-        KVEventListener(index, config.kv_events_endpoint, registry.replay_endpoint_of,
-                        credentials.curve(KV_EVENTS_PLANE))
-        if config.kv_events_endpoint
-        else None
-    )
+    listener = (KVEventListener(index, config.kv_events_endpoint, registry.replay_endpoint_of,
+                                credentials.curve(KV_EVENTS_PLANE)) if config.kv_events_endpoint else None)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -114,12 +99,17 @@ def build_app(
             analyzer.close()
 
     app = FastAPI(title="pdcluster router", lifespan=lifespan)
-    app.state.registry = registry
-    app.state.queue = queue
-    app.state.first_tokens = forwarder.first_tokens
-    app.state.config = config
-    app.state.index = index
-    app.state.listener = listener
+    app.state.registry, app.state.queue, app.state.first_tokens = registry, queue, forwarder.first_tokens
+    app.state.config, app.state.index, app.state.listener = config, index, listener
+    intake = Intake(config, admission)
+    _add_error_handlers(app)
+    _add_openai_routes(app, intake, analyzer, forwarder)
+    add_admin_routes(app, credentials, analyzer, intake.admit, store_endpoints)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error as OpenAI shapes it; an unexpected one names an incident, never its text."""
 
     @app.exception_handler(RouterError)
     async def _router_error(_: Request, exc: RouterError) -> JSONResponse:
@@ -127,8 +117,7 @@ def build_app(
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(exc.errors())
-        return BadRequest(message, param).response()
+        return BadRequest(*validation_message(exc.errors())).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -141,56 +130,16 @@ def build_app(
         log.exception("unexpected error (incident %s)", incident)
         return JSONResponse(error_body(f"internal error (incident {incident})", "InternalServerError", 500), 500)
 
-    def check_model(request: SamplingRequest) -> None:
-        if request.model != config.served_model_name:
-            raise ModelNotFound(f"The model `{request.model}` does not exist.", param="model")
+
+def _add_openai_routes(app: FastAPI, intake: Intake, analyzer: RequestAnalyzer, forwarder: Forwarder) -> None:
+    config, registry = app.state.config, app.state.registry
 
     def serving_instances():
         return registry.ready(lambda role: role.serves_clients)
 
-    def parse(body: bytes, model: type[SamplingRequest]) -> SamplingRequest:
-        # pydantic-core parses and validates the raw bytes in one pass, several times faster
-        # than FastAPI's body handling; the schema is still published through openapi_extra.
-        try:
-            parsed = model.model_validate_json(body)
-        except ValidationError as exc:
-            raise BadRequest(*_validation_message(exc.errors())) from None
-        check_model(parsed)
-        return parsed
-
-    async def bounded_body(request: Request) -> bytes:
-        """The body, read as it arrives and refused once past the cap (chunked bodies too)."""
-        too_large = PayloadTooLarge(f"request bodies are limited to {config.max_body_bytes} bytes")
-        declared = request.headers.get("content-length")
-        if declared and declared.isdigit() and int(declared) > config.max_body_bytes:
-            raise too_large
-        body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > config.max_body_bytes:
-                raise too_large
-        return bytes(body)
-
-    async def admitted_request(request: Request, model: type[SamplingRequest]) -> tuple[str, SamplingRequest]:
-        """Authenticate, bound the body and the work, validate, and salt the cache with the
-        caller's tenant."""
-        key = admission.authenticate(request.headers.get("authorization"))
-        parsed = parse(await bounded_body(request), model)
-        if parsed.sequences() > config.max_sequences_per_request:
-            raise BadRequest(f"at most {config.max_sequences_per_request} sequences (prompts x n) per request",
-                             param="n")
-        asked = getattr(parsed, "max_completion_tokens", None) or parsed.max_tokens
-        if asked is not None and asked > config.max_model_len:
-            raise BadRequest(f"max_tokens is limited to the model's {config.max_model_len} tokens",
-                             param="max_tokens")
-        salt = admission.cache_salt(key, getattr(parsed, "cache_salt", None))
-        if salt is not None:
-            parsed.cache_salt = salt  # an extra field: forwarded to vLLM, hashed by the analyzer
-        return key, parsed
-
     async def serve(request: Request, model: type[SamplingRequest], endpoint: str) -> Response:
-        key, parsed = await admitted_request(request, model)
-        release = admission.admit(key)
+        key, parsed = await intake.admit(request, model)
+        release = intake.admission.admit(key)
         try:
             routing = await analyzer.analyze(parsed)
             response = await forwarder.forward(endpoint, parsed.forwarded(), serving_instances, routing)
@@ -215,14 +164,9 @@ def build_app(
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict:
-        admission.authenticate(request.headers.get("authorization"))
-        card = {
-            "id": config.served_model_name,
-            "object": "model",
-            "created": int(time.time()),
-            "owned_by": "pdcluster",
-            "max_model_len": config.max_model_len,
-        }
+        intake.admission.authenticate(request.headers.get("authorization"))
+        card = {"id": config.served_model_name, "object": "model", "created": int(time.time()),
+                "owned_by": "pdcluster", "max_model_len": config.max_model_len}
         return {"object": "list", "data": [card]}
 
     @app.get("/health")
@@ -230,13 +174,8 @@ def build_app(
         """200 while requests can be served: by a ready instance, or by a standby the pool
         controller activates for them (a scaled-to-zero pool is not down)."""
         ready = len(serving_instances())
-        standby = sum(
-            1 for i in registry.all() if i.state == InstanceState.STANDBY and i.role.serves_clients
-        )
+        standby = sum(1 for i in registry.all() if i.state == InstanceState.STANDBY and i.role.serves_clients)
         status = 200 if ready or standby else 503
         body = {"status": "ok" if status == 200 else "unavailable", "ready_instances": ready,
                 "standby_instances": standby}
         return JSONResponse(body, status)
-
-    add_admin_routes(app, credentials, analyzer, admitted_request, store_endpoints)
-    return app

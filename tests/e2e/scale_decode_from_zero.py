@@ -59,7 +59,7 @@ def main() -> int:
 
         from decode.role import DECODE
         from deploy.launcher import Launcher, placement_options
-        from kvstore.client import ShardedStore
+        from kvstore.sharded_store import ShardedStore
         from router.instances import InstanceRegistry
         from security.credentials import ClusterCredentials
         from transport.zmq_curve import STORE_PLANE

@@ -10,8 +10,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from engine.device_weights import pack, recv_weights, region_checksum, send_weights, unpack
+from engine.device_checksum import region_checksum
 from engine.environment import free_port
+from loadtest.device_transfer import pack, recv_weights, send_weights, unpack
 
 
 def tensors() -> list[tuple[str, torch.Tensor]]:
@@ -71,7 +72,7 @@ def test_the_checksum_catches_flipped_and_reordered_words(damage):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton checksum kernel needs a GPU")
 def test_the_cuda_kernel_equals_the_torch_definition():
-    from engine.device_weights import checksum_torch
+    from engine.device_checksum import checksum_torch
 
     generator = torch.Generator(device="cuda").manual_seed(3)
     # more than one 2^24-word chunk and a ragged last block; extreme words make products wrap

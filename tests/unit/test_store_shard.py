@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from kvstore import protocol
+from kvstore.chunk_store import ChunkStore
 from kvstore.client import ShardClient
-from kvstore.shard import ChunkStore, ShardServer
+from kvstore.shard import ShardServer
 from security.credentials import ClusterCredentials
 from transport.zmq_curve import STORE_PLANE
 
@@ -166,7 +167,7 @@ def test_an_unreachable_shard_is_a_clean_error_within_the_timeout():
 
 
 def test_keys_spread_over_shards_and_read_back_in_prefix_order():
-    from kvstore.client import ShardedStore
+    from kvstore.sharded_store import ShardedStore
 
     servers = [ShardServer(4 * 1024**2, KEYS, page_bytes=64 * 1024) for _ in range(2)]
     store = ShardedStore([s.endpoint for s in servers], KEYS, timeout_s=5.0, staging_bytes=1024**2)
@@ -187,7 +188,7 @@ def test_clients_follow_the_shard_list_when_a_shard_joins_or_leaves():
     """A client started when the store had one shard learns from that shard's replies that the
     launcher added a second one (a node joined), spreads new chunks over both and reads them
     back; then follows a list without the first (its node left)."""
-    from kvstore.client import ShardedStore
+    from kvstore.sharded_store import ShardedStore
 
     first, second = (ShardServer(4 * 1024**2, KEYS, page_bytes=64 * 1024) for _ in range(2))
     store = ShardedStore([first.endpoint], KEYS, timeout_s=5.0, staging_bytes=1024**2)

@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from engine.checkpoint import read_from_disk
 from engine.weights import (
     WeightExporter,
     WeightIntegrityError,
@@ -19,7 +20,6 @@ from engine.weights import (
     fetch_from_peer,
     model_id,
     new_weights_file,
-    read_from_disk,
     sign,
 )
 
@@ -121,7 +121,8 @@ def test_weights_files_are_never_reused_or_followed(tiny_model, tmp_path):
 PEER_SCRIPT = """
 import json, sys, time
 from pathlib import Path
-from engine.weights import WeightExporter, read_from_disk
+from engine.checkpoint import read_from_disk
+from engine.weights import WeightExporter
 weights = read_from_disk(Path(sys.argv[1]))
 print(json.dumps(WeightExporter(weights, "127.0.0.1", "cluster-weights-key").descriptor()), flush=True)
 time.sleep(600)

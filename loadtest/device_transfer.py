@@ -1,4 +1,7 @@
-"""Weights from device to device: a warm peer's tensors as one flat region per dtype, sent to a
+"""For loadtest/d2d_weights.py, the benchmark of device-to-device weights: the ways it compares
+(engines use CUDA IPC with typed handles, engine/worker_extension.py).
+
+Weights from device to device: a warm peer's tensors as one flat region per dtype, sent to a
 new instance over torch.distributed (NCCL between GPUs, over NVLink within a node; gloo on the
 CPU build, which is how the tests run it) and verified on the receiving device, never staged in
 host memory.
@@ -12,15 +15,13 @@ device) and hands out views (`unpack`).
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
 
-_WORD = torch.int32
-_CHECKSUM_CHUNK_WORDS = 1 << 24
-_MODULUS = 65521
+from engine.device_checksum import region_checksum
+
 _SLICE_ELEMENTS = 1 << 27
 
 
@@ -65,34 +66,6 @@ def pack(tensors: Iterable[tuple[str, torch.Tensor]]) -> tuple[FlatLayout, dict[
 def unpack(layout: FlatLayout, regions: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Views into the regions, by tensor name (no copies)."""
     return {e.name: regions[e.dtype][e.offset : e.offset + e.numel].view(e.shape) for e in layout.entries}
-
-
-def region_checksum(region: torch.Tensor) -> tuple[int, int]:
-    """Sum of the region's 32-bit words and their position-weighted sum (a Fletcher-style pair:
-    catches flipped, lost and reordered words), on the region's device, in 32-bit products and
-    64-bit sums that wrap identically on every device and in any order. On CUDA one Triton
-    kernel reads the bytes once (`engine.checksum_cuda`); elsewhere torch does it in passes."""
-    raw = region.reshape(-1).view(torch.uint8)
-    if raw.numel() % 4:  # only whole words: pad a copy (regions from `pack` never need it)
-        raw = torch.cat([raw, raw.new_zeros(4 - raw.numel() % 4)])
-    words = raw.view(_WORD)
-    if words.is_cuda and importlib.util.find_spec("triton") is not None:
-        from engine.checksum_cuda import checksum
-
-        return checksum(words, _CHECKSUM_CHUNK_WORDS, _MODULUS)
-    return checksum_torch(words)
-
-
-def checksum_torch(words: torch.Tensor) -> tuple[int, int]:
-    """`region_checksum` of int32 words with torch operations: the definition the kernel matches."""
-    size = min(_CHECKSUM_CHUNK_WORDS, max(words.numel(), 1))
-    weights = (torch.arange(size, dtype=_WORD, device=words.device) % _MODULUS) + 1
-    plain = words.sum(dtype=torch.int64)
-    weighted = torch.zeros((), dtype=torch.int64, device=words.device)
-    for index, start in enumerate(range(0, words.numel(), size)):
-        chunk = words[start : start + size]
-        weighted += (index + 1) * (chunk * weights[: chunk.numel()]).sum(dtype=torch.int64)
-    return int(plain), int(weighted)
 
 
 def checksums(regions: dict[str, torch.Tensor]) -> dict[str, tuple[int, int]]:
