@@ -1,6 +1,6 @@
 """The same benchmark from two revisions of this repository, alternated in one run.
 
-    python -m loadtest.compare_revisions --before fed1ebb [--rounds 3] [--benches router,store]
+    python -m loadtest.compare_revisions --before fed1ebb [--rounds 3] [--benches router,store,routing,pd]
 
 Checks the `--before` revision out into a temporary worktree and runs each benchmark there and
 here by turns (before, after, before, after, ...), with the same virtual environment, each in
@@ -8,7 +8,10 @@ its own process whose working directory and import path are its tree: what diffe
 Benchmarks (each prints and writes its own JSON, read back here):
   router - `loadtest.router_overhead --null-engine`: the router's own added time to first token
            and total, in front of a stand-in engine (no Ray, no vLLM);
-  store  - `loadtest.store_bench`: store reads and writes as a share of raw NIXL's throughput.
+  store  - `loadtest.store_bench`: store reads and writes (GiB/s; raw NIXL beside them);
+  routing - `loadtest.routing_decision`: hashing, index match and scoring of an 8k-token prompt;
+  pd     - `loadtest.pd_bench` (one run of 24 requests per topology, tiny model): TTFT, TPOT and
+           throughput of colocated and P/D serving.
 Prints a table of medians over rounds and after/before ratios; writes JSON and a PNG.
 """
 
@@ -30,6 +33,11 @@ BENCHES = {
     "store": (["-m", "loadtest.store_bench", "--runs", "3"],
               lambda r: {f"{row['path']}_{row['chunk_bytes'] // 1024}k_gib_s": row["gib_s"] for row in r["rows"]
                          if row["path"].startswith("store")}),
+    "routing": (["-m", "loadtest.routing_decision", "--iterations", "1000"],
+                lambda r: {"decision_p50_ms": r["total"]["p50_ms"], "decision_p99_ms": r["total"]["p99_ms"]}),
+    "pd": (["-m", "loadtest.pd_bench", "--runs", "1", "--requests", "24"],
+           lambda r: {f"{name}: {col}": v for name, row in r["medians"].items() for col, v in row.items()
+                      if col in ("TTFT p50 ms", "TPOT p50 ms", "req/s")}),
 }
 
 
@@ -65,13 +73,13 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(before)], check=False)
     rows = []
-    print(f"\n{'bench':7s} {'metric':28s} {'before':>9s} {'after':>9s} {'after/before':>13s}")
+    print(f"\n{'bench':7s} {'metric':44s} {'before':>9s} {'after':>9s} {'after/before':>13s}")
     for bench in benches:
         for name, values in samples[bench]["before"].items():
             b, a = statistics.median(values), statistics.median(samples[bench]["after"][name])
             rows.append({"bench": bench, "metric": name, "before": b, "after": a, "ratio": a / b,
                          "before_runs": values, "after_runs": samples[bench]["after"][name]})
-            print(f"{bench:7s} {name:28s} {b:9.3f} {a:9.3f} {a / b:13.3f}")
+            print(f"{bench:7s} {name:44s} {b:9.3f} {a:9.3f} {a / b:13.3f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"before": args.before, "rounds": args.rounds, "rows": rows}, indent=2))
     plot(rows, args.out.with_suffix(".png"))
