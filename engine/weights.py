@@ -168,6 +168,10 @@ def _map_peer_file(weights_dir: Path, name: str, nbytes: int) -> np.ndarray:
     unless someone writes to them). Only a name of our own making (checked by the caller), in
     our own weights folder, never through a link."""
     descriptor = os.open(weights_dir / name, os.O_RDONLY | os.O_NOFOLLOW)
+    status = os.fstat(descriptor)
+    if status.st_uid != os.getuid() or status.st_mode & 0o077:
+        os.close(descriptor)
+        raise WeightTransferError(f"{name} is not a weights file of this user's alone")
     with os.fdopen(descriptor, "rb") as handle:
         mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
     if len(mapped) < nbytes:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import secrets
 from collections.abc import Sequence
 
 import numpy as np
@@ -14,6 +15,7 @@ import numpy as np
 from transport.nixl import Extent
 
 PAGE_BYTES = 64 * 1024
+MAX_LEASES = 4096  # readers at once; each lease pins its chunks until released or expired
 
 
 @dataclasses.dataclass
@@ -54,7 +56,6 @@ class ChunkStore:
         self._writing: dict[str, float] = {}  # reserved, uncommitted chunks and their deadline
         self._chunks: collections.OrderedDict[str, _Chunk] = collections.OrderedDict()  # LRU first
         self._leases: dict[int, tuple[list[str], float]] = {}
-        self._lease_ids = itertools.count(1)
         self.evictions = self.expired = self.rejected = 0
 
     def reserve(self, key: str, nbytes: int, checksum: int, now: float, ttl_s: float) -> list[Extent] | None:
@@ -98,10 +99,14 @@ class ChunkStore:
             count += 1
         return count
 
-    def lease(self, keys: Sequence[str], now: float, ttl_s: float) -> tuple[int, list[dict]]:
-        """Pin the stored prefix of `keys` for a reader until `release` (or the lease expires)."""
+    def lease(self, keys: Sequence[str], now: float, ttl_s: float) -> tuple[int, list[dict]] | None:
+        """Pin the stored prefix of `keys` for a reader until `release` (or the lease expires);
+        None when MAX_LEASES are held already. Lease ids are random: one reader cannot release
+        another's."""
+        if len(self._leases) >= MAX_LEASES:
+            return None
         granted = [key for key in keys[: self.contains(keys)]]
-        lease_id = next(self._lease_ids)
+        lease_id = secrets.randbits(62)
         for key in granted:
             self._chunks[key].readers += 1
             self._chunks.move_to_end(key)

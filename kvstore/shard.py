@@ -21,7 +21,6 @@ import functools
 import logging
 import os
 import secrets
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -31,7 +30,7 @@ import numpy as np
 
 from kvstore import protocol
 from kvstore.chunk_store import PAGE_BYTES, ChunkStore, ShardStats
-from security.credentials import ClusterCredentials, CurveKeys
+from security.credentials import ClusterCredentials, CurveKeys, runtime_dir, write_private
 from transport.nixl import Extent, new_agent
 from transport.zmq_curve import STORE_PLANE, Gate, serve_curve
 
@@ -125,7 +124,10 @@ class ShardServer:
             case protocol.Contains(keys=keys):
                 return {"count": self.store.contains(keys)}
             case protocol.Lease(keys=keys):
-                lease_id, chunks = self.store.lease(keys, now, self.ttl_s)
+                leased = self.store.lease(keys, now, self.ttl_s)
+                if leased is None:
+                    return {"error": "too many reads in flight on this shard"}
+                lease_id, chunks = leased
                 for chunk in chunks:
                     chunk["extents"] = self._absolute(chunk["extents"])
                 return {"lease": lease_id, "chunks": chunks, "agent_name": self.agent.name}
@@ -216,8 +218,8 @@ class StoreShardActor:
 
         self._credentials = ClusterCredentials.from_hex(cluster_secret)
         name = ray.get_runtime_context().get_actor_name() or f"unnamed-{os.getpid()}"
-        self._port_file = Path(tempfile.gettempdir()) / f"pdcluster-{name}.port"
-        port = int(self._port_file.read_text()) if self._port_file.exists() else 0
+        self._port_file = runtime_dir() / f"store-shard-{name}.port"
+        port = _previous_port(self._port_file)
         server = functools.partial(ShardServer, capacity_bytes, self._credentials.curve(STORE_PLANE), node_address(),
                                    ttl_s, fault_injection=fault_injection, on_death=lambda: os._exit(1))
         try:
@@ -225,7 +227,7 @@ class StoreShardActor:
         except Exception:  # the old port is taken: serve anyway (clients of the old one miss)
             log.exception("store shard could not serve on its previous port %d again", port)
             self.server = server()
-        self._port_file.write_text(str(self.server.port))
+        write_private(self._port_file, str(self.server.port))
 
     def membership(self) -> dict:
         """This shard's endpoint, its boot id and the member list it holds (see
@@ -248,3 +250,11 @@ class StoreShardActor:
     def close(self) -> None:
         self.server.close()
         self._port_file.unlink(missing_ok=True)
+
+
+def _previous_port(path: Path) -> int:
+    """The port a shard of this name served on before a restart (0: none, or nothing usable)."""
+    try:
+        return int(path.read_text()) if path.exists() and not path.is_symlink() else 0
+    except ValueError:
+        return 0

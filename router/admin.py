@@ -16,13 +16,14 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from router import metrics
+from router.admission import Admitted
 from router.analysis import RequestAnalyzer
 from router.errors import Unauthorized
 from router.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from security.credentials import ClusterCredentials, bearer_matches
 from transport.zmq_curve import STORE_PLANE
 
-AdmitRequest = Callable[[Request, type[SamplingRequest]], Awaitable[tuple[str, SamplingRequest]]]
+AdmitRequest = Callable[[Request, type[SamplingRequest]], Awaitable[Admitted]]
 
 
 def add_admin_routes(app: FastAPI, credentials: ClusterCredentials, analyzer: RequestAnalyzer,
@@ -82,8 +83,9 @@ def add_admin_routes(app: FastAPI, credentials: ClusterCredentials, analyzer: Re
         """What the router sees of a request: its tokens, block hashes, and which instances hold
         how many of its leading blocks. Routes nothing."""
         kind = ChatCompletionRequest if b'"messages"' in await request.body() else CompletionRequest
-        _, parsed = await admitted_request(request, kind)
-        routing = await analyzer.analyze(parsed)
+        admitted = await admitted_request(request, kind)
+        parsed = admitted.request
+        routing = await analyzer.analyze(parsed, admitted.body_bytes)
         listener = app.state.listener
         return {
             "token_ids": analyzer.token_ids(parsed) if analyzer.hasher else None,

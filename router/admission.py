@@ -10,6 +10,7 @@ beyond either the answer is 429 with Retry-After.
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -122,6 +123,16 @@ def validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
     return f"{param or 'body'}: {first.get('msg', 'invalid value')}", param
 
 
+@dataclasses.dataclass(frozen=True)
+class Admitted:
+    """A request let in: whose (its API key), what, and how large its body was (what its
+    analysis may cost is bounded by that, whatever fields it sits in)."""
+
+    key: str
+    request: SamplingRequest
+    body_bytes: int
+
+
 class Intake:
     """A client's request from the wire to a validated one of its tenant: the key checked, the
     body read against its cap as it arrives (chunked too), parsed and validated in one pass
@@ -132,9 +143,10 @@ class Intake:
         self.config = config
         self.admission = admission
 
-    async def admit(self, request: Request, model: type[SamplingRequest]) -> tuple[str, SamplingRequest]:
+    async def admit(self, request: Request, model: type[SamplingRequest]) -> Admitted:
         key = self.admission.authenticate(request.headers.get("authorization"))
-        parsed = self.parse(await self._bounded_body(request), model)
+        body = await self._bounded_body(request)
+        parsed = self.parse(body, model)
         limit = self.config.max_sequences_per_request
         if parsed.sequences() > limit:
             raise BadRequest(f"at most {limit} sequences (prompts x n) per request", param="n")
@@ -145,7 +157,7 @@ class Intake:
         salt = self.admission.cache_salt(key, getattr(parsed, "cache_salt", None))
         if salt is not None:
             parsed.cache_salt = salt  # an extra field: forwarded to vLLM, hashed by the analyzer
-        return key, parsed
+        return Admitted(key, parsed, len(body))
 
     def parse(self, body: bytes, model: type[SamplingRequest]) -> SamplingRequest:
         try:

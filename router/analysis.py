@@ -1,10 +1,11 @@
 """A validated request -> what routing sees of it: token ids, KV block hashes, text.
 
 Tokenizing (a chat rendered with the model's own template, never a client's) costs time in
-proportion to the prompt: short prompts are tokenized on the event loop (a thread hop costs more
-than they do), long ones on a small pool of threads with a deadline and a bounded wait, so a
-client sending huge prompts slows only its own requests, never the event loop that streams
-everyone else's tokens.
+proportion to the request: small requests are tokenized on the event loop (a thread hop costs
+more than they do), large ones on a small pool of threads with a deadline and a bounded wait, so
+a client sending huge prompts slows only its own requests, never the event loop that streams
+everyone else's tokens. Large is judged by the request's body, whatever fields its text sits in;
+a body larger than any prompt the model could take is refused untokenized.
 """
 
 from __future__ import annotations
@@ -22,13 +23,15 @@ from router.protocol import ChatCompletionRequest, CompletionRequest, SamplingRe
 
 
 class RequestAnalyzer:
-    # Tokenizing a long prompt takes milliseconds: off the event loop beyond this many chars.
-    INLINE_CHARS = 2048
+    # Tokenizing a long prompt takes milliseconds: off the event loop beyond this many bytes of body.
+    INLINE_BYTES = 4096
+    # Room in a body for what is not the prompt (sampling fields, a tool schema) beyond the cap.
+    BODY_OVERHEAD_BYTES = 64 * 1024
 
     def __init__(self, config: RouterConfig) -> None:
         self.block_size = config.block_size
         self.max_model_len = config.max_model_len
-        self.max_chars = config.max_model_len * config.max_chars_per_token
+        self.max_bytes = config.max_model_len * config.max_chars_per_token + self.BODY_OVERHEAD_BYTES
         self.hasher = (
             PromptHasher(config.tokenizer, config.kv_hashing) if config.tokenizer else None
         )
@@ -37,14 +40,14 @@ class RequestAnalyzer:
         self._capacity = config.tokenize_threads + config.tokenize_max_waiting
         self._pending = 0  # long prompts in the pool, running or waiting
 
-    async def analyze(self, request: SamplingRequest) -> RoutingRequest:
+    async def analyze(self, request: SamplingRequest, body_bytes: int) -> RoutingRequest:
         text = _prompt_text(request)
-        if len(text) > self.max_chars:  # no tokenizer makes it fit: not worth the work
+        if body_bytes > self.max_bytes:  # no tokenizer makes it fit: not worth the work
             raise BadRequest(f"the prompt cannot fit the model's {self.max_model_len} tokens", param="prompt")
         if self.hasher is None:
             return RoutingRequest((), 0, self.block_size, text)
         try:
-            if len(text) > self.INLINE_CHARS:
+            if body_bytes > self.INLINE_BYTES:
                 tokens = await self._off_loop(request)
             else:
                 tokens = self.token_ids(request)

@@ -138,11 +138,11 @@ def _add_openai_routes(app: FastAPI, intake: Intake, analyzer: RequestAnalyzer, 
         return registry.ready(lambda role: role.serves_clients)
 
     async def serve(request: Request, model: type[SamplingRequest], endpoint: str) -> Response:
-        key, parsed = await intake.admit(request, model)
-        release = intake.admission.admit(key)
+        admitted = await intake.admit(request, model)
+        release = intake.admission.admit(admitted.key)
         try:
-            routing = await analyzer.analyze(parsed)
-            response = await forwarder.forward(endpoint, parsed.forwarded(), serving_instances, routing)
+            routing = await analyzer.analyze(admitted.request, admitted.body_bytes)
+            response = await forwarder.forward(endpoint, admitted.request.forwarded(), serving_instances, routing)
         except BaseException:
             release()
             raise

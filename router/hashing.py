@@ -17,6 +17,7 @@ from typing import Any
 
 from engine.config import KVHashing
 from router.kv_index import BlockHash
+from router.protocol import RENDERING_PARAMETERS
 
 
 class PromptHasher:
@@ -45,12 +46,16 @@ class PromptHasher:
         """Token ids of a chat request, rendered with the model's chat template."""
         conversation = [{**m, "content": _text_content(m.get("content"))} for m in messages]
         continue_final = bool(options.get("continue_final_message", False))
+        # The model's own template only: the request's options are its variables, never the
+        # rendering's parameters (router/protocol.py refuses those too).
+        variables = {k: v for k, v in (options.get("chat_template_kwargs") or {}).items()
+                     if k not in RENDERING_PARAMETERS}
         text = self.tokenizer.apply_chat_template(
             conversation,
             tokenize=False,
             add_generation_prompt=bool(options.get("add_generation_prompt", not continue_final)),
             continue_final_message=continue_final,
-            **(options.get("chat_template_kwargs") or {}),
+            **variables,
         )
         return self.tokenizer.encode(text, add_special_tokens=False)
 

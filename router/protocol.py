@@ -11,6 +11,7 @@ engine would run). Types are strict: `"max_tokens": "8"` is an error, as it is a
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -35,8 +36,18 @@ REFUSED = {
     "vllm_xargs": "vllm_xargs are not accepted",
     "mm_processor_kwargs": "multimodal processor options are not accepted",
 }
-# chat_template_kwargs: a few scalar options for the model's own template (e.g. enable_thinking).
+# chat_template_kwargs: a few scalar options for the model's own template (e.g. enable_thinking),
+# never a parameter of the rendering itself (`chat_template` there would run a client's template).
 MAX_TEMPLATE_OPTIONS, MAX_TEMPLATE_OPTION_CHARS = 8, 256
+RENDERING_PARAMETERS = frozenset({
+    "chat_template", "conversation", "tools", "documents", "add_generation_prompt", "continue_final_message",
+    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs",
+})
+# Content parts of a message: text only (pdcluster serves text models; an image_url part would
+# make an engine fetch a URL of the client's choosing).
+MESSAGE_FIELDS = frozenset({"name", "tool_calls", "tool_call_id"})
+MAX_STRUCTURE_BYTES = 64 * 1024  # response_format, structured_outputs, tools: compiled by the engine
 
 StopSequences = Annotated[str, Field(max_length=1024)] | list[Annotated[str, Field(max_length=1024)]]
 
@@ -64,13 +75,19 @@ class SamplingRequest(BaseModel):
                 raise ValueError(f"{name}: {REFUSED[name]}")
             if name not in PASSED_THROUGH:
                 raise ValueError(f"{name}: unsupported field")
-        options = (self.model_extra or {}).get("chat_template_kwargs")
+        extra = self.model_extra or {}
+        options = extra.get("chat_template_kwargs")
         if options is not None and not (
             isinstance(options, dict) and len(options) <= MAX_TEMPLATE_OPTIONS
+            and not RENDERING_PARAMETERS & options.keys()
             and all(isinstance(v, bool | int | float) or (isinstance(v, str) and len(v) <= MAX_TEMPLATE_OPTION_CHARS)
                     for v in options.values())
         ):
-            raise ValueError(f"chat_template_kwargs: at most {MAX_TEMPLATE_OPTIONS} scalar options")
+            raise ValueError(f"chat_template_kwargs: at most {MAX_TEMPLATE_OPTIONS} scalar options for the "
+                             "model's template, none of its rendering's parameters")
+        for name in ("response_format", "structured_outputs", "tools", "tool_choice", "logit_bias", "bad_words"):
+            if name in extra and len(json.dumps(extra[name])) > MAX_STRUCTURE_BYTES:
+                raise ValueError(f"{name}: larger than {MAX_STRUCTURE_BYTES} bytes")
         return self
 
     def forwarded(self) -> dict[str, Any]:
@@ -105,11 +122,25 @@ class CompletionRequest(SamplingRequest):
         return prompts * self.n
 
 
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["text"]
+    text: str
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[TextPart] | None = None
+
+    @model_validator(mode="after")
+    def _known_fields(self) -> ChatMessage:
+        unknown = (self.model_extra or {}).keys() - MESSAGE_FIELDS
+        if unknown:
+            raise ValueError(f"messages: unsupported field {sorted(unknown)[0]}")
+        return self
 
 
 class ChatCompletionRequest(SamplingRequest):

@@ -28,6 +28,7 @@ import hashlib
 import hmac
 import os
 import secrets
+import stat
 import tempfile
 from pathlib import Path
 
@@ -41,13 +42,18 @@ class CredentialsError(RuntimeError):
 
 
 def runtime_dir() -> Path:
-    """A folder of this user's alone for files derived from the secret (0700)."""
-    path = Path(os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()) / f"pdcluster-{os.getuid()}"
-    path.mkdir(mode=0o700, exist_ok=True)
-    status = path.stat()
-    if status.st_uid != os.getuid() or status.st_mode & 0o077:
-        raise CredentialsError(f"{path} is not this user's alone")
-    return path
+    """A folder of this user's alone for files derived from the secret (0700): under
+    XDG_RUNTIME_DIR or the temp folder; under ~/.cache if someone else holds that name there."""
+    base = Path(os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir())
+    for path in (base / f"pdcluster-{os.getuid()}", Path.home() / ".cache" / "pdcluster" / "run"):
+        try:
+            path.mkdir(mode=0o700, parents=True, exist_ok=True)
+            status = os.lstat(path)
+        except OSError:  # e.g. a dangling link of someone else's in that place
+            continue
+        if stat.S_ISDIR(status.st_mode) and status.st_uid == os.getuid() and not status.st_mode & 0o077:
+            return path
+    raise CredentialsError(f"no folder of this user's alone under {base} or ~/.cache/pdcluster")
 
 
 def write_private(path: Path, text: str) -> Path:
@@ -110,9 +116,14 @@ class ClusterCredentials:
                 raise CredentialsError(f"no cluster secret: set {SECRET_ENV} or create {path} "
                                        "(`pdcluster secret`)")
             return cls.generate().save(path)
-        if path.stat().st_mode & 0o077:
-            raise CredentialsError(f"{path} is readable by others: chmod 600 {path}")
-        return cls.from_hex(path.read_text())
+        descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        with os.fdopen(descriptor) as handle:
+            status = os.fstat(handle.fileno())
+            if status.st_uid != os.getuid():
+                raise CredentialsError(f"{path} belongs to another user")
+            if status.st_mode & 0o077:
+                raise CredentialsError(f"{path} is readable by others: chmod 600 {path}")
+            return cls.from_hex(handle.read())
 
     def save(self, path: Path) -> ClusterCredentials:
         """Write the secret to `path`, readable by its owner only; never overwrites."""

@@ -29,6 +29,7 @@ def serve_curve(socket: zmq.Socket, keys: CurveKeys) -> None:
     socket.curve_publickey = keys.server_public
     socket.curve_server = True
     socket.zap_domain = ZAP_DOMAIN.encode()
+    socket.zap_enforce_domain = True  # no ZAP handler answering: no client admitted (not all)
 
 
 def connect_curve(socket: zmq.Socket, keys: CurveKeys) -> None:

@@ -15,7 +15,7 @@ from engine.roles import COLOCATED
 from router.app import build_app
 from router.config import RouterConfig
 from router.instances import Instance, InstanceRegistry
-from security.credentials import SECRET_ENV, ClusterCredentials, CredentialsError
+from security.credentials import SECRET_ENV, ClusterCredentials, CredentialsError, runtime_dir
 
 CREDENTIALS = ClusterCredentials.load()  # the session's (tests/conftest.py)
 
@@ -42,7 +42,8 @@ def test_operator_routes_need_the_admin_token(path):
     ("chat_template", "{% for x in range(10**9) %}{% endfor %}"),
     ("priority", -1000), ("request_id", "someone-elses"), ("vllm_xargs", {"a": 1}),
     ("logits_processors", ["os.system"]), ("chat_template_kwargs", {"x": "y" * 10_000}),
-    ("an_unknown_field", 1),
+    ("an_unknown_field", 1), ("chat_template_kwargs", {"chat_template": "{{ 7 * 7 }}"}),
+    ("response_format", {"type": "json_schema", "json_schema": {"schema": {"enum": ["x" * 70_000]}}}),
 ])
 def test_internal_and_unknown_fields_are_refused_not_forwarded(field, value):
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], field: value}
@@ -50,6 +51,24 @@ def test_internal_and_unknown_fields_are_refused_not_forwarded(field, value):
         response = client.post("/v1/chat/completions", json=body)
     assert response.status_code == 400
     assert response.json()["error"]["message"].startswith(field)
+
+
+@pytest.mark.parametrize("message", [
+    {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://169.254.169.254/"}}]},
+    {"role": "user", "content": [{"type": "text", "text": "hi", "extra": 1}]},
+    {"role": "user", "content": "hi", "audio": {"url": "file:///etc/passwd"}},
+])
+def test_messages_carry_text_only(message):
+    """Any part an engine would fetch, open or render beyond text is refused at the edge."""
+    with router() as client:
+        response = client.post("/v1/chat/completions", json={"model": "m", "messages": [message]})
+    assert response.status_code == 400 and response.json()["error"]["message"].startswith("messages")
+
+
+def test_a_body_larger_than_any_prompt_is_refused_untokenized():
+    with router() as client:  # max_model_len 64: no prompt of this size could fit
+        response = client.post("/v1/completions", json={"model": "m", "prompt": "a " * 80_000})
+    assert response.status_code == 400 and "cannot fit" in response.json()["error"]["message"]
 
 
 def test_one_requests_work_is_bounded():
@@ -130,6 +149,27 @@ def test_the_secret_file_is_its_owners_alone(tmp_path, monkeypatch):
     os.chmod(path, 0o644)
     with pytest.raises(CredentialsError, match="readable by others"):
         ClusterCredentials.load(path)
+
+
+def test_the_secret_is_never_read_through_a_link(tmp_path, monkeypatch):
+    monkeypatch.delenv(SECRET_ENV)
+    ClusterCredentials.load(tmp_path / "real", create=True)
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    with pytest.raises(OSError):
+        ClusterCredentials.load(tmp_path / "link")
+
+
+def test_a_runtime_folder_planted_by_someone_else_is_not_used(tmp_path, monkeypatch):
+    """Another user who made /tmp/pdcluster-<our uid> first (here: a link to a folder of
+    theirs) gets none of our files: we fall back to a folder under our home."""
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "shared"))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "shared").mkdir()
+    (tmp_path / "theirs").mkdir(mode=0o777)
+    (tmp_path / "shared" / f"pdcluster-{os.getuid()}").symlink_to(tmp_path / "theirs")
+    chosen = runtime_dir()
+    assert chosen == tmp_path / "home" / ".cache" / "pdcluster" / "run"
+    assert stat.S_IMODE(chosen.stat().st_mode) == 0o700
 
 
 def test_derived_keys_differ_per_use_and_per_cluster():

@@ -34,6 +34,21 @@ def test_lru_evicts_the_oldest_unleased_chunk_and_never_a_leased_one():
     assert store.reserve("f", 4 * PAGE, 0, now=0, ttl_s=10) is not None
 
 
+def test_readers_that_never_release_cannot_pin_the_shard_forever(monkeypatch):
+    """A flood of leases is capped (the next reader is refused, nothing grows), expires with
+    its TTL, and one reader cannot guess another's lease to release it."""
+    monkeypatch.setattr("kvstore.chunk_store.MAX_LEASES", 3)
+    store = ChunkStore(4 * PAGE, PAGE, max_chunk_bytes=4 * PAGE)
+    store.reserve("a", PAGE, 0, now=0, ttl_s=10)
+    store.commit("a")
+    held = [store.lease(["a"], now=0, ttl_s=10) for _ in range(3)]
+    assert None not in held and store.lease(["a"], now=0, ttl_s=10) is None
+    ids = [lease_id for lease_id, _ in held]
+    assert len(set(ids)) == 3 and all(abs(a - b) > 1 for a in ids for b in ids if a != b)
+    store.expire(now=11)
+    assert store.stats().leases == 0 and store.lease(["a"], now=11, ttl_s=10) is not None
+
+
 def test_a_vanished_writer_or_reader_strands_nothing():
     store = ChunkStore(8 * PAGE, PAGE, max_chunk_bytes=8 * PAGE)
     baseline = store.stats()
