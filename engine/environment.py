@@ -87,19 +87,25 @@ def engine_env(host: str, kv_cache_gib: float, cpu_cores: str | None, hash_seed:
     return env
 
 
-# Never handed to an engine: what a compromised engine could use beyond its own job.
-_SCRUBBED = ("RAY_AUTH", "AWS_", "GOOGLE_", "AZURE_", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "PDCLUSTER_API_KEYS",
-             "SSH_AUTH_SOCK", "KUBECONFIG")
+# Never handed to an engine: what a compromised engine could use beyond its own job (its own
+# keys come separately, security/credentials.EngineKeys).
+_SCRUBBED_PREFIXES = ("RAY_AUTH", "AWS_", "GOOGLE_", "AZURE_", "SSH_AUTH_SOCK", "KUBECONFIG")
+_SCRUBBED_WORDS = ("TOKEN", "SECRET", "PASSWORD", "PASSWD", "API_KEY", "APIKEY", "CREDENTIAL", "PRIVATE_KEY")
+
+
+def _scrubbed(name: str) -> bool:
+    upper = name.upper()
+    return upper.startswith(_SCRUBBED_PREFIXES) or any(word in upper for word in _SCRUBBED_WORDS)
 
 
 def engine_process_env(host: str, kv_cache_gib: float, cpu_cores: str | None, hash_seed: str) -> dict[str, str]:
     """The whole environment of a vLLM server process: this process's, scrubbed of credentials
-    (Ray's token, cloud keys, API keys), with `engine_env` on top, less PROMETHEUS_MULTIPROC_DIR.
+    (the cluster secret, Ray's token, cloud keys, anything named like a token or password), with `engine_env` on top, less PROMETHEUS_MULTIPROC_DIR.
     An inherited one (LMCache sets it in any process that builds an LMCache engine) would be
     shared by every engine on the node, and each engine's /metrics would report the sum of all of
     them; without it vLLM makes each engine a private one."""
     inherited = {k: v for k, v in os.environ.items()
-                 if k != "PROMETHEUS_MULTIPROC_DIR" and not k.startswith(_SCRUBBED)}
+                 if k != "PROMETHEUS_MULTIPROC_DIR" and not _scrubbed(k)}
     return inherited | engine_env(host, kv_cache_gib, cpu_cores, hash_seed)
 
 

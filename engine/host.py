@@ -186,7 +186,7 @@ class EngineHost:
                                  self.config.kv_hashing.seed)
         # /collective_rpc and /reset_prefix_cache, for weights; like every route, behind the token
         env["VLLM_SERVER_DEV_MODE"] = "1"
-        env.update(self.credentials.as_env())
+        env.update(self.credentials.engine_keys().as_env())
         env["VLLM_PLUGINS"] = KV_EVENTS_PLUGIN  # ours alone: KV events on the cluster's keys
         env[WEIGHTS_DIR_ENV] = str(self.config.weights_dir)
         if self.weights_file is not None:

@@ -9,27 +9,24 @@ ids left out of every event: the router routes on block hashes alone.
 
 vLLM builds its publisher from a registry in the engine-core process; a vLLM general plugin
 (entry point `vllm.general_plugins`: `pdcluster_kv_events`) puts this class in place of its "zmq"
-publisher there, in engines of ours only (those started with the cluster secret in their
-environment; engine/host.py also names this plugin alone in VLLM_PLUGINS).
+publisher there, in engines of ours only (those started with their keys in their environment; engine/host.py also names this plugin alone in VLLM_PLUGINS).
 """
 
 from __future__ import annotations
-
-import os
 
 import msgspec
 import zmq
 from vllm.distributed.kv_events import BlockStored, EventPublisherFactory, ZmqEventPublisher
 
-from security.credentials import SECRET_ENV, ClusterCredentials
-from transport.zmq_curve import KV_EVENTS_PLANE, Gate, connect_curve, serve_curve
+from security.credentials import EngineKeys
+from transport.zmq_curve import Gate, connect_curve, serve_curve
 
 _gates: dict[int, Gate] = {}  # one ZAP handler per ZMQ context
 
 
 class ClusterEventPublisher(ZmqEventPublisher):
     def _socket_setup(self) -> None:
-        keys = ClusterCredentials.load().curve(KV_EVENTS_PLANE)
+        keys = EngineKeys.load().kv_events
         if self._pub is None:
             if self._is_bind_endpoint(self._endpoint):
                 raise ValueError(f"KV events go to the router's socket, not a bound one: {self._endpoint}")
@@ -58,5 +55,5 @@ def _blinded(event):
 def register() -> None:
     """vLLM general plugin: in an engine of ours, our publisher stands for vLLM's "zmq" one (its
     config accepts no other name)."""
-    if os.environ.get(SECRET_ENV):
+    if EngineKeys.present():
         EventPublisherFactory._registry["zmq"] = ClusterEventPublisher

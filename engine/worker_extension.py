@@ -44,7 +44,7 @@ from engine.weights import (
     model_id,
     sign,
 )
-from security.credentials import ClusterCredentials
+from security.credentials import EngineKeys
 from transport.nixl import quiet_progress_threads
 
 # Set by the engine's host (engine/host.py): the node's folder of weights files, and where this
@@ -76,9 +76,9 @@ _allow_amx()
 
 @functools.cache
 def _weights_key() -> str:
-    """The cluster's weights key, from the secret the engine's host put in this process's
+    """The cluster's weights key, from the keys the engine's host put in this process's
     environment."""
-    return ClusterCredentials.load().weights_key
+    return EngineKeys.load().weights_key
 
 
 def _own_file() -> Path | None:

@@ -19,9 +19,8 @@ from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from kvstore.client import StoreUnavailable
 from kvstore.sharded_store import ShardedStore
-from security.credentials import ClusterCredentials
+from security.credentials import EngineKeys
 from transport.nixl import NixlTransferError
-from transport.zmq_curve import STORE_PLANE
 
 log = logging.getLogger(__name__)
 PLUGIN_NAME = "pdc_store"
@@ -48,7 +47,7 @@ class ShardRemoteConnector(RemoteConnector):
         self.loop = context.loop
         self.local_cpu_backend = context.local_cpu_backend
         self.client = ShardedStore(
-            extra["pdc_store.endpoints"], ClusterCredentials.load().curve(STORE_PLANE),  # the engine's secret
+            extra["pdc_store.endpoints"], EngineKeys.load().store,  # the engine's: a client's keys only
             timeout_s=float(extra.get("pdc_store.timeout_s", 5.0)),
         )
         buffer = getattr(self.local_cpu_backend.memory_allocator, "buffer", None)

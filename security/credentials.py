@@ -15,6 +15,11 @@ drift apart, and knowing one derived key reveals neither the secret nor another 
   the KV event sockets (transport/zmq_curve.py);
 - `ray_token`: Ray's own token authentication (every Ray process of the cluster presents it).
 
+An engine's vLLM process, the part that parses what comes over the network, never holds the
+secret: it gets `EngineKeys` (its token, the weights key, the KV-event plane's keys and the store
+plane's client keys; not the store's server key, the admin token, Ray's token or the tenant
+salts) in PDCLUSTER_ENGINE_KEYS.
+
 The secret comes from the environment (PDCLUSTER_SECRET, hex) or a file (PDCLUSTER_SECRET_FILE,
 default ~/.config/pdcluster/secret, mode 0600). `pdcluster serve` on one machine creates the file
 when there is none; on a cluster the head's launcher reads it and hands the components what they
@@ -26,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import hmac
+import json
 import os
 import secrets
 import stat
@@ -34,6 +40,7 @@ from pathlib import Path
 
 SECRET_ENV = "PDCLUSTER_SECRET"
 SECRET_FILE_ENV = "PDCLUSTER_SECRET_FILE"
+ENGINE_KEYS_ENV = "PDCLUSTER_ENGINE_KEYS"
 SECRET_BYTES = 32
 
 
@@ -133,9 +140,12 @@ class ClusterCredentials:
             handle.write(self.secret.hex() + "\n")
         return self
 
-    def as_env(self) -> dict[str, str]:
-        """How a child process of ours (an engine) receives the secret: environment, not argv."""
-        return {SECRET_ENV: self.secret.hex()}
+    def engine_keys(self) -> EngineKeys:
+        from transport.zmq_curve import KV_EVENTS_PLANE, STORE_PLANE
+
+        store = self.curve(STORE_PLANE)
+        return EngineKeys(self.engine_token, self.weights_key, self.curve(KV_EVENTS_PLANE),
+                          dataclasses.replace(store, server_secret=b""))
 
     def derive(self, label: str, size: int = 32) -> bytes:
         return hmac.new(self.secret, f"pdcluster:{label}".encode(), hashlib.sha256).digest()[:size]
@@ -185,6 +195,41 @@ class ClusterCredentials:
         client_secret = z85.encode(self.derive(f"curve:{plane}:client"))
         return CurveKeys(zmq.curve_public(server_secret), server_secret, zmq.curve_public(client_secret),
                          client_secret)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineKeys:
+    """What an engine's vLLM process needs of the cluster's credentials, and nothing more: it
+    checks the router's token, signs and checks weights, publishes KV events, and is a client
+    (never the server) of the store."""
+
+    engine_token: str = dataclasses.field(repr=False)
+    weights_key: str = dataclasses.field(repr=False)
+    kv_events: CurveKeys
+    store: CurveKeys
+
+    def as_env(self) -> dict[str, str]:
+        """How the engine's host hands them over: the environment, never argv."""
+        planes = {name: {f.name: getattr(keys, f.name).decode() for f in dataclasses.fields(keys)}
+                  for name, keys in (("kv_events", self.kv_events), ("store", self.store))}
+        return {ENGINE_KEYS_ENV: json.dumps({"engine_token": self.engine_token, "weights_key": self.weights_key,
+                                             **planes})}
+
+    @classmethod
+    def load(cls) -> EngineKeys:
+        """This engine process's keys (set by its host); a process without them is not an
+        engine of ours."""
+        text = os.environ.get(ENGINE_KEYS_ENV)
+        if not text:
+            raise CredentialsError(f"no {ENGINE_KEYS_ENV}: not an engine started by pdcluster")
+        fields = json.loads(text)
+        planes = {name: CurveKeys(**{k: v.encode() for k, v in fields[name].items()})
+                  for name in ("kv_events", "store")}
+        return cls(fields["engine_token"], fields["weights_key"], **planes)
+
+    @staticmethod
+    def present() -> bool:
+        return bool(os.environ.get(ENGINE_KEYS_ENV))
 
 
 def bearer_matches(authorization: str | None, token: str) -> bool:

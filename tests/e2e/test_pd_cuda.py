@@ -115,9 +115,9 @@ def test_pd_through_the_store_on_cuda_equals_one_engine_and_really_loads(engines
     before = external_hits(decode)
     assert complete(decode, prompt, max_tokens=24) == want
     loaded = external_hits(decode) - before
-    tokenized = httpx.post(f"{decode.url}/tokenize", json={"model": "tiny", "prompt": prompt},
-                           headers=decode.auth_headers, timeout=30)
-    prompt_tokens = len(tokenized.json()["tokens"])
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 1, "return_token_ids": True}
+    served = httpx.post(f"{decode.url}/v1/completions", json=body, headers=decode.auth_headers, timeout=120)
+    prompt_tokens = len(served.json()["choices"][0]["prompt_token_ids"])
     whole_blocks = (prompt_tokens - 1) // decode.config.block_size * decode.config.block_size
     assert loaded == whole_blocks  # every whole block but the last token's came from the store
 

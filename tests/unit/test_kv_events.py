@@ -15,7 +15,14 @@ from router.kv_index import KVIndex
 from security.credentials import ClusterCredentials
 from transport.zmq_curve import KV_EVENTS_PLANE, connect_curve
 
-KEYS = ClusterCredentials.load().curve(KV_EVENTS_PLANE)  # the session's secret, as engines have it
+CREDENTIALS = ClusterCredentials.load()  # the session's (tests/conftest.py)
+KEYS = CREDENTIALS.curve(KV_EVENTS_PLANE)
+
+
+@pytest.fixture(autouse=True)
+def engine_keys(monkeypatch):
+    """This process stands in for an engine: its publishers find the keys an engine's host gives."""
+    monkeypatch.setenv(*CREDENTIALS.engine_keys().as_env().popitem())
 
 
 def publisher(endpoint: str, replay: str, topic: str, ours: bool = True):

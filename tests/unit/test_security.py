@@ -15,7 +15,7 @@ from engine.roles import COLOCATED
 from router.app import build_app
 from router.config import RouterConfig
 from router.instances import Instance, InstanceRegistry
-from security.credentials import SECRET_ENV, ClusterCredentials, CredentialsError, runtime_dir
+from security.credentials import SECRET_ENV, ClusterCredentials, CredentialsError, EngineKeys, runtime_dir
 
 CREDENTIALS = ClusterCredentials.load()  # the session's (tests/conftest.py)
 
@@ -99,22 +99,41 @@ def test_models_need_a_key_when_keys_are_configured():
         assert client.get("/v1/models", headers={"authorization": "Bearer k1"}).status_code == 200
 
 
-def test_the_router_sends_the_engine_token_to_engines_and_clients_cannot_skip_it():
+def test_the_router_sends_the_engine_token_to_engines_and_clients_cannot_skip_it(monkeypatch):
     """A stand-in engine behind the same middleware as ours: the router's request passes, a
-    client's straight request (with or without a tenant key) does not."""
+    client's straight request (with or without a tenant key) does not; and even the token reaches
+    only the cluster's routes and no worker method but ours."""
+    monkeypatch.setenv(*CREDENTIALS.engine_keys().as_env().popitem())
     engine = FastAPI()
 
     @engine.post("/v1/completions")
     async def completions():
         return {"choices": [{"text": "ok"}]}
 
+    @engine.post("/collective_rpc")
+    async def collective_rpc(request: dict):
+        return {"ran": request["method"]}
+
+    @engine.post("/tokenize")
+    async def tokenize():
+        return {"tokens": []}
+
     engine.add_middleware(EngineAuthMiddleware)
+    token = CREDENTIALS.engine_headers()
     with TestClient(engine) as direct:
         assert direct.post("/v1/completions", json={}).status_code == 401
         assert direct.post("/v1/completions", json={}, headers={"authorization": "Bearer k1"}).status_code == 401
-        assert direct.post("/v1/completions", json={}, headers=CREDENTIALS.engine_headers()).status_code == 200
+        assert direct.post("/v1/completions", json={}, headers=token).status_code == 200
         for path in ("/collective_rpc", "/reset_prefix_cache", "/health", "/metrics", "/tokenize"):
             assert direct.post(path).status_code == 401 and direct.get(path).status_code == 401
+        assert direct.post("/tokenize", json={}, headers=token).status_code == 404
+        ours = direct.post("/collective_rpc", json={"method": "pdc_export_weights", "args": []}, headers=token)
+        assert ours.json() == {"ran": "pdc_export_weights"}
+        for method in ("execute_model", "__init__", "pdc_load_weights_x", None):
+            refused = direct.post("/collective_rpc", json={"method": method}, headers=token)
+            assert refused.status_code == 403
+        huge = {"method": "pdc_load_weights", "args": ["x" * 100_000]}
+        assert direct.post("/collective_rpc", json=huge, headers=token).status_code == 403
 
 
 async def test_the_router_presents_the_engine_token():
@@ -170,6 +189,25 @@ def test_a_runtime_folder_planted_by_someone_else_is_not_used(tmp_path, monkeypa
     chosen = runtime_dir()
     assert chosen == tmp_path / "home" / ".cache" / "pdcluster" / "run"
     assert stat.S_IMODE(chosen.stat().st_mode) == 0o700
+
+
+def test_an_engine_process_gets_its_keys_and_no_other_credential(monkeypatch):
+    """What a vLLM process would give away if it were made to read its own environment: its own
+    keys, never the cluster secret, the store's server key, Ray's token, a tenant's API keys or
+    anything of the operator's named like a credential."""
+    from engine.environment import engine_process_env
+
+    for name in ("RAY_AUTH_TOKEN", "PDCLUSTER_API_KEYS", "GITHUB_TOKEN", "DB_PASSWORD", "OPENAI_API_KEY",
+                 "MY_SERVICE_CREDENTIALS", "AWS_ACCESS_KEY_ID"):
+        monkeypatch.setenv(name, "do-not-leak")
+    env = engine_process_env("127.0.0.1", 1, None, "0") | CREDENTIALS.engine_keys().as_env()
+    assert "do-not-leak" not in str(env) and CREDENTIALS.secret.hex() not in str(env)
+    monkeypatch.setattr(os, "environ", env)
+    keys = EngineKeys.load()
+    assert keys.engine_token == CREDENTIALS.engine_token and keys.store.server_secret == b""
+    assert keys.store.server_public == CREDENTIALS.curve("store").server_public
+    assert CREDENTIALS.admin_token not in str(env) and CREDENTIALS.ray_token not in str(env)
+    assert CREDENTIALS.curve("store").server_secret.decode() not in str(env)
 
 
 def test_derived_keys_differ_per_use_and_per_cluster():

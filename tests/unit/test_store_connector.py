@@ -16,7 +16,8 @@ from kvstore.shard import ShardServer
 from security.credentials import ClusterCredentials
 from transport.zmq_curve import STORE_PLANE
 
-KEYS = ClusterCredentials.load().curve(STORE_PLANE)  # the session's secret, as engines have it
+CREDENTIALS = ClusterCredentials.load()  # the session's (tests/conftest.py)
+KEYS = CREDENTIALS.curve(STORE_PLANE)
 VLLM_HASH = "sha256"  # vLLM's default prefix_caching_hash_algo, as an engine passes it
 
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK, BLOCKS = 4, 2, 64, 32, 48
@@ -53,7 +54,8 @@ def test_blocks_round_trip_and_a_load_leaves_already_computed_blocks_alone():
         copier.from_gpu(chunk, 0, BLOCK + 1, slot_mapping=slots([5, 9], BLOCK + 1))
 
 
-def test_a_prompt_stored_by_one_engine_is_loaded_bit_identical_by_another():
+def test_a_prompt_stored_by_one_engine_is_loaded_bit_identical_by_another(monkeypatch):
+    monkeypatch.setenv(*CREDENTIALS.engine_keys().as_env().popitem())  # as an engine's host sets them
     shard = ShardServer(64 * 1024**2, KEYS, page_bytes=64 * 1024)
     engines = []
     try:

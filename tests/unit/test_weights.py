@@ -109,6 +109,15 @@ def test_a_descriptor_cannot_name_a_file_of_its_choice(tiny_model, served_weight
         fetch({**descriptor, "signature": sign(KEY, descriptor)}, tiny_model, tmp_path)
 
 
+def test_a_peer_file_others_could_have_written_is_refused(tiny_model, served_weights, tmp_path):
+    """A weights file of the right name that anyone but its owner may write (or read) is not
+    one of ours: someone else could have put the bytes there."""
+    weights, exporter = served_weights
+    weights.shm_path.chmod(0o666)
+    with pytest.raises(WeightTransferError, match="of this user's alone"):
+        fetch(exporter.descriptor(use_nixl=False), tiny_model, tmp_path)
+
+
 def test_weights_files_are_never_reused_or_followed(tiny_model, tmp_path):
     target = new_weights_file(tmp_path)
     (tmp_path / "elsewhere").write_text("not ours")
