@@ -48,6 +48,9 @@ class EngineConfig(BaseModel):
     """Share of GPU memory vLLM may take on a CUDA build."""
     cpu_cores: str | None = None
     """Cores the CPU build binds its threads to ("1", "2-3"); None lets vLLM choose."""
+    gpu_ids: str | None = None
+    """CUDA_VISIBLE_DEVICES of an engine started outside Ray ("0", "1"); None: what the process
+    has (Ray sets it for the GPUs it placed the engine's actor on)."""
     kv_events_endpoint: str | None = None
     """Where the engine publishes its KV events (the router's SUB socket, tcp://host:port);
     None publishes none."""

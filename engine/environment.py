@@ -51,8 +51,9 @@ def is_cpu_build() -> bool:
 
 
 def _loopback_transports() -> str:
-    # NIXL refuses a UCX backend without CUDA memory support on a machine with NVIDIA GPUs.
-    return "tcp,self,sm" + (",cuda_copy" if glob.glob("/dev/nvidia[0-9]*") else "")
+    # NIXL refuses a UCX backend without CUDA memory support on a machine with NVIDIA GPUs;
+    # cuda_ipc moves KV between GPUs of the node directly (NVLink where there is one).
+    return "tcp,self,sm" + (",cuda_copy,cuda_ipc" if glob.glob("/dev/nvidia[0-9]*") else "")
 
 
 # Without these UCX (NIXL's backend) also sends over the machine's routable interface.

@@ -188,6 +188,8 @@ class EngineHost:
         env["VLLM_SERVER_DEV_MODE"] = "1"
         env.update(self.credentials.engine_keys().as_env())
         env["VLLM_PLUGINS"] = KV_EVENTS_PLUGIN  # ours alone: KV events on the cluster's keys
+        if self.config.gpu_ids is not None:
+            env["CUDA_VISIBLE_DEVICES"] = self.config.gpu_ids
         env[WEIGHTS_DIR_ENV] = str(self.config.weights_dir)
         if self.weights_file is not None:
             env[WEIGHTS_FILE_ENV] = str(self.weights_file)

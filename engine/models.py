@@ -79,30 +79,46 @@ def _trained_tokenizer(target: Path, vocab_size: int):
     return fast
 
 
-def _random_llama(target: Path, seed: int, layers: int, hidden: int, intermediate: int, heads: int,
-                  kv_heads: int, tied: bool = False) -> None:
-    """A Llama with random weights and the trained tokenizer; `tied` shares the input embeddings
-    with the output head (no lm_head.weight in the checkpoint), as SmolLM2, Llama-3.2-1B/3B and
-    small Qwen2.5 models do."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+def _llama_config(fast, layers: int, hidden: int, intermediate: int, heads: int, kv_heads: int, tied: bool,
+                  max_positions: int):
+    from transformers import LlamaConfig
 
-    fast = _trained_tokenizer(target, vocab_size=2048)
-    torch.manual_seed(seed)
-    config = LlamaConfig(
+    return LlamaConfig(
         vocab_size=len(fast),
         hidden_size=hidden,
         intermediate_size=intermediate,
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
-        max_position_embeddings=4096,
+        max_position_embeddings=max_positions,
         bos_token_id=fast.bos_token_id,
         eos_token_id=fast.eos_token_id,
         pad_token_id=fast.pad_token_id,
         tie_word_embeddings=tied,
         torch_dtype="bfloat16",
     )
+
+
+def write_llama8b_shape(target: Path) -> None:
+    """The configuration of an 8B Llama (32 layers, hidden 4096, GQA 32/8) and the trained
+    tokenizer, without weights: for benchmarks on engines that keep vLLM's dummy weights (a
+    checkpoint of 16 GB would only be random too). Its vocabulary is the tokenizer's (2048), so
+    its head is ~0.05 of a real 8B's."""
+    fast = _trained_tokenizer(target, vocab_size=2048)
+    _llama_config(fast, 32, 4096, 14336, 32, 8, tied=False, max_positions=8192).save_pretrained(target)
+
+
+def _random_llama(target: Path, seed: int, layers: int, hidden: int, intermediate: int, heads: int,
+                  kv_heads: int, tied: bool = False) -> None:
+    """A Llama with random weights and the trained tokenizer; `tied` shares the input embeddings
+    with the output head (no lm_head.weight in the checkpoint), as SmolLM2, Llama-3.2-1B/3B and
+    small Qwen2.5 models do."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    fast = _trained_tokenizer(target, vocab_size=2048)
+    torch.manual_seed(seed)
+    config = _llama_config(fast, layers, hidden, intermediate, heads, kv_heads, tied, max_positions=4096)
     model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(target, safe_serialization=True)
 

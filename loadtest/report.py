@@ -16,7 +16,7 @@ from router.metrics import percentile
 PERCENTILES = (50, 90, 99)
 
 
-def _stats(values: list[float]) -> dict:
+def latency_stats(values: list[float]) -> dict:
     if not values:
         return {"count": 0}
     array = np.array(values) * 1e3
@@ -68,10 +68,10 @@ def summarize(run: LoadRun, slo_ttft_s: float, slo_tpot_s: float, label: str = "
         "output_token_throughput": sum(r.output_tokens for r in ok) / duration,
         "goodput": len(good) / duration,
         "slo": {"ttft_s": slo_ttft_s, "tpot_s": slo_tpot_s},
-        "ttft": _stats([r.ttft_s for r in ok if r.ttft_s is not None]),
-        "itl": _stats([gap for r in ok for gap in r.inter_token_s()]),
-        "tpot": _stats(tpots),
-        "e2e": _stats([r.e2e_s for r in ok if r.e2e_s is not None]),
+        "ttft": latency_stats([r.ttft_s for r in ok if r.ttft_s is not None]),
+        "itl": latency_stats([gap for r in ok for gap in r.inter_token_s()]),
+        "tpot": latency_stats(tpots),
+        "e2e": latency_stats([r.e2e_s for r in ok if r.e2e_s is not None]),
         "prefix_hit_rate": _prefix_hit_rate(run.samples),
         "remote_prefills": _remote_prefills(run.samples),
         "max_queue_depth": max(queue, default=0),

@@ -86,3 +86,28 @@ def test_token_events_are_the_ones_vllm_bench_times(event, expected):
     from loadtest.client import _token_text
 
     assert _token_text(event) == expected
+
+
+def test_goodput_counts_only_requests_that_met_every_part_of_the_slo():
+    """The streaming SLO judges each request by its own p99 gap: one stall in a smooth stream of
+    256 tokens passes, three (over 1% of its gaps) do not; the loose SLO looks at TPOT alone."""
+    from loadtest.client import RequestResult
+    from loadtest.pd_goodput import LOOSE, STREAMING, summarize
+
+    def stream(ttft_s: float, gaps: list[float]) -> RequestResult:
+        times = [ttft_s]
+        for gap in gaps:
+            times.append(times[-1] + gap)
+        return RequestResult(started_at=0, ttft_s=ttft_s, e2e_s=times[-1], chunk_times_s=times,
+                             output_tokens=len(times))
+
+    smooth = stream(0.1, [0.006] * 255)
+    one_stall = stream(0.1, [0.006] * 254 + [0.2])
+    stalls = stream(0.1, [0.006] * 252 + [0.05] * 3)
+    slow_start = stream(0.5, [0.006] * 255)
+    assert [STREAMING.met(r) for r in (smooth, one_stall, stalls, slow_start)] == [True, True, False, False]
+    assert [LOOSE.met(r) for r in (smooth, stalls, slow_start)] == [True, True, True]
+    failed = RequestResult(started_at=0, error="http_503")
+    summary = summarize([smooth, stalls, slow_start, failed], duration_s=2.0, offered=2.0)
+    assert summary["goodput_streaming_rps"] == 0.5 and summary["goodput_loose_rps"] == 1.5
+    assert summary["attainment_loose"] == 0.75 and summary["errors"] == 1

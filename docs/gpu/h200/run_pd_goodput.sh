@@ -1,0 +1,16 @@
+# loadtest/pd_goodput.py on the lent nvidia-h200-x2 (vLLM 0.26, torch 2.11, Python 3.12, no network).
+# Calls before this one (each within 30 s of the last) copy into the machine:
+#   /tmp/vparts: the three parts of ../shared/gpu/build-vllm-wheelhouse.sh (.vchunks/part00..02)
+#   /tmp/xw: wheels for Python 3.12 that the image lacks: nixl==1.5.1 + nixl-cu13==1.5.1 (vLLM's
+#     NixlConnector), rich + markdown-it-py + mdurl (the load generator's tables)
+# Then, from the repository root: bash docs/gpu/h200/run_pd_goodput.sh [pd_goodput args]
+# The model is an 8B Llama's shape without weights (engines keep vLLM's dummy weights), written
+# in a process of its own before any engine starts.
+set -eo pipefail
+[ -d /tmp/site ] || bash /tmp/vparts/install.sh > /tmp/install.log 2>&1
+source /tmp/vparts/env.sh
+[ -d /tmp/xsite/nixl ] || python3 -m pip install -q --no-index --no-deps --target /tmp/xsite /tmp/xw/*.whl
+export PATH=/tmp/xsite/bin:$PATH PYTHONPATH=$PYTHONPATH:/tmp/xsite:$PWD
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+[ -f /tmp/m8b/config.json ] || python3 -c "from pathlib import Path; from engine.models import write_llama8b_shape; write_llama8b_shape(Path('/tmp/m8b'))"
+python3 -m loadtest.pd_goodput --model /tmp/m8b --out "${OUT:-/tmp}/pd_goodput" "$@"
