@@ -67,12 +67,21 @@ def is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
+# How long an engine keeps an idle HTTP connection open. The router keeps its pooled connections
+# to engines for half of it (router/proxy.py): a client that keeps them longer than the server
+# (vLLM's default is 5 s, aiohttp's 15 s) sometimes sends a request on a connection the server is
+# closing, sees it disconnect, and must count a healthy engine as broken (seen at 16 req/s on
+# the H200, docs/pd.md).
+ENGINE_KEEP_ALIVE_S = 60
+
+
 def engine_env(host: str, kv_cache_gib: float, cpu_cores: str | None, hash_seed: str = KV_HASH_SEED) -> dict[str, str]:
     """Variables for a vLLM server process that serves on `host`."""
     env = {
         "VLLM_HOST_IP": host,
         "VLLM_NIXL_SIDE_CHANNEL_HOST": host,
         "VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_gib:g}",
+        "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": str(ENGINE_KEEP_ALIVE_S),
         # LMCache falls back to Python's randomized hash; KV keys must agree across processes.
         "PYTHONHASHSEED": hash_seed,
         "PYTHONUNBUFFERED": "1",

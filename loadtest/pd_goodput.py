@@ -6,7 +6,9 @@
 Each topology runs on two engines, our router in front: `colocated` two engines that prefill and
 decode; `pd-direct` a prefill engine and a decode engine, KV read by the decode engine straight
 from the prefill's GPU (vLLM's NixlConnector over UCX: cuda_ipc between GPUs of a node);
-`pd-store` the same through a store shard (our StoreConnector, LMCache). For each rate, Poisson
+`pd-store` the same through a store shard (our StoreConnector, LMCache); `pd-adaptive` pd-direct
+with the decode engine prefilling itself while a prompt already waits at the prefill engine
+(the router's --remote-prefill-max-queued-tokens). For each rate, Poisson
 arrivals of random-token prompts for --duration seconds. Reported per topology and rate: TTFT,
 TPOT and inter-token-gap percentiles, throughput, and goodput (requests per second that met the
 SLO) at the streaming SLO (TTFT <= 300 ms and the request's own p99 gap <= 12 ms) and the loose
@@ -50,6 +52,7 @@ from security.credentials import SECRET_ENV, ClusterCredentials
 HOST = "127.0.0.1"
 TOPOLOGIES: dict[str, tuple[RoleSpec, RoleSpec]] = {
     "colocated": (COLOCATED, COLOCATED), "pd-direct": (PREFILL, DECODE), "pd-store": (PREFILL, DECODE),
+    "pd-adaptive": (PREFILL, DECODE),
 }
 
 
@@ -136,9 +139,11 @@ class Fleet:
         # Standby: the engines keep vLLM's dummy weights (random, as the model is).
         await asyncio.gather(*(host.start(standby=True) for host in self.hosts))
         port = free_port(HOST)
-        config = {"port": port, "served_model_name": "model", "max_model_len": args.max_model_len,
+        config = {"port": port, "served_model_name": "model", "max_model_len": args.max_model_len, "tokenizer": args.model,
                   "cluster_secret": self.credentials.secret.hex(), "remote_prefill_min_tokens": 0,
                   "queue_timeout_s": 0}
+        if self.topology == "pd-adaptive":  # the decode engine prefills while one prompt waits at the prefill's
+            config["remote_prefill_max_queued_tokens"] = args.input_tokens
         instances = [(h.instance_id, h.config.role.name, h.url) for h in self.hosts]
         self.router = multiprocessing.get_context("spawn").Process(target=_router_process, args=(config, instances))
         self.router.start()
@@ -252,7 +257,13 @@ def main(argv: list[str] | None = None) -> int:
         args.out.with_suffix(".json").write_text(json.dumps(run_info, indent=1))
 
     for topology in args.topologies:
-        asyncio.run(measure(args, topology, console, rows, save))
+        try:
+            asyncio.run(measure(args, topology, console, rows, save))
+        except Exception as exc:  # one topology's failure leaves the others' figures standing
+            console.print(f"[red]{topology} failed:[/] {exc}")
+            rows.append({"topology": topology, "failed": str(exc)[-2000:]})
+            save()
+    rows = [row for row in rows if "failed" not in row]
     print_table(rows, console)
     plot(rows, args.out.with_suffix(".png"))
     console.print(f"wrote {args.out.with_suffix('.json')} and {args.out.with_suffix('.png')}")

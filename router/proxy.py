@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Callable
 import aiohttp
 from fastapi.responses import Response, StreamingResponse
 
+from engine.environment import ENGINE_KEEP_ALIVE_S
 from prefill.handoff import PrefillClient
 from router import metrics
 from router.config import RouterConfig
@@ -71,7 +72,8 @@ class Forwarder:
     def session(self) -> aiohttp.ClientSession:
         # Created lazily: aiohttp binds a session to the event loop that first uses it.
         if self._session is None:
-            connector = aiohttp.TCPConnector(limit=4096, keepalive_timeout=30)
+            # Idle connections closed well before the engine would close them (ENGINE_KEEP_ALIVE_S).
+            connector = aiohttp.TCPConnector(limit=4096, keepalive_timeout=ENGINE_KEEP_ALIVE_S / 2)
             self._session = aiohttp.ClientSession(connector=connector, timeout=self.timeout,
                                                   headers=self.engine_headers)
         return self._session
