@@ -43,7 +43,9 @@ BENCHES = {
 
 def run(tree: Path, bench: str, out: Path) -> dict[str, float]:
     arguments, extract = BENCHES[bench]
-    env = {**os.environ, "PYTHONPATH": str(tree)}
+    # Both trees serve the same checkpoints (this checkout's, where it has built them).
+    models = os.environ.get("PDCLUSTER_MODEL_ROOT") or str(REPO / ".cache" / "models")
+    env = {**os.environ, "PYTHONPATH": str(tree), "PDCLUSTER_MODEL_ROOT": models}
     subprocess.run([sys.executable, *arguments, "--out", str(out)], cwd=tree, env=env, check=True,
                    stdout=subprocess.DEVNULL, timeout=1800)
     return extract(json.loads(out.read_text()))
