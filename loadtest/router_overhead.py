@@ -1,6 +1,6 @@
 """What the router adds: TTFT and total time through the router vs straight to the same engine.
 
-    python -m loadtest.router_overhead [--url http://127.0.0.1:8000] [--rounds 200]
+    python -m loadtest.router_overhead [--url http://127.0.0.1:8000] [--rounds 200] [--attackers 3]
 
 Without --url it starts `pdcluster serve --model tiny` itself. Requests alternate between the two
 paths (router, engine, router, ...) so drift in the engine's speed hits both alike; the same
@@ -10,14 +10,21 @@ On a 2-core machine the router, the client and vLLM's server processes share cor
 what the real run shows is contention. `--null-engine` puts a router in front of a stand-in
 server that streams 16 canned SSE events at once (named as such: no engine runs), which isolates
 the router's own cost.
+
+`--attackers N` adds a second measurement through the router while N clients send it the largest
+chat prompts a body may hold, in a loop (each is refused with a 400 after the router tokenized
+it; docs/security.md, attack 5): what such clients cost everyone else's time to first token.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -70,6 +77,42 @@ def measure(router_url: str, engine_url: str, model: str, rounds: int, max_token
     return summary
 
 
+@contextlib.contextmanager
+def huge_prompt_attack(router_url: str, model: str, attackers: int) -> Iterator[None]:
+    """`attackers` threads sending the router 130k-character chat prompts until the block ends."""
+    stop = threading.Event()
+
+    def attack() -> None:
+        huge = {"model": model, "messages": [{"role": "user", "content": "word " * 26_000}]}
+        with httpx.Client(timeout=60) as client:
+            while not stop.is_set():
+                client.post(f"{router_url}/v1/chat/completions", json=huge)
+
+    threads = [threading.Thread(target=attack, daemon=True) for _ in range(attackers)]
+    for thread in threads:
+        thread.start()
+    try:
+        time.sleep(1.0)  # the attack under way before the first measured request
+        yield
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(60)
+
+
+def attacked_ttft(router_url: str, model: str, rounds: int, attackers: int) -> dict:
+    """The router's time to first token quiet and under a huge-prompt attack, same run."""
+    body = {"model": model, "prompt": "A short question?", "max_tokens": 1, "stream": True}
+    with httpx.Client(timeout=60) as client:
+        for _ in range(5):
+            timed_stream(client, router_url, body)
+        quiet = [timed_stream(client, router_url, body)[0] for _ in range(rounds)]
+        with huge_prompt_attack(router_url, model, attackers):
+            attacked = [timed_stream(client, router_url, body)[0] for _ in range(rounds)]
+    return {name: {"median_ms": statistics.median(v) * 1e3, "p90_ms": percentile(v, 90) * 1e3,
+                   "p99_ms": percentile(v, 99) * 1e3} for name, v in (("quiet", quiet), ("attacked", attacked))}
+
+
 async def null_engine_app(scope, receive, send) -> None:
     """A stand-in for an engine: answers any POST with 16 SSE token events and [DONE] at once."""
     if scope["type"] != "http":
@@ -99,7 +142,7 @@ def _serve_router_before(engine_url: str, port: int) -> None:
     uvicorn.run(build_app(config, registry), host="127.0.0.1", port=port, log_level="error")
 
 
-def null_engine_run(rounds: int, runs: int) -> list[dict]:
+def null_engine_run(rounds: int, runs: int) -> tuple[list[dict], list[dict]]:
     """Router in front of the null engine, each in its own process."""
     import multiprocessing
 
@@ -125,11 +168,33 @@ def null_engine_run(rounds: int, runs: int) -> list[dict]:
                     break
             except httpx.HTTPError:
                 time.sleep(0.2)
-        return [measure(router_url, engine_url, "null", rounds, 16) for _ in range(runs)]
+        return [measure(router_url, engine_url, "null", rounds, 16) for _ in range(runs)], []
     finally:
         for process in processes:
             process.terminate()
             process.join(10)
+
+
+def engine_runs(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
+    """The overhead runs and the attack runs against a real engine: the router at --url, or a
+    `pdcluster serve --model tiny` started here."""
+    server = None
+    if args.url is None:
+        server = LocalServer(["--model", "tiny"], Path("results/router_overhead-serve.log")).start()
+    try:
+        router_url = args.url or server.url
+        credentials = ClusterCredentials.load()  # the cluster's, on this machine
+        admin = credentials.admin_headers()
+        (instance,) = httpx.get(f"{router_url}/admin/instances", headers=admin, timeout=5).json()["instances"][:1]
+        model = httpx.get(f"{router_url}/v1/models", timeout=5).json()["data"][0]["id"]
+        runs = [measure(router_url, instance["url"], model, args.rounds, args.max_tokens,
+                        credentials.engine_headers()) for _ in range(args.runs)]
+        attacks = [attacked_ttft(router_url, model, args.rounds, args.attackers)
+                   for _ in range(args.runs if args.attackers else 0)]
+        return runs, attacks
+    finally:
+        if server:
+            server.stop()
 
 
 def print_table(result: dict, console: Console) -> None:
@@ -147,6 +212,35 @@ def print_table(result: dict, console: Console) -> None:
             f"{result['added_ms'][metric]:.2f}",
         )
     console.print(table)
+    if "attack" in result:
+        attack = result["attack"]
+        table = Table(title=f"router TTFT with {result['attackers']} huge-prompt clients (medians of runs)")
+        for column in ("", "quiet ms", "under attack ms", "ratio"):
+            table.add_column(column, justify="right")
+        for stat in ("median_ms", "p90_ms", "p99_ms"):
+            quiet, attacked = attack["quiet"][stat], attack["attacked"][stat]
+            table.add_row(stat.removesuffix("_ms"), f"{quiet:.2f}", f"{attacked:.2f}", f"{attacked / quiet:.2f}x")
+        console.print(table)
+
+
+def plot(result: dict, path: Path) -> None:
+    """Bars: time to first token straight to the engine, through the router, and under attack."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bars = {"engine": result["engine"]["ttft"], "router": result["router"]["ttft"]}
+    if "attack" in result:
+        bars["router, quiet"] = result["attack"]["quiet"]["median_ms"]
+        bars["router, attacked"] = result["attack"]["attacked"]["median_ms"]
+    figure, axis = plt.subplots(figsize=(6, 3.5))
+    axis.bar(list(bars), list(bars.values()), color="tab:blue")
+    axis.set_ylabel("median time to first token, ms")
+    axis.set_title(f"router overhead ({result['engine_kind']})")
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -158,26 +252,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--null-engine", action="store_true", help="measure against a stand-in engine")
+    parser.add_argument("--attackers", type=int, default=0,
+                        help="also measure the router's TTFT while this many clients send huge prompts")
     parser.add_argument("--out", type=Path, default=Path("results/router_overhead.json"))
     args = parser.parse_args(argv)
     console = Console()
-    server = None
-    if args.null_engine:
-        runs = null_engine_run(args.rounds, args.runs)
-    elif args.url is None:
-        server = LocalServer(["--model", "tiny"], Path("results/router_overhead-serve.log")).start()
-    if not args.null_engine:
-        try:
-            router_url = args.url or server.url
-            credentials = ClusterCredentials.load()  # the cluster's, on this machine
-            admin = credentials.admin_headers()
-            (instance,) = httpx.get(f"{router_url}/admin/instances", headers=admin, timeout=5).json()["instances"][:1]
-            model = httpx.get(f"{router_url}/v1/models", timeout=5).json()["data"][0]["id"]
-            runs = [measure(router_url, instance["url"], model, args.rounds, args.max_tokens,
-                            credentials.engine_headers()) for _ in range(args.runs)]
-        finally:
-            if server:
-                server.stop()
+    runs, attacks = null_engine_run(args.rounds, args.runs) if args.null_engine else engine_runs(args)
     result = {
         "engine_kind": "null engine (stand-in)" if args.null_engine else "vLLM engine",
         "rounds": args.rounds,
@@ -188,10 +268,17 @@ def main(argv: list[str] | None = None) -> int:
         "added_ms": {m: statistics.median(r["added_ms"][m] for r in runs) for m in ("ttft", "total")},
         "per_run": runs,
     }
+    if attacks:
+        result["attackers"] = args.attackers
+        result["attack"] = {phase: {stat: statistics.median(a[phase][stat] for a in attacks)
+                                    for stat in ("median_ms", "p90_ms", "p99_ms")}
+                            for phase in ("quiet", "attacked")}
+        result["attack_per_run"] = attacks
     print_table(result, console)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
-    console.print(f"wrote {args.out}")
+    plot(result, args.out.with_suffix(".png"))
+    console.print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
     return 0
 
 

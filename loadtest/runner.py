@@ -130,6 +130,10 @@ async def run_load(
 ) -> LoadRun:
     url = check_target(url)
     sampler = MetricsSampler(url, scrape_interval_s)
+    # The baseline first, before the clock starts: taken beside the load, a short run could end
+    # before its first scrape (then the counters' deltas are all zero), and taken after the clock
+    # started it delays the arrivals due at 0 s (a CI run saw a trace's first request 0.2 s late).
+    await asyncio.to_thread(sampler.sample, time.perf_counter())  # its t is 0
     started, started_at = time.perf_counter(), time.time()
     deadline = started + limits.duration_s
     results: list[RequestResult] = []
@@ -141,9 +145,6 @@ async def run_load(
             progress.advance(task, len(batch))
 
     timeout = aiohttp.ClientTimeout(total=limits.request_timeout_s, connect=10.0)
-    # The baseline first: taken beside the load, a short run could end before its first scrape
-    # (then the counters' deltas are all zero: a CI run saw no prefix-cache hit rate at all).
-    await asyncio.to_thread(sampler.sample, started)
     sampling = asyncio.create_task(sampler.run(started))
     try:
         connector = aiohttp.TCPConnector(limit=2048)

@@ -63,8 +63,10 @@ def test_mooncake_replay_follows_the_trace_clock(served, tmp_path):
     run = load(served, MooncakeReplay(trace, block_tokens=64, max_output_tokens=4), TraceTimes(), 5)
     assert time.monotonic() - started >= 1.2  # the last record arrives at 1.2 s
     summary = assert_clean(run, 5)
-    starts = sorted(r.started_at for r in run.results)
-    assert starts[-1] - starts[0] == pytest.approx(1.2, abs=0.2)
+    # Never early (a sleep never ends early, so this holds on a loaded machine too): the k-th
+    # request leaves at 0.3 k s of the run or later, not all at once.
+    offsets = sorted(r.started_at - run.started_at for r in run.results)
+    assert all(offset >= 0.3 * k - 0.01 for k, offset in enumerate(offsets)), offsets
     assert summary["prefix_hit_rate"] > 0.5  # records share 3 of their 4 blocks
 
 
