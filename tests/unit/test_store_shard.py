@@ -138,7 +138,7 @@ def test_a_shard_that_stops_answering_costs_one_timeout_then_fails_fast():
         started = time.monotonic()
         with pytest.raises(StoreUnavailable):
             client.contains(["k"])
-        assert time.monotonic() - started < 0.1  # no second wait: a miss at once
+        assert time.monotonic() - started < 0.4  # no second wait (of 0.5 s): a miss at once
     finally:
         client.close()
 
