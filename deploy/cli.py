@@ -92,6 +92,13 @@ def _add_serve_parser(subparsers, name: str = "serve", help: str = "serve a mode
         help="below this many uncached prompt tokens, decode prefills locally",
     )
     parser.add_argument(
+        "--max-migrations",
+        type=int,
+        default=1,
+        help="times a stream whose engine died goes on from its sent tokens on another instance "
+        "(0: it ends with an error event)",
+    )
+    parser.add_argument(
         "--remote-prefill-max-queued-tokens",
         type=int,
         default=None,
@@ -126,6 +133,8 @@ def _add_serve_parser(subparsers, name: str = "serve", help: str = "serve a mode
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--kv-cache-gib", type=float, default=1.0)
     parser.add_argument("--no-eager", action="store_true", help="allow compilation / CUDA graphs")
+    parser.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "float32"), default="auto",
+                        help="the engines' weights and activations (auto: the checkpoint's)")
     parser.add_argument(
         "--engine-log-dir",
         type=Path,

@@ -310,11 +310,15 @@ class Launcher:
             return descriptor
         return None
 
-    async def stop_instance(self, instance_id: str) -> None:
-        """Take an instance out of rotation, stop its engine, end its actor."""
+    async def stop_instance(self, instance_id: str, drain_s: float = 0.0) -> None:
+        """Take an instance out of rotation, let it finish what it holds (at most `drain_s`; what
+        is left then goes on elsewhere, router/migration.py), stop its engine, end its actor."""
         instance = self.registry.get(instance_id)
         if instance is not None:
             instance.state = InstanceState.DRAINING
+            deadline = time.monotonic() + drain_s
+            while instance.inflight and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
         actor = self._actors.pop(instance_id, None)
         self.instances.pop(instance_id, None)
         self._descriptors.pop(instance_id, None)

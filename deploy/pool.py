@@ -10,7 +10,8 @@ by the fastest path available:
   3. disk     - a new instance that reads the checkpoint itself.
 
 Used standbys are replaced in the background. A pool shrinks to `min_ready` after `idle_s`
-without traffic; `min_ready=0` with a standby is scale-to-zero with a sub-second way back.
+without traffic; `min_ready=0` with a standby is scale-to-zero with a sub-second way back. An
+instance leaving drains first: no new requests, then it stops once those it holds are done.
 """
 
 from __future__ import annotations
@@ -48,6 +49,9 @@ class PoolSpec(BaseModel):
     """Mean requests in flight per ready instance above which the pool grows."""
     idle_s: float = Field(120.0, gt=0)
     """A pool above min_ready with no request in flight this long loses an instance."""
+    drain_s: float = Field(120.0, ge=0)
+    """Longest an instance leaving the pool may take to finish its requests, taking no new ones;
+    streams still open then go on on another instance (router/migration.py)."""
     target_ttft_s: float | None = Field(None, gt=0)
     """p90 time to first token (streamed requests, the router's last 30 s, only those since this
     pool last grew) above which the pool grows. Set on the pool that prefills."""
@@ -156,7 +160,8 @@ class PoolController:
         idle = time.monotonic() - self._last_busy[role]
         if len(ready) > spec.min_ready and idle > spec.idle_s and not self._growing[role]:
             self._last_busy[role] = time.monotonic()
-            self._spawn(self.launcher.stop_instance(ready[-1].instance_id), f"shrink-{role.name}")
+            leaving = min(reversed(ready), key=lambda i: i.inflight)
+            self._spawn(self.launcher.stop_instance(leaving.instance_id, spec.drain_s), f"shrink-{role.name}")
 
     def _new_id(self, role: RoleSpec) -> str:
         return f"{role.name}-{int(time.time())}-{next(self._ids)}"

@@ -25,6 +25,8 @@ log = logging.getLogger(__name__)
 console = Console(stderr=True)
 # Tests only: store shards then honour the "corrupt" op (fault injection into stored chunks).
 STORE_FAULT_INJECTION_ENV = "PDCLUSTER_STORE_FAULT_INJECTION"
+SHUTDOWN_DRAIN_S = 120.0
+"""Longest Ctrl-C / SIGTERM waits for the requests in flight before the engines stop."""
 
 
 def resolve_model(model: str) -> tuple[Path, str]:
@@ -74,6 +76,7 @@ def serve(args: argparse.Namespace) -> int:
             max_model_len=args.max_model_len,
             kv_cache_gib=args.kv_cache_gib,
             enforce_eager=not args.no_eager,
+            dtype=args.dtype,
             start_timeout_s=args.start_timeout,
             cluster_secret=secret,
             log_dir=args.engine_log_dir.resolve() if args.engine_log_dir else None,
@@ -86,7 +89,7 @@ def serve(args: argparse.Namespace) -> int:
             remote_prefill_max_queued_tokens=args.remote_prefill_max_queued_tokens,
             api_keys=load_api_keys(args.api_keys_file), rate_limit_per_s=args.rate_limit, cluster_secret=secret,
             max_concurrency_per_key=args.max_concurrency_per_key,
-            queue_timeout_s=args.queue_timeout,
+            queue_timeout_s=args.queue_timeout, max_migrations=args.max_migrations,
         )
         topology = Topology.from_args(args.instances, args.prefill, args.decode, args.standby, args.max_instances,
                                       args.target_ttft, args.colocated)
@@ -171,10 +174,12 @@ async def _start_fleet(launcher, registry, engine_config, router_config, topolog
 
 
 async def _serve_router(app, router_config) -> None:
-    """Serve the router's app until Ctrl-C / SIGTERM."""
+    """Serve the router's app until Ctrl-C / SIGTERM, then drain: no new connection, the requests
+    in flight finish (for at most SHUTDOWN_DRAIN_S), and only then the engines stop."""
     import uvicorn
 
-    server = uvicorn.Server(uvicorn.Config(app, host=router_config.host, port=router_config.port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host=router_config.host, port=router_config.port, log_level="warning",
+                                           timeout_graceful_shutdown=SHUTDOWN_DRAIN_S))
     url = f"http://{router_config.host}:{router_config.port}"
     console.print(f"[bold]pdcluster[/] serving [cyan]{router_config.served_model_name}[/] at {url}")
     console.print(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import secrets
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
@@ -40,6 +41,9 @@ class EngineConfig(BaseModel):
     max_model_len: int = Field(4096, ge=16)
     """Longest prompt plus completion, in tokens."""
     kv_hashing: KVHashing = KVHashing()
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    """The weights' and activations' type; auto: the checkpoint's (float32 makes a recomputed
+    prefix equal to one computed step by step, tokens and all: tests/e2e/test_migration.py)."""
     enforce_eager: bool = True
     """Skip torch.compile and CUDA graphs (fast starts; slower steps on a GPU)."""
     kv_cache_gib: float = Field(1.0, gt=0)

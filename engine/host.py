@@ -148,6 +148,8 @@ class EngineHost:
         ]
         if c.enforce_eager:
             command.append("--enforce-eager")
+        if c.dtype != "auto":
+            command += ["--dtype", c.dtype]
         if c.kv_events_endpoint:
             events = {
                 "enable_kv_cache_events": True,

@@ -56,10 +56,13 @@ def _token_text(event: dict) -> str | None:
     return None
 
 
-async def stream_request(session: aiohttp.ClientSession, url: str, body: dict) -> RequestResult:
-    """POST `body` (stream forced on, usage requested) to `url` and time its events."""
+async def stream_request(session: aiohttp.ClientSession, url: str, body: dict,
+                         result: RequestResult | None = None) -> RequestResult:
+    """POST `body` (stream forced on, usage requested) to `url` and time its events, into
+    `result` if given (a caller can watch a stream's progress there)."""
     body = {**body, "stream": True, "stream_options": {"include_usage": True}}
-    result = RequestResult(started_at=time.time())
+    result = result or RequestResult(started_at=time.time())
+    result.started_at = time.time()
     started = time.perf_counter()
     try:
         async with session.post(url, json=body) as response:

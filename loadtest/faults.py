@@ -5,7 +5,12 @@
 Each scenario starts its own `pdcluster serve` (tiny model), sends a burst of concurrent greedy
 streams, SIGKILLs one engine's whole process group (vLLM server, engine core, worker), the KV
 store shard's process or the router's (which is then started again: it adopts the engines and
-rebuilds its KV index) while they run, then sends a follow-up batch to see the service recover;
+rebuilds its KV index) while they run, then sends a follow-up batch to see the service recover.
+An engine that serves streams (decode, colocated) is killed only once at least half the burst
+has sent tokens and it holds some of them (none within 60 s: the run is an error); the row says
+how many it held and each open stream's tokens so far, and how many streams' texts equal the
+same burst's without a fault (sent first; the streams the victim held go on elsewhere,
+router/migration.py);
 P/D scenarios also report what the store still holds in flight afterwards (leases, reserved
 bytes: both must be back at 0). Every request is classified:
 completed (all its tokens), failed clean (an OpenAI-style HTTP error or an error event closing
@@ -35,7 +40,7 @@ from rich.console import Console
 from rich.table import Table
 
 from deploy.local import LocalServer, RayHead
-from loadtest.client import stream_request
+from loadtest.client import RequestResult, stream_request
 from loadtest.workloads import random_text
 from security.credentials import ClusterCredentials
 
@@ -48,10 +53,19 @@ class Scenario:
     serve_args: tuple[str, ...]
     victim_role: str
     kill_after_s: float
+    """When the victim serves no streams (prefill, store, router): seconds into the burst."""
     prompt_words: int
     max_tokens: int
 
+    @property
+    def kills_streams(self) -> bool:
+        """The victim serves streams: killed once it holds some that have sent tokens."""
+        return self.victim_role in ("decode", "colocated")
 
+
+# Where a killed engine's streams go on elsewhere: in float32 the continuation's recomputed
+# prefix gives the same greedy tokens as the fault-free run (router/migration.py).
+FLOAT32 = ("--dtype", "float32")
 SCENARIOS = {
     "prefill-killed-mid-transfer": Scenario(
         "prefill-killed-mid-transfer",
@@ -60,8 +74,8 @@ SCENARIOS = {
     ),
     "decode-killed-mid-stream": Scenario(
         "decode-killed-mid-stream",
-        ("--prefill", "1", "--decode", "2", "--remote-prefill-min-tokens", "0"),
-        "decode", 3.0, 40, 128,
+        ("--prefill", "1", "--decode", "2", "--remote-prefill-min-tokens", "0", *FLOAT32),
+        "decode", 0.0, 40, 128,
     ),
     "store-shard-killed": Scenario(
         "store-shard-killed",
@@ -69,7 +83,7 @@ SCENARIOS = {
         "store", 1.0, 400, 16,
     ),
     "colocated-killed-mid-stream": Scenario(
-        "colocated-killed-mid-stream", ("--instances", "2"), "colocated", 1.0, 40, 512,
+        "colocated-killed-mid-stream", ("--instances", "2", *FLOAT32), "colocated", 0.0, 40, 512,
     ),
     # On a Ray cluster of its own (as on a `ray up` head), so the engines outlive the router.
     "router-restarted": Scenario(
@@ -98,32 +112,60 @@ def classify(result, max_tokens: int) -> str:
     return "completed"
 
 
-async def burst(url: str, count: int, scenario: Scenario, seed: int) -> list[tuple[str, str]]:
-    """`count` concurrent greedy streams; each one's outcome and error (empty if none)."""
+@dataclasses.dataclass
+class Outcome:
+    kind: str
+    """completed, failed_clean, dropped or hung (see the module docstring)."""
+    error: str
+    text: str
+
+
+async def burst(url: str, count: int, scenario: Scenario, seed: int,
+                live: list[RequestResult] | None = None) -> list[Outcome]:
+    """`count` concurrent greedy streams (the same prompts for the same seed); each one's outcome.
+    `live`, if given, gets each stream's result as it fills (tokens so far)."""
     rng = random.Random(seed)
+    prompts = [random_text(rng, scenario.prompt_words) for _ in range(count)]
     timeout = aiohttp.ClientTimeout(total=None, connect=10)
     async with aiohttp.ClientSession(timeout=timeout) as session:
 
-        async def one() -> tuple[str, str]:
-            body = {"model": "tiny", "prompt": random_text(rng, scenario.prompt_words),
-                    "max_tokens": scenario.max_tokens, "temperature": 0, "ignore_eos": True}
+        async def one(prompt: str) -> Outcome:
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": scenario.max_tokens, "temperature": 0,
+                    "ignore_eos": True}
+            result = RequestResult(started_at=time.time())
+            if live is not None:
+                live.append(result)
             try:
                 async with asyncio.timeout(HANG_TIMEOUT_S):
-                    result = await stream_request(session, f"{url}/v1/completions", body)
+                    await stream_request(session, f"{url}/v1/completions", body, result)
             except TimeoutError:
-                return "hung", "timeout"
-            return classify(result, scenario.max_tokens), result.error or ""
+                return Outcome("hung", "timeout", result.text)
+            return Outcome(classify(result, scenario.max_tokens), result.error or "", result.text)
 
-        return await asyncio.gather(*(one() for _ in range(count)))
+        return await asyncio.gather(*(one(p) for p in prompts))
 
 
-def tally(outcomes: list[tuple[str, str]]) -> dict:
-    counts = collections.Counter(outcome for outcome, _ in outcomes)
-    errors = collections.Counter(error for _, error in outcomes if error)
+def tally(outcomes: list[Outcome]) -> dict:
+    counts = collections.Counter(o.kind for o in outcomes)
+    errors = collections.Counter(o.error for o in outcomes if o.error)
     return {
         **{k: counts[k] for k in ("completed", "failed_clean", "dropped", "hung")},
         "errors": dict(errors),
     }
+
+
+async def streams_on_victim(server: LocalServer, victim_id: str, live: list[RequestResult], count: int) -> dict:
+    """Waits until at least half the burst has sent tokens and the victim serves some of it:
+    what the kill will hit (the victim's streams, every open stream's tokens so far)."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        streaming = [len(r.chunk_times_s) for r in live if r.chunk_times_s and r.e2e_s is None]
+        on_victim = next(i["inflight"] for i in await asyncio.to_thread(server.instances)
+                         if i["instance_id"] == victim_id)
+        if len(streaming) >= count / 2 and on_victim:
+            return {"streams_on_victim_at_kill": on_victim, "tokens_sent_at_kill": sorted(streaming)}
+        await asyncio.sleep(0.05)
+    raise RuntimeError(f"no kill: the victim held no streams with tokens sent within 60 s ({victim_id})")
 
 
 def store_shards(url: str) -> list[dict]:
@@ -165,10 +207,18 @@ async def run_scenario(server: LocalServer, scenario: Scenario, requests: int) -
         blocks_known = index_blocks(server)
     else:
         victim = [i for i in server.instances() if i["role"] == scenario.victim_role][0]
-    load = asyncio.create_task(burst(server.url, requests, scenario, seed=1))
+    if scenario.kills_streams:
+        # The same burst without a fault: what each stream must say (greedy) despite the kill.
+        no_fault = await burst(server.url, requests, scenario, seed=1)
+    live: list[RequestResult] = []
+    load = asyncio.create_task(burst(server.url, requests, scenario, seed=1, live=live))
     load_ended = asyncio.get_running_loop().create_future()
     load.add_done_callback(lambda _: load_ended.set_result(time.monotonic()))
-    await asyncio.sleep(scenario.kill_after_s)
+    hit: dict = {}
+    if scenario.kills_streams:
+        hit = await streams_on_victim(server, victim["instance_id"], live, requests)
+    else:
+        await asyncio.sleep(scenario.kill_after_s)
     killed_at = time.monotonic()
     if scenario.victim_role == "store":
         os.kill(shard["pid"], signal.SIGKILL)
@@ -189,8 +239,10 @@ async def run_scenario(server: LocalServer, scenario: Scenario, requests: int) -
         restart = {"store_restarted": [s.get("pid") for s in shards_after] != [shard["pid"]],
                    "store_chunks_after_follow_up": [s.get("chunks") for s in shards_after]}
     followed = tally(follow_up)
+    if hit:
+        hit["equal_to_no_fault"] = sum(o.text == n.text for o, n in zip(outcomes, no_fault, strict=True))
     return {
-        "scenario": scenario.name, "victim": victim["instance_id"], "sent": requests, **tally(outcomes),
+        "scenario": scenario.name, "victim": victim["instance_id"], "sent": requests, **tally(outcomes), **hit,
         "burst_end_after_kill_s": round(drained_s, 2),
         "follow_up_completed": followed["completed"], "follow_up_sent": len(follow_up),
         "follow_up_errors": followed["errors"],
@@ -221,12 +273,12 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(asyncio.run(run_scenario(server, scenario, args.requests)))
         console.print(rows[-1])
     table = Table(title="faults: an engine, the store shard or the router SIGKILLed under load")
-    columns = ("scenario", "sent", "completed", "failed_clean", "dropped", "hung", "follow_up_completed",
-               "store_in_flight_after")
+    columns = ("scenario", "sent", "streams_on_victim_at_kill", "completed", "equal_to_no_fault", "failed_clean",
+               "dropped", "hung", "follow_up_completed", "store_in_flight_after")
     for column in columns:
         table.add_column(column)
     for row in rows:
-        table.add_row(*(str(row[c]) if c != "follow_up_completed" else f"{row[c]}/{row['follow_up_sent']}"
+        table.add_row(*(str(row.get(c, "-")) if c != "follow_up_completed" else f"{row[c]}/{row['follow_up_sent']}"
                         for c in columns))
     console.print(table)
     args.out.parent.mkdir(parents=True, exist_ok=True)

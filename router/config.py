@@ -44,6 +44,9 @@ class RouterConfig(BaseModel):
     """Longest a whole request may take, streaming included."""
     max_attempts: int = Field(2, ge=1)
     """Instances tried for a request that failed before any byte was streamed."""
+    max_migrations: int = Field(1, ge=0)
+    """Times a stream whose engine broke goes on from its sent tokens on another instance
+    (router/migration.py); 0: it ends with an error event."""
     health_interval_s: float = Field(2.0, gt=0)
     health_timeout_s: float = Field(2.0, gt=0)
     health_failure_threshold: int = Field(2, ge=1)

@@ -41,6 +41,9 @@ INFLIGHT = Gauge("pdcluster_router_inflight_requests", "Requests being served.",
 RETRIES = Counter(
     "pdcluster_router_retries", "Requests moved to another instance before any byte was streamed."
 )
+MIGRATIONS = Counter(
+    "pdcluster_router_migrations", "Streams continued on another instance after their engine's stream broke."
+)
 INSTANCES = Gauge(
     "pdcluster_router_instances", "Instances known to the router, by role and state.", ["role", "state"]
 )

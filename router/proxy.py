@@ -8,9 +8,10 @@ streamed chunk, which halved the router's added latency in `loadtest.router_over
 A request that never reached an engine (connection refused, an engine answering 503) moves to
 another instance, up to `max_attempts`. One that reached an engine and broke it (the connection
 dropped, a 500, no answer in time) is not retried: a request that crashes one engine would crash
-the next. Once bytes have streamed, a failure ends the stream with an OpenAI error event and
-`[DONE]`, so a client never hangs. Closing the client's stream
-closes the engine's, which makes vLLM abort the request.
+the next. Once tokens have streamed, a broken stream goes on from them on another instance
+(router/migration.py), up to `max_migrations` times; one that cannot ends with an OpenAI error
+event and `[DONE]`, so a client never hangs. Closing the client's stream closes the engine's,
+which makes vLLM abort the request.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from router import metrics
 from router.config import RouterConfig
 from router.errors import EngineFailed, error_body
 from router.instances import CapacityQueue, Instance, InstanceRegistry, LatencyWindow, PendingPrefill
+from router.migration import StreamLedger, migratable
 from router.placement import Placement, Placer
 from router.policies import RoutingRequest
 
@@ -104,7 +106,7 @@ class Forwarder:
             tried.add(instance.instance_id)
             prefill = PendingPrefill(instance, computes)
             try:
-                return await self._send(instance, endpoint, send_body, started, prefill)
+                return await self._send(instance, endpoint, send_body, started, prefill, untried)
             except _RetryableEngineError as exc:
                 last_error = str(exc)
                 log.warning("instance %s failed a request: %s", instance.instance_id, exc)
@@ -145,8 +147,11 @@ class Forwarder:
         return handoff.decode_body(body), 0
 
     async def _send(
-        self, instance: Instance, endpoint: str, body: dict, started: float, prefill: PendingPrefill
+        self, instance: Instance, endpoint: str, body: dict, started: float, prefill: PendingPrefill,
+        others: Callable[[], list[Instance]],
     ) -> Response:
+        ledger = StreamLedger.start(endpoint, body) if self.config.max_migrations and migratable(endpoint, body) else None
+        body = ledger.engine_body if ledger else body
         self._enter(instance)
         handed_over = False
         try:
@@ -187,10 +192,9 @@ class Forwarder:
             self.first_tokens.observe(first_token_s)
             prefill.done()
             handed_over = True
-            return StreamingResponse(
-                self._relay(instance, endpoint, upstream, first, chunks, started),
-                media_type="text/event-stream",
-            )
+            relay = (self._relay(instance, endpoint, upstream, first, chunks, started) if ledger is None
+                     else self._migrating_relay(instance, endpoint, upstream, first, chunks, started, ledger, others))
+            return StreamingResponse(relay, media_type="text/event-stream")
         finally:
             prefill.done()
             if not handed_over:
@@ -225,6 +229,78 @@ class Forwarder:
                 upstream.close()
             self._leave(instance)
             self._observe(endpoint, status, started, first_byte=False)
+
+    async def _migrating_relay(
+        self, instance: Instance, endpoint: str, upstream: aiohttp.ClientResponse, first: bytes,
+        chunks: AsyncIterator[bytes], started: float, ledger: StreamLedger, others: Callable[[], list[Instance]],
+    ) -> AsyncIterator[bytes]:
+        """`_relay`'s job for a migratable stream: through its ledger, and on to another
+        instance (at most `max_migrations` times) when its engine's stream breaks."""
+        status, migrations = 200, 0
+        try:
+            while True:
+                try:
+                    for out in ledger.feed(first):
+                        yield out
+                    async for chunk in chunks:
+                        for out in ledger.feed(chunk):
+                            yield out
+                    if ledger.done:
+                        upstream.release()
+                        self._leave(instance)
+                        instance = None
+                        return
+                    broke = "the engine's stream ended without [DONE]"
+                except (aiohttp.ClientError, TimeoutError) as exc:
+                    broke = repr(exc)
+                upstream.close()
+                self._leave(instance)
+                self.registry.mark_failed(instance, f"its stream broke: {broke}")
+                instance = None
+                if ledger.finished:  # only the usage and [DONE] were missing
+                    yield ledger.closing()
+                    return
+                moved = None
+                if migrations < self.config.max_migrations and ledger.can_continue():
+                    migrations += 1
+                    moved = await self._continue_elsewhere(endpoint, ledger, others, broke)
+                if moved is None:
+                    status = 502
+                    event = error_body(f"the engine's stream broke: {broke}", EngineFailed.type, 502)
+                    yield f"data: {json.dumps(event)}\n\ndata: [DONE]\n\n".encode()
+                    return
+                instance, upstream, first, chunks = moved
+        finally:
+            if instance is not None:  # the client left mid-stream: closing makes vLLM abort it
+                upstream.close()
+                self._leave(instance)
+            self._observe(endpoint, status, started, first_byte=False)
+
+    async def _continue_elsewhere(
+        self, endpoint: str, ledger: StreamLedger, others: Callable[[], list[Instance]], broke: str
+    ) -> tuple[Instance, aiohttp.ClientResponse, bytes, AsyncIterator[bytes]] | None:
+        """The continuation of `ledger`'s stream on the least loaded other instance, up to its
+        first bytes; None if there is none or it failed too."""
+        candidates = others()
+        if not candidates:
+            return None
+        instance = min(candidates, key=lambda i: i.inflight)
+        body = ledger.continuation()
+        log.warning("stream of %s broke (%s): continuing on %s after %d tokens", endpoint, broke,
+                    instance.instance_id, len(body["prompt"]) - len(ledger.prompt_token_ids))
+        metrics.MIGRATIONS.inc()
+        self._enter(instance)
+        try:
+            upstream = await self.session.post(f"{instance.url}/v1/completions", json=body)
+            if upstream.status != 200:
+                upstream.release()
+                raise aiohttp.ClientResponseError(upstream.request_info, (), status=upstream.status)
+            chunks = upstream.content.iter_any()
+            return instance, upstream, await chunks.__anext__(), chunks
+        except (aiohttp.ClientError, TimeoutError, StopAsyncIteration) as exc:
+            self._leave(instance)
+            self.registry.mark_failed(instance, f"failed a continued stream: {exc!r}")
+            return None
 
     def _enter(self, instance: Instance) -> None:
         instance.inflight += 1

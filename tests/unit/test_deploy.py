@@ -118,3 +118,41 @@ def test_when_a_pool_grows(ready, inflight, queued, growing, ttft_p90, grow):
     assert wants_more(spec, ready, inflight, queued, growing, ttft_p90) is grow
     untargeted = spec.model_copy(update={"target_ttft_s": None})
     assert wants_more(untargeted, 1, 1, 0, 0, ttft_p90=9.0) is False  # no target, no TTFT trigger
+
+
+async def test_an_instance_leaving_its_pool_takes_no_new_request_and_finishes_what_it_holds():
+    import asyncio
+
+    from deploy.launcher import Launcher
+    from engine.lifecycle import InstanceState
+    from router.instances import InstanceRegistry
+
+    registry = InstanceRegistry()
+    leaving = Instance("colocated-0", COLOCATED, "http://127.0.0.1:1")
+    leaving.state, leaving.inflight = InstanceState.READY, 1
+    registry.add(leaving)
+    launcher = Launcher.__new__(Launcher)  # its registry and books only: no Ray actor behind it
+    launcher.registry, launcher._actors, launcher.instances, launcher._descriptors = registry, {}, {}, {}
+    stopping = asyncio.create_task(launcher.stop_instance("colocated-0", drain_s=30))
+    await asyncio.sleep(0.3)
+    assert leaving.state == InstanceState.DRAINING and registry.ready() == []  # no new request
+    assert registry.get("colocated-0") is leaving and not stopping.done()  # its stream goes on
+    leaving.inflight = 0  # the stream ended
+    await asyncio.wait_for(stopping, 2)
+    assert registry.get("colocated-0") is None
+
+
+async def test_a_drain_ends_at_its_deadline():
+    import asyncio
+
+    from deploy.launcher import Launcher
+    from router.instances import InstanceRegistry
+
+    registry = InstanceRegistry()
+    stuck = Instance("colocated-0", COLOCATED, "http://127.0.0.1:1")
+    stuck.inflight = 1
+    registry.add(stuck)
+    launcher = Launcher.__new__(Launcher)
+    launcher.registry, launcher._actors, launcher.instances, launcher._descriptors = registry, {}, {}, {}
+    await asyncio.wait_for(launcher.stop_instance("colocated-0", drain_s=0.2), 2)
+    assert registry.get("colocated-0") is None

@@ -1,0 +1,169 @@
+"""Continuing a stream whose engine died: what the client has been sent, the request that goes on
+from there on another instance, and that request's events in the first stream's shape.
+
+A migratable stream asks its engine for token ids (vLLM's `return_token_ids`), which the
+`StreamLedger` records and strips (unless the client asked for them too). When the engine's
+stream breaks, the continuation is a completion whose prompt is the first stream's prompt token
+ids (for a chat, the rendered conversation) followed by the tokens already sent, asking for the
+tokens still owed. Its events are rewritten to the first stream's id, model and object (a chat's
+`delta.content`), and its usage counts the request once: the original prompt, every token sent.
+
+What holds: greedy output equals a run without the fault, token for token, as far as the
+numbers allow: the continuation's prompt is exactly the tokens the engine had, but their KV is
+recomputed in one prefill where the first engine computed it step by step. In float32 the two
+agree (tests/e2e/test_migration.py); in bfloat16 a near-tie after the break can go the other way. Seeded sampling continues deterministically, but
+vLLM seeds a request's generator once, at its start, so the tokens after the fault differ from a
+fault-free run's. A stop string that would span the break is not seen. Tokens whose text the
+engine still held back (an unfinished UTF-8 character) are generated again, not counted as sent.
+Not migrated (the stream ends with an error event, as before): several choices (`n` > 1, a list
+of prompts), logprobs, `echo`, tools and structured output (the continuation cannot carry the
+grammar's state), and an engine that hides token ids (a reasoning parser).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterator
+from typing import Any
+
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+# Requests whose continuation could not be the same request: see the module docstring.
+_NOT_MIGRATABLE = ("logprobs", "top_logprobs", "prompt_logprobs", "echo", "suffix", "tools", "tool_choice",
+                   "response_format", "structured_outputs")
+# A chat's fields that a completion does not take.
+_CHAT_ONLY = ("messages", "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls",
+              "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "documents",
+              "reasoning_effort", "logprobs", "top_logprobs", "response_format")
+_DONE = b"data: [DONE]\n\n"
+
+
+def migratable(endpoint: str, body: dict[str, Any]) -> bool:
+    """Whether a stream of this request can be continued on another instance."""
+    if endpoint not in (COMPLETIONS, CHAT) or not body.get("stream") or body.get("n", 1) != 1:
+        return False
+    if any(body.get(name) for name in _NOT_MIGRATABLE):
+        return False
+    prompt = body.get("prompt")
+    return endpoint == CHAT or isinstance(prompt, str) or (isinstance(prompt, list) and isinstance(prompt[0], int))
+
+
+@dataclasses.dataclass
+class StreamLedger:
+    """A migratable stream's record: the events' common fields, the prompt's token ids, the
+    tokens whose text the client has, and whether the stream has finished."""
+
+    endpoint: str
+    engine_body: dict[str, Any]
+    """The body the first engine was sent (tenant salt included), asking for token ids."""
+    client_wants_token_ids: bool
+    head: dict[str, Any] | None = None
+    prompt_token_ids: list[int] | None = None
+    sent_token_ids: list[int] = dataclasses.field(default_factory=list)
+    held_token_ids: list[int] = dataclasses.field(default_factory=list)
+    """Tokens the engine sent without their text yet (held back): not the client's."""
+    finished: bool = False
+    """A choice has its finish reason: what is left (usage, [DONE]) needs no engine."""
+    done: bool = False
+    continued: bool = False
+    sent_before_continuation: int = 0
+    _buffer: bytes = b""
+
+    @classmethod
+    def start(cls, endpoint: str, body: dict[str, Any]) -> StreamLedger:
+        """The ledger of a stream about to be sent with `body`; the engine is asked for token ids."""
+        engine_body = {**body, "return_token_ids": True}
+        return cls(endpoint, engine_body, client_wants_token_ids=bool(body.get("return_token_ids")))
+
+    def feed(self, data: bytes) -> Iterator[bytes]:
+        """The client's bytes for a piece of the engine's stream (events split anywhere)."""
+        self._buffer += data
+        while b"\n\n" in self._buffer:
+            raw, self._buffer = self._buffer.split(b"\n\n", 1)
+            out = self._event(raw)
+            if out is not None:
+                yield out
+
+    def _event(self, raw: bytes) -> bytes | None:
+        if not raw.startswith(b"data: "):
+            return raw + b"\n\n"
+        payload = raw[len(b"data: "):]
+        if payload.strip() == b"[DONE]":
+            self.done = True
+            return _DONE
+        event = json.loads(payload)
+        if "error" in event or "choices" not in event:
+            return raw + b"\n\n"
+        if self.continued:
+            event = self._as_first_stream(event)
+        else:
+            self.head = self.head or {k: event[k] for k in ("id", "object", "created", "model") if k in event}
+            if event.get("prompt_token_ids") is not None:  # a chat's first event: beside the choices
+                self.prompt_token_ids = event["prompt_token_ids"]
+        for choice in event["choices"]:
+            self._record(choice)
+        if not self.client_wants_token_ids:
+            event.pop("prompt_token_ids", None)
+            for choice in event["choices"]:
+                choice.pop("token_ids", None)
+                choice.pop("prompt_token_ids", None)
+        if not event["choices"] and "usage" not in event:
+            return None
+        return b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
+
+    def _record(self, choice: dict[str, Any]) -> None:
+        if choice.get("prompt_token_ids") is not None and not self.continued:
+            self.prompt_token_ids = choice["prompt_token_ids"]
+        text = choice.get("text") if self.endpoint == COMPLETIONS else (choice.get("delta") or {}).get("content")
+        self.held_token_ids += choice.get("token_ids") or []
+        if text:
+            self.sent_token_ids += self.held_token_ids
+            self.held_token_ids = []
+        if choice.get("finish_reason") is not None:
+            self.sent_token_ids += self.held_token_ids  # its text is all out now
+            self.held_token_ids = []
+            self.finished = True
+
+    def can_continue(self) -> bool:
+        return self.prompt_token_ids is not None and self.head is not None and not self.done
+
+    def continuation(self) -> dict[str, Any]:
+        """The completion that goes on from what the client has."""
+        body = {k: v for k, v in self.engine_body.items() if k not in _CHAT_ONLY and k != "kv_transfer_params"}
+        body["prompt"] = [*self.prompt_token_ids, *self.sent_token_ids]
+        limit = self.engine_body.get("max_completion_tokens") or self.engine_body.get("max_tokens")
+        if limit is not None:
+            body["max_tokens"] = limit - len(self.sent_token_ids)
+        if "min_tokens" in body:
+            body["min_tokens"] = max(0, body["min_tokens"] - len(self.sent_token_ids))
+        self.continued, self.held_token_ids, self._buffer = True, [], b""
+        self.sent_before_continuation = len(self.sent_token_ids)
+        return body
+
+    def _as_first_stream(self, event: dict[str, Any]) -> dict[str, Any]:
+        """A continuation event (a completion's) in the first stream's shape."""
+        event.pop("prompt_token_ids", None)
+        choices = []
+        for choice in event["choices"]:
+            choice.pop("prompt_token_ids", None)
+            if self.endpoint == CHAT:
+                text = choice.pop("text", "")
+                choice["delta"] = {"content": text} if text else {}
+            choices.append(choice)
+        usage = event.get("usage")
+        if usage:  # the continuation's prompt held the tokens sent before it
+            usage = {"prompt_tokens": usage["prompt_tokens"] - self.sent_before_continuation,
+                     "completion_tokens": usage["completion_tokens"] + self.sent_before_continuation,
+                     "total_tokens": usage["total_tokens"]}
+        return {**event, **self.head, "choices": choices, **({"usage": usage} if usage else {})}
+
+    def closing(self) -> bytes:
+        """The end of a stream whose engine died after its last token: the usage it was owed and [DONE]."""
+        usage = b""
+        if (self.engine_body.get("stream_options") or {}).get("include_usage") and self.prompt_token_ids is not None:
+            prompt, completion = len(self.prompt_token_ids), len(self.sent_token_ids)
+            event = {**(self.head or {}), "choices": [], "usage": {
+                "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}}
+            usage = b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
+        self.done = True
+        return usage + _DONE

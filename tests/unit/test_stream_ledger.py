@@ -1,0 +1,113 @@
+"""The stream ledger (router/migration.py) on streams shaped as vLLM's, without an engine."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from router.migration import CHAT, COMPLETIONS, StreamLedger, migratable
+
+
+def sse(*events: dict | str) -> bytes:
+    return b"".join(f"data: {e if isinstance(e, str) else json.dumps(e)}\n\n".encode() for e in events)
+
+
+def completion_event(text: str, token_ids: list[int], finish: str | None = None, prompt: list[int] | None = None,
+                     object_: str = "text_completion", event_id: str = "cmpl-1") -> dict:
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "token_ids": token_ids}
+    if prompt is not None:
+        choice["prompt_token_ids"] = prompt
+    return {"id": event_id, "object": object_, "created": 7, "model": "m", "choices": [choice]}
+
+
+def events_of(data: bytes) -> list[dict | str]:
+    out = []
+    for raw in data.split(b"\n\n"):
+        if raw:
+            payload = raw.removeprefix(b"data: ").decode()
+            out.append(payload if payload == "[DONE]" else json.loads(payload))
+    return out
+
+
+def test_the_client_gets_its_stream_without_the_token_ids_it_did_not_ask_for_split_anywhere():
+    body = {"model": "m", "prompt": "hi", "max_tokens": 4, "stream": True}
+    ledger = StreamLedger.start(COMPLETIONS, body)
+    assert ledger.engine_body["return_token_ids"] and "return_token_ids" not in body
+    stream = sse(completion_event("A", [10], prompt=[1, 2]), completion_event("", [11]), completion_event("B", [12]))
+    out = b"".join(b"".join(ledger.feed(stream[i:i + 5])) for i in range(0, len(stream), 5))
+    events = events_of(out)
+    assert [e["choices"][0]["text"] for e in events] == ["A", "", "B"]
+    assert all("token_ids" not in e["choices"][0] and "prompt_token_ids" not in e["choices"][0] for e in events)
+    assert ledger.prompt_token_ids == [1, 2] and ledger.sent_token_ids == [10, 11, 12]
+
+
+def test_tokens_whose_text_is_held_back_are_not_counted_as_sent():
+    ledger = StreamLedger.start(COMPLETIONS, {"model": "m", "prompt": "hi", "stream": True})
+    list(ledger.feed(sse(completion_event("A", [10], prompt=[1]), completion_event("", [11]))))
+    assert ledger.sent_token_ids == [10]  # 11's text (half a character) never reached the client
+    body = ledger.continuation()
+    assert body["prompt"] == [1, 10] and "max_tokens" not in body
+
+
+def test_the_continuation_asks_for_what_is_still_owed_with_the_same_salt_and_no_handoff():
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 10,
+            "min_tokens": 3, "stream": True, "cache_salt": "tenant-a", "seed": 5,
+            "stream_options": {"include_usage": True}}
+    ledger = StreamLedger.start(CHAT, body)
+    ledger.engine_body["kv_transfer_params"] = {"do_remote_prefill": True}
+    first = {"id": "chat-1", "object": "chat.completion.chunk", "created": 7, "model": "m", "prompt_token_ids": [1, 2, 3],
+             "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
+    token = {**first, "prompt_token_ids": None,
+             "choices": [{"index": 0, "delta": {"content": "x"}, "finish_reason": None, "token_ids": [20, 21]}]}
+    list(ledger.feed(sse(first, token)))
+    continuation = ledger.continuation()
+    assert continuation["prompt"] == [1, 2, 3, 20, 21]
+    assert continuation["max_tokens"] == 8 and continuation["min_tokens"] == 1
+    assert continuation["cache_salt"] == "tenant-a" and continuation["seed"] == 5
+    assert not {"messages", "max_completion_tokens", "kv_transfer_params"} & continuation.keys()
+
+
+def test_continuation_events_take_the_first_streams_shape_and_usage_counts_the_request_once():
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True,
+            "stream_options": {"include_usage": True}}
+    ledger = StreamLedger.start(CHAT, body)
+    first = {"id": "chat-1", "object": "chat.completion.chunk", "created": 7, "model": "m", "prompt_token_ids": [1, 2],
+             "choices": [{"index": 0, "delta": {"content": "a"}, "finish_reason": None, "token_ids": [30]}]}
+    list(ledger.feed(sse(first)))
+    ledger.continuation()
+    usage = {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}  # its prompt held the 1 sent token
+    out = events_of(b"".join(ledger.feed(sse(
+        completion_event("b", [31], prompt=[1, 2, 30], event_id="cmpl-9"),
+        completion_event("c", [32, 33], finish="length", event_id="cmpl-9"),
+        {"id": "cmpl-9", "object": "text_completion", "created": 9, "model": "m", "choices": [], "usage": usage},
+        "[DONE]"))))
+    assert [(e["id"], e["object"], e["created"]) for e in out[:3]] == [("chat-1", "chat.completion.chunk", 7)] * 3
+    assert [e["choices"][0]["delta"] for e in out[:2]] == [{"content": "b"}, {"content": "c"}]
+    assert out[2]["usage"] == {"prompt_tokens": 2, "completion_tokens": 4, "total_tokens": 6}
+    assert out[3] == "[DONE]" and ledger.done and ledger.sent_token_ids == [30, 31, 32, 33]
+
+
+def test_a_stream_that_broke_after_its_last_token_is_closed_with_its_usage():
+    body = {"model": "m", "prompt": "hi", "stream": True, "stream_options": {"include_usage": True}}
+    ledger = StreamLedger.start(COMPLETIONS, body)
+    list(ledger.feed(sse(completion_event("A", [10, 11], finish="stop", prompt=[1, 2, 3]))))
+    assert ledger.finished
+    closing = events_of(ledger.closing())
+    assert closing[0]["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    assert closing[1] == "[DONE]"
+
+
+@pytest.mark.parametrize(("endpoint", "body", "expected"), [
+    (COMPLETIONS, {"prompt": "a", "stream": True}, True),
+    (COMPLETIONS, {"prompt": [1, 2], "stream": True}, True),
+    (CHAT, {"messages": [], "stream": True}, True),
+    (COMPLETIONS, {"prompt": "a"}, False),  # not streamed
+    (COMPLETIONS, {"prompt": ["a", "b"], "stream": True}, False),  # two prompts
+    (CHAT, {"messages": [], "stream": True, "n": 2}, False),
+    (CHAT, {"messages": [], "stream": True, "logprobs": True}, False),
+    (CHAT, {"messages": [], "stream": True, "response_format": {"type": "json_object"}}, False),
+    (COMPLETIONS, {"prompt": "a", "stream": True, "echo": True}, False),
+])
+def test_what_can_be_migrated(endpoint, body, expected):
+    assert migratable(endpoint, body) is expected
