@@ -17,7 +17,9 @@ fault-free run's. A stop string that would span the break is not seen. Tokens wh
 engine still held back (an unfinished UTF-8 character) are generated again, not counted as sent.
 Not migrated (the stream ends with an error event, as before): several choices (`n` > 1, a list
 of prompts), logprobs, `echo`, tools and structured output (the continuation cannot carry the
-grammar's state), and an engine that hides token ids (a reasoning parser).
+grammar's state), stop strings (vLLM holds back characters, not tokens, that could start one),
+presence and frequency penalties (they count output tokens only: the sent ones would escape
+them), and an engine that hides token ids (a reasoning parser).
 """
 
 from __future__ import annotations
@@ -30,22 +32,32 @@ from typing import Any
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 # Requests whose continuation could not be the same request: see the module docstring.
 _NOT_MIGRATABLE = ("logprobs", "top_logprobs", "prompt_logprobs", "echo", "suffix", "tools", "tool_choice",
-                   "response_format", "structured_outputs")
+                   "response_format", "structured_outputs", "stop")
+# Penalties on output tokens only: the sent tokens, in the continuation's prompt, would escape them.
+_OUTPUT_PENALTIES = ("presence_penalty", "frequency_penalty")
 # A chat's fields that a completion does not take.
 _CHAT_ONLY = ("messages", "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls",
               "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "documents",
               "reasoning_effort", "logprobs", "top_logprobs", "response_format")
 _DONE = b"data: [DONE]\n\n"
+DEFAULT_COMPLETION_TOKENS = 16  # vLLM's (and OpenAI's) max_tokens of a completion that sets none
 
 
 def migratable(endpoint: str, body: dict[str, Any]) -> bool:
     """Whether a stream of this request can be continued on another instance."""
     if endpoint not in (COMPLETIONS, CHAT) or not body.get("stream") or body.get("n", 1) != 1:
         return False
-    if any(body.get(name) for name in _NOT_MIGRATABLE):
+    if any(_is_set(body.get(name)) for name in _NOT_MIGRATABLE):
+        return False
+    if any(body.get(name) for name in _OUTPUT_PENALTIES):
         return False
     prompt = body.get("prompt")
     return endpoint == CHAT or isinstance(prompt, str) or (isinstance(prompt, list) and isinstance(prompt[0], int))
+
+
+def _is_set(value: Any) -> bool:
+    """Set to something that matters (`logprobs: 0` does: the sampled token's own)."""
+    return value is not None and value is not False and not (isinstance(value, list | str | dict) and not value)
 
 
 @dataclasses.dataclass
@@ -56,6 +68,7 @@ class StreamLedger:
     endpoint: str
     engine_body: dict[str, Any]
     """The body the first engine was sent (tenant salt included), asking for token ids."""
+    max_model_len: int
     client_wants_token_ids: bool
     head: dict[str, Any] | None = None
     prompt_token_ids: list[int] | None = None
@@ -70,10 +83,10 @@ class StreamLedger:
     _buffer: bytes = b""
 
     @classmethod
-    def start(cls, endpoint: str, body: dict[str, Any]) -> StreamLedger:
+    def start(cls, endpoint: str, body: dict[str, Any], max_model_len: int) -> StreamLedger:
         """The ledger of a stream about to be sent with `body`; the engine is asked for token ids."""
         engine_body = {**body, "return_token_ids": True}
-        return cls(endpoint, engine_body, client_wants_token_ids=bool(body.get("return_token_ids")))
+        return cls(endpoint, engine_body, max_model_len, client_wants_token_ids=bool(body.get("return_token_ids")))
 
     def feed(self, data: bytes) -> Iterator[bytes]:
         """The client's bytes for a piece of the engine's stream (events split anywhere)."""
@@ -129,16 +142,23 @@ class StreamLedger:
 
     def continuation(self) -> dict[str, Any]:
         """The completion that goes on from what the client has."""
-        body = {k: v for k, v in self.engine_body.items() if k not in _CHAT_ONLY and k != "kv_transfer_params"}
+        body = {k: v for k, v in self.engine_body.items()
+                if k not in _CHAT_ONLY and k not in ("kv_transfer_params", "truncate_prompt_tokens")}
         body["prompt"] = [*self.prompt_token_ids, *self.sent_token_ids]
-        limit = self.engine_body.get("max_completion_tokens") or self.engine_body.get("max_tokens")
-        if limit is not None:
-            body["max_tokens"] = limit - len(self.sent_token_ids)
+        body["max_tokens"] = self._limit() - len(self.sent_token_ids)
         if "min_tokens" in body:
             body["min_tokens"] = max(0, body["min_tokens"] - len(self.sent_token_ids))
         self.continued, self.held_token_ids, self._buffer = True, [], b""
         self.sent_before_continuation = len(self.sent_token_ids)
         return body
+
+    def _limit(self) -> int:
+        """The request's whole output limit, vLLM's defaults included: a completion's is 16, a
+        chat's whatever the context leaves (the continuation is a completion: it must be told)."""
+        limit = self.engine_body.get("max_completion_tokens") or self.engine_body.get("max_tokens")
+        if limit is not None:
+            return limit
+        return DEFAULT_COMPLETION_TOKENS if self.endpoint == COMPLETIONS else self.max_model_len - len(self.prompt_token_ids)
 
     def _as_first_stream(self, event: dict[str, Any]) -> dict[str, Any]:
         """A continuation event (a completion's) in the first stream's shape."""

@@ -43,6 +43,11 @@ class _RetryableEngineError(Exception):
     pass
 
 
+def _error_event(message: str) -> bytes:
+    """An OpenAI error event that ends a stream, and [DONE]."""
+    return f"data: {json.dumps(error_body(message, EngineFailed.type, 502))}\n\ndata: [DONE]\n\n".encode()
+
+
 class Forwarder:
     """Owns the pooled HTTP client to the engines."""
 
@@ -150,7 +155,8 @@ class Forwarder:
         self, instance: Instance, endpoint: str, body: dict, started: float, prefill: PendingPrefill,
         others: Callable[[], list[Instance]],
     ) -> Response:
-        ledger = StreamLedger.start(endpoint, body) if self.config.max_migrations and migratable(endpoint, body) else None
+        ledger = (StreamLedger.start(endpoint, body, self.config.max_model_len)
+                  if self.config.max_migrations and migratable(endpoint, body) else None)
         body = ledger.engine_body if ledger else body
         self._enter(instance)
         handed_over = False
@@ -218,8 +224,7 @@ class Forwarder:
         except (aiohttp.ClientError, TimeoutError) as exc:
             status = 502
             log.warning("stream from %s broke: %r", instance.instance_id, exc)
-            event = error_body(f"the engine's stream broke: {exc!r}", EngineFailed.type, 502)
-            yield f"data: {json.dumps(event)}\n\ndata: [DONE]\n\n".encode()
+            yield _error_event(f"the engine's stream broke: {exc!r}")
         finally:
             # A stream left early (client gone) is closed, not released: dropping the connection
             # makes vLLM abort the request.
@@ -245,14 +250,20 @@ class Forwarder:
                     async for chunk in chunks:
                         for out in ledger.feed(chunk):
                             yield out
-                    if ledger.done:
-                        upstream.release()
-                        self._leave(instance)
-                        instance = None
-                        return
-                    broke = "the engine's stream ended without [DONE]"
+                    broke = None if ledger.done else "the engine's stream ended without [DONE]"
                 except (aiohttp.ClientError, TimeoutError) as exc:
-                    broke = repr(exc)
+                    broke = None if ledger.done else repr(exc)  # after [DONE] nothing is missing
+                except ValueError as exc:  # not an event stream: nothing to go on from
+                    upstream.close()
+                    self._leave(instance)
+                    instance, status = None, 502
+                    yield _error_event(f"the engine sent a malformed event: {exc}")
+                    return
+                if broke is None:
+                    upstream.release()
+                    self._leave(instance)
+                    instance = None
+                    return
                 upstream.close()
                 self._leave(instance)
                 self.registry.mark_failed(instance, f"its stream broke: {broke}")
@@ -266,8 +277,7 @@ class Forwarder:
                     moved = await self._continue_elsewhere(endpoint, ledger, others, broke)
                 if moved is None:
                     status = 502
-                    event = error_body(f"the engine's stream broke: {broke}", EngineFailed.type, 502)
-                    yield f"data: {json.dumps(event)}\n\ndata: [DONE]\n\n".encode()
+                    yield _error_event(f"the engine's stream broke: {broke}")
                     return
                 instance, upstream, first, chunks = moved
         finally:
@@ -280,7 +290,8 @@ class Forwarder:
         self, endpoint: str, ledger: StreamLedger, others: Callable[[], list[Instance]], broke: str
     ) -> tuple[Instance, aiohttp.ClientResponse, bytes, AsyncIterator[bytes]] | None:
         """The continuation of `ledger`'s stream on the least loaded other instance, up to its
-        first bytes; None if there is none or it failed too."""
+        first bytes; None if there is none or it failed too. Whatever ends it early (the client
+        leaving cancels it) leaves the instance's books and connection as they were."""
         candidates = others()
         if not candidates:
             return None
@@ -290,17 +301,27 @@ class Forwarder:
                     instance.instance_id, len(body["prompt"]) - len(ledger.prompt_token_ids))
         metrics.MIGRATIONS.inc()
         self._enter(instance)
+        upstream, moved = None, None
         try:
             upstream = await self.session.post(f"{instance.url}/v1/completions", json=body)
             if upstream.status != 200:
-                upstream.release()
-                raise aiohttp.ClientResponseError(upstream.request_info, (), status=upstream.status)
+                text = (await upstream.read()).decode(errors="replace")[:500]
+                log.warning("instance %s refused a continued stream: HTTP %d %s", instance.instance_id,
+                            upstream.status, text)
+                if upstream.status >= 500 and upstream.status != 503:
+                    self.registry.mark_failed(instance, f"failed a continued stream: HTTP {upstream.status}")
+                return None
             chunks = upstream.content.iter_any()
-            return instance, upstream, await chunks.__anext__(), chunks
+            moved = instance, upstream, await chunks.__anext__(), chunks
+            return moved
         except (aiohttp.ClientError, TimeoutError, StopAsyncIteration) as exc:
-            self._leave(instance)
             self.registry.mark_failed(instance, f"failed a continued stream: {exc!r}")
             return None
+        finally:
+            if moved is None:
+                if upstream is not None:
+                    upstream.close()
+                self._leave(instance)
 
     def _enter(self, instance: Instance) -> None:
         instance.inflight += 1

@@ -112,6 +112,10 @@ def test_a_killed_engine_costs_no_stream_and_no_token(served_two):
     migrated = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
                    if line.startswith("pdcluster_router_migrations_total"))
     assert migrated >= victim["inflight"]
+    deadline = time.monotonic() + 10  # the router's books: every stream left every instance it entered
+    while any(i["inflight"] for i in served_two.instances()):
+        assert time.monotonic() < deadline, served_two.instances()
+        time.sleep(0.1)
 
 
 def test_sigterm_drains_the_streams_in_flight_before_the_engines_stop(served_two):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -154,5 +155,7 @@ async def test_a_drain_ends_at_its_deadline():
     registry.add(stuck)
     launcher = Launcher.__new__(Launcher)
     launcher.registry, launcher._actors, launcher.instances, launcher._descriptors = registry, {}, {}, {}
+    started = time.monotonic()
     await asyncio.wait_for(launcher.stop_instance("colocated-0", drain_s=0.2), 2)
+    assert time.monotonic() - started >= 0.2  # it waited for the stream, then no longer
     assert registry.get("colocated-0") is None

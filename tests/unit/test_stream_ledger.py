@@ -32,7 +32,7 @@ def events_of(data: bytes) -> list[dict | str]:
 
 def test_the_client_gets_its_stream_without_the_token_ids_it_did_not_ask_for_split_anywhere():
     body = {"model": "m", "prompt": "hi", "max_tokens": 4, "stream": True}
-    ledger = StreamLedger.start(COMPLETIONS, body)
+    ledger = StreamLedger.start(COMPLETIONS, body, 128)
     assert ledger.engine_body["return_token_ids"] and "return_token_ids" not in body
     stream = sse(completion_event("A", [10], prompt=[1, 2]), completion_event("", [11]), completion_event("B", [12]))
     out = b"".join(b"".join(ledger.feed(stream[i:i + 5])) for i in range(0, len(stream), 5))
@@ -43,18 +43,27 @@ def test_the_client_gets_its_stream_without_the_token_ids_it_did_not_ask_for_spl
 
 
 def test_tokens_whose_text_is_held_back_are_not_counted_as_sent():
-    ledger = StreamLedger.start(COMPLETIONS, {"model": "m", "prompt": "hi", "stream": True})
+    ledger = StreamLedger.start(COMPLETIONS, {"model": "m", "prompt": "hi", "stream": True}, 128)
     list(ledger.feed(sse(completion_event("A", [10], prompt=[1]), completion_event("", [11]))))
     assert ledger.sent_token_ids == [10]  # 11's text (half a character) never reached the client
     body = ledger.continuation()
-    assert body["prompt"] == [1, 10] and "max_tokens" not in body
+    assert body["prompt"] == [1, 10]
+    assert body["max_tokens"] == 15  # a completion that set none was owed vLLM's default, 16
+
+
+def test_a_chat_that_set_no_limit_is_owed_what_the_context_leaves():
+    ledger = StreamLedger.start(CHAT, {"model": "m", "messages": [], "stream": True}, 128)
+    first = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m", "prompt_token_ids": [1, 2, 3],
+             "choices": [{"index": 0, "delta": {"content": "x"}, "finish_reason": None, "token_ids": [9, 9]}]}
+    list(ledger.feed(sse(first)))
+    assert ledger.continuation()["max_tokens"] == 128 - 3 - 2
 
 
 def test_the_continuation_asks_for_what_is_still_owed_with_the_same_salt_and_no_handoff():
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 10,
             "min_tokens": 3, "stream": True, "cache_salt": "tenant-a", "seed": 5,
             "stream_options": {"include_usage": True}}
-    ledger = StreamLedger.start(CHAT, body)
+    ledger = StreamLedger.start(CHAT, body, 128)
     ledger.engine_body["kv_transfer_params"] = {"do_remote_prefill": True}
     first = {"id": "chat-1", "object": "chat.completion.chunk", "created": 7, "model": "m", "prompt_token_ids": [1, 2, 3],
              "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
@@ -71,7 +80,7 @@ def test_the_continuation_asks_for_what_is_still_owed_with_the_same_salt_and_no_
 def test_continuation_events_take_the_first_streams_shape_and_usage_counts_the_request_once():
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True,
             "stream_options": {"include_usage": True}}
-    ledger = StreamLedger.start(CHAT, body)
+    ledger = StreamLedger.start(CHAT, body, 128)
     first = {"id": "chat-1", "object": "chat.completion.chunk", "created": 7, "model": "m", "prompt_token_ids": [1, 2],
              "choices": [{"index": 0, "delta": {"content": "a"}, "finish_reason": None, "token_ids": [30]}]}
     list(ledger.feed(sse(first)))
@@ -90,7 +99,7 @@ def test_continuation_events_take_the_first_streams_shape_and_usage_counts_the_r
 
 def test_a_stream_that_broke_after_its_last_token_is_closed_with_its_usage():
     body = {"model": "m", "prompt": "hi", "stream": True, "stream_options": {"include_usage": True}}
-    ledger = StreamLedger.start(COMPLETIONS, body)
+    ledger = StreamLedger.start(COMPLETIONS, body, 128)
     list(ledger.feed(sse(completion_event("A", [10, 11], finish="stop", prompt=[1, 2, 3]))))
     assert ledger.finished
     closing = events_of(ledger.closing())
@@ -108,6 +117,11 @@ def test_a_stream_that_broke_after_its_last_token_is_closed_with_its_usage():
     (CHAT, {"messages": [], "stream": True, "logprobs": True}, False),
     (CHAT, {"messages": [], "stream": True, "response_format": {"type": "json_object"}}, False),
     (COMPLETIONS, {"prompt": "a", "stream": True, "echo": True}, False),
+    (COMPLETIONS, {"prompt": "a", "stream": True, "logprobs": 0}, False),  # the sampled token's own
+    (COMPLETIONS, {"prompt": "a", "stream": True, "stop": ["\n\n"]}, False),  # held-back characters
+    (COMPLETIONS, {"prompt": "a", "stream": True, "stop": []}, True),
+    (CHAT, {"messages": [], "stream": True, "presence_penalty": 0.5}, False),  # counts output tokens
+    (CHAT, {"messages": [], "stream": True, "presence_penalty": 0.0, "repetition_penalty": 1.2}, True),
 ])
 def test_what_can_be_migrated(endpoint, body, expected):
     assert migratable(endpoint, body) is expected
