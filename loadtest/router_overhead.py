@@ -19,6 +19,7 @@ it; docs/security.md, attack 5): what such clients cost everyone else's time to 
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import json
 import statistics
@@ -78,22 +79,23 @@ def measure(router_url: str, engine_url: str, model: str, rounds: int, max_token
 
 
 @contextlib.contextmanager
-def huge_prompt_attack(router_url: str, model: str, attackers: int) -> Iterator[None]:
-    """`attackers` threads sending the router 130k-character chat prompts until the block ends."""
-    stop = threading.Event()
+def huge_prompt_attack(router_url: str, model: str, attackers: int) -> Iterator[collections.Counter]:
+    """`attackers` threads sending the router 130k-character chat prompts until the block ends;
+    yields the count of their answers by HTTP status."""
+    stop, answers = threading.Event(), collections.Counter()
 
     def attack() -> None:
         huge = {"model": model, "messages": [{"role": "user", "content": "word " * 26_000}]}
         with httpx.Client(timeout=60) as client:
             while not stop.is_set():
-                client.post(f"{router_url}/v1/chat/completions", json=huge)
+                answers[client.post(f"{router_url}/v1/chat/completions", json=huge).status_code] += 1
 
     threads = [threading.Thread(target=attack, daemon=True) for _ in range(attackers)]
     for thread in threads:
         thread.start()
     try:
         time.sleep(1.0)  # the attack under way before the first measured request
-        yield
+        yield answers
     finally:
         stop.set()
         for thread in threads:

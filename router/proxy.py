@@ -242,6 +242,17 @@ class Forwarder:
         """`_relay`'s job for a migratable stream: through its ledger, and on to another
         instance (at most `max_migrations` times) when its engine's stream breaks."""
         status, migrations = 200, 0
+
+        def let_go(broken: bool) -> None:
+            """Done with this engine's stream: dropped if broken (vLLM then aborts), else pooled."""
+            nonlocal instance
+            if broken:
+                upstream.close()
+            else:
+                upstream.release()
+            self._leave(instance)
+            instance = None
+
         try:
             while True:
                 try:
@@ -254,20 +265,15 @@ class Forwarder:
                 except (aiohttp.ClientError, TimeoutError) as exc:
                     broke = None if ledger.done else repr(exc)  # after [DONE] nothing is missing
                 except ValueError as exc:  # not an event stream: nothing to go on from
-                    upstream.close()
-                    self._leave(instance)
-                    instance, status = None, 502
+                    let_go(broken=True)
+                    status = 502
                     yield _error_event(f"the engine sent a malformed event: {exc}")
                     return
                 if broke is None:
-                    upstream.release()
-                    self._leave(instance)
-                    instance = None
+                    let_go(broken=False)
                     return
-                upstream.close()
-                self._leave(instance)
                 self.registry.mark_failed(instance, f"its stream broke: {broke}")
-                instance = None
+                let_go(broken=True)
                 if ledger.finished:  # only the usage and [DONE] were missing
                     yield ledger.closing()
                     return
@@ -281,9 +287,8 @@ class Forwarder:
                     return
                 instance, upstream, first, chunks = moved
         finally:
-            if instance is not None:  # the client left mid-stream: closing makes vLLM abort it
-                upstream.close()
-                self._leave(instance)
+            if instance is not None:  # the client left mid-stream
+                let_go(broken=True)
             self._observe(endpoint, status, started, first_byte=False)
 
     async def _continue_elsewhere(

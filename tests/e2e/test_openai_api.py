@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import collections
-import threading
-
 import httpx
 import openai
 import pytest
+
+from loadtest.router_overhead import huge_prompt_attack
 
 pytestmark = pytest.mark.slow
 MODEL = "tiny"
@@ -171,26 +170,10 @@ def test_huge_prompts_are_refused_before_any_engine_while_others_are_served(serv
         return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                    if line.startswith("vllm:prompt_tokens_total"))
 
-    stop, answers = threading.Event(), collections.Counter()
-
-    def attack() -> None:
-        huge = {"model": MODEL, "messages": [{"role": "user", "content": "word " * 26_000}]}  # 130k chars
-        with httpx.Client(timeout=60) as client:
-            while not stop.is_set():
-                answers[client.post(f"{served.url}/v1/chat/completions", json=huge).status_code] += 1
-
     body = {"model": MODEL, "prompt": "A short question?", "max_tokens": 1}
     before = engine_prompt_tokens()
-    attackers = [threading.Thread(target=attack) for _ in range(3)]
-    for thread in attackers:
-        thread.start()
-    try:
-        with httpx.Client(timeout=60) as client:
-            innocent = [client.post(f"{served.url}/v1/completions", json=body) for _ in range(20)]
-    finally:
-        stop.set()
-        for thread in attackers:
-            thread.join()
+    with huge_prompt_attack(served.url, MODEL, attackers=3) as answers, httpx.Client(timeout=60) as client:
+        innocent = [client.post(f"{served.url}/v1/completions", json=body) for _ in range(20)]
     assert [r.status_code for r in innocent] == [200] * 20
     assert set(answers) <= {400, 503} and answers[400] > 0, answers
     innocent_tokens = sum(r.json()["usage"]["prompt_tokens"] for r in innocent)

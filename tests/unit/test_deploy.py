@@ -121,10 +121,18 @@ def test_when_a_pool_grows(ready, inflight, queued, growing, ttft_p90, grow):
     assert wants_more(untargeted, 1, 1, 0, 0, ttft_p90=9.0) is False  # no target, no TTFT trigger
 
 
+def bare_launcher(registry):
+    """A Launcher with its registry and books only: no Ray actor behind it."""
+    from deploy.launcher import Launcher
+
+    launcher = Launcher.__new__(Launcher)
+    launcher.registry, launcher._actors, launcher.instances, launcher._descriptors = registry, {}, {}, {}
+    return launcher
+
+
 async def test_an_instance_leaving_its_pool_takes_no_new_request_and_finishes_what_it_holds():
     import asyncio
 
-    from deploy.launcher import Launcher
     from engine.lifecycle import InstanceState
     from router.instances import InstanceRegistry
 
@@ -132,8 +140,7 @@ async def test_an_instance_leaving_its_pool_takes_no_new_request_and_finishes_wh
     leaving = Instance("colocated-0", COLOCATED, "http://127.0.0.1:1")
     leaving.state, leaving.inflight = InstanceState.READY, 1
     registry.add(leaving)
-    launcher = Launcher.__new__(Launcher)  # its registry and books only: no Ray actor behind it
-    launcher.registry, launcher._actors, launcher.instances, launcher._descriptors = registry, {}, {}, {}
+    launcher = bare_launcher(registry)
     stopping = asyncio.create_task(launcher.stop_instance("colocated-0", drain_s=30))
     await asyncio.sleep(0.3)
     assert leaving.state == InstanceState.DRAINING and registry.ready() == []  # no new request
@@ -146,15 +153,13 @@ async def test_an_instance_leaving_its_pool_takes_no_new_request_and_finishes_wh
 async def test_a_drain_ends_at_its_deadline():
     import asyncio
 
-    from deploy.launcher import Launcher
     from router.instances import InstanceRegistry
 
     registry = InstanceRegistry()
     stuck = Instance("colocated-0", COLOCATED, "http://127.0.0.1:1")
     stuck.inflight = 1
     registry.add(stuck)
-    launcher = Launcher.__new__(Launcher)
-    launcher.registry, launcher._actors, launcher.instances, launcher._descriptors = registry, {}, {}, {}
+    launcher = bare_launcher(registry)
     started = time.monotonic()
     await asyncio.wait_for(launcher.stop_instance("colocated-0", drain_s=0.2), 2)
     assert time.monotonic() - started >= 0.2  # it waited for the stream, then no longer
