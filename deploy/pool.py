@@ -138,6 +138,10 @@ class PoolController:
     def _instances(self, role: RoleSpec, state: InstanceState) -> list:
         return [i for i in self.registry.all() if i.role == role and i.state == state]
 
+    def _standbys(self, role: RoleSpec) -> list:
+        """Standbys of `role`, awake ones first (they skip the wake-up)."""
+        return self._instances(role, InstanceState.STANDBY) + self._instances(role, InstanceState.SLEEPING)
+
     def _step(self, spec: PoolSpec) -> None:
         role = spec.role
         ready = self._instances(role, InstanceState.READY)
@@ -153,7 +157,7 @@ class PoolController:
         if grow and len(ready) + self._growing[role] < spec.max_ready:
             self._growing[role] += 1
             self._spawn(self._grow(spec), f"grow-{role.name}")
-        standbys = len(self._instances(role, InstanceState.STANDBY)) + self._standby_starting[role]
+        standbys = len(self._standbys(role)) + self._standby_starting[role]
         if standbys < spec.standby:
             self._standby_starting[role] += 1
             self._spawn(self._add_standby(spec), f"standby-{role.name}")
@@ -173,7 +177,7 @@ class PoolController:
         decided = time.monotonic()
         try:
             peer = await self.launcher.peer_weights()
-            standbys = self._instances(spec.role, InstanceState.STANDBY)
+            standbys = self._standbys(spec.role)
             if standbys:
                 instance_id, path = standbys[0].instance_id, "standby"
                 timeline = await self.launcher.activate(instance_id, peer)

@@ -4,12 +4,26 @@ from __future__ import annotations
 
 import secrets
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
+from urllib.parse import urlparse
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 from engine.environment import KV_HASH_SEED
 from engine.roles import COLOCATED, RoleSpec
+
+
+def _checked_otlp_endpoint(url: str) -> str:
+    parsed = urlparse(url)
+    if parsed.scheme not in ("http", "https") or not parsed.hostname or not parsed.port:
+        raise ValueError(f"{url!r} is not an OTLP/gRPC endpoint: give http(s)://HOST:PORT")
+    if parsed.username or parsed.password or parsed.query:  # argv and logs show it
+        raise ValueError("an OTLP endpoint takes no credentials; put them in OTEL_EXPORTER_OTLP_TRACES_HEADERS")
+    return url
+
+
+OtlpEndpoint = Annotated[str, AfterValidator(_checked_otlp_endpoint)]
+"""Where OpenTelemetry spans go, over OTLP/gRPC: http(s)://HOST:PORT."""
 
 
 class KVHashing(BaseModel):
@@ -50,6 +64,10 @@ class EngineConfig(BaseModel):
     """Host memory for the KV cache on the CPU build (VLLM_CPU_KVCACHE_SPACE)."""
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     """Share of GPU memory vLLM may take on a CUDA build."""
+    sleep_mode: bool = False
+    """CUDA only: a standby sleeps once started (vLLM's sleep mode, level 2: weights' and KV
+    cache's memory given back) and wakes on activation. Its live weights are then not offered to
+    peers over CUDA IPC (memory vLLM maps itself has no IPC handle), only through NIXL."""
     cpu_cores: str | None = None
     """Cores the CPU build binds its threads to ("1", "2-3"); None lets vLLM choose."""
     gpu_ids: str | None = None
@@ -81,6 +99,9 @@ class EngineConfig(BaseModel):
     log_dir: Path | None = None
     """Folder (on the engine's node) where each engine writes all its vLLM server printed, as
     <instance id>.log; None keeps only the last lines in memory (shown when a start fails)."""
+    otlp_traces_endpoint: OtlpEndpoint | None = None
+    """Export vLLM's request spans (`llm_request`, joined to the router's trace by the
+    `traceparent` it sends) over OTLP/gRPC there; None exports none."""
     extra_args: tuple[str, ...] = ()
     """Further `vllm serve` arguments, passed through verbatim."""
 

@@ -17,13 +17,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import ctypes
-import functools
 import json
 import os
 import re
 import signal
-import ssl
 import subprocess
 import sys
 import threading
@@ -34,6 +31,7 @@ import httpx
 from engine.config import EngineConfig
 from engine.environment import KV_EVENTS_PLUGIN, engine_process_env, free_port, is_cpu_build
 from engine.lifecycle import InstanceState, StartTimeline
+from engine.process import GROUP_GUARD, die_with_parent, local_client, node_address
 from engine.weights import new_weights_file
 from engine.worker_extension import WEIGHTS_DIR_ENV, WEIGHTS_FILE_ENV
 from security.credentials import ClusterCredentials
@@ -49,28 +47,6 @@ STAGE_PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("api_server", re.compile(r"Application startup complete")),
 )
 LOG_TAIL_LINES = 200
-_PR_SET_PDEATHSIG = 1
-
-
-# The server runs under a shell that leads its process group, with a watcher in the background
-# that kills the whole group once the actor process is gone. Needed because Ray SIGKILLs a dead
-# actor's direct children (the shell, or before it the server), and vLLM's engine core and worker
-# outlive their server (seen: orphans holding 2 GB each). The watcher, orphaned, survives that.
-_GROUP_GUARD = """
-actor=$1; shift
-"$@" & server=$!
-( trap "" TERM
-  while kill -0 "$actor" 2>/dev/null && kill -0 "$server" 2>/dev/null; do sleep 1; done
-  kill -KILL 0 ) &
-trap 'kill -TERM "$server" 2>/dev/null' TERM
-while kill -0 "$server" 2>/dev/null; do wait "$server"; done
-"""
-
-
-def _die_with_parent() -> None:
-    """Runs in the child before exec: SIGTERM it when the actor process dies."""
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class EngineStartError(RuntimeError):
@@ -148,6 +124,8 @@ class EngineHost:
         ]
         if c.enforce_eager:
             command.append("--enforce-eager")
+        if c.sleep_mode:
+            command.append("--enable-sleep-mode")
         if c.dtype != "auto":
             command += ["--dtype", c.dtype]
         if c.kv_events_endpoint:
@@ -161,6 +139,8 @@ class EngineHost:
             command += ["--kv-events-config", json.dumps(events)]
         if c.role.kv_transfer:
             command += ["--kv-transfer-config", json.dumps(self.kv_transfer_config())]
+        if c.otlp_traces_endpoint:
+            command += ["--otlp-traces-endpoint", c.otlp_traces_endpoint]
         return command + list(c.role.vllm_args) + list(c.extra_args)
 
     def kv_transfer_config(self) -> dict:
@@ -182,6 +162,9 @@ class EngineHost:
         Returns the timeline."""
         if self.state not in (InstanceState.STOPPED, InstanceState.FAILED):
             raise EngineStartError(f"{self.instance_id} is {self.state.value}; cannot start")
+        if self.config.sleep_mode and (is_cpu_build() or self.config.role.kv_transfer):
+            # P/D roles: their KV connector registers the KV cache's memory, which sleep unmaps.
+            raise EngineStartError("sleep mode needs a CUDA GPU and a colocated role")
         self.timeline = StartTimeline()
         self.state = InstanceState.LOADING
         env = engine_process_env(self.host, self.config.kv_cache_gib, self.config.cpu_cores,
@@ -196,17 +179,21 @@ class EngineHost:
         if self.weights_file is not None:
             env[WEIGHTS_FILE_ENV] = str(self.weights_file)
         env.update(self.config.role.env)
+        if self.config.otlp_traces_endpoint:  # vLLM's spans name their engine; gRPC, as the router's
+            env.update(OTEL_SERVICE_NAME="pdcluster-engine", OTEL_EXPORTER_OTLP_TRACES_PROTOCOL="grpc",
+                       OTEL_RESOURCE_ATTRIBUTES=f"pdcluster.instance_id={self.instance_id},"
+                                                f"pdcluster.role={self.config.role.name}")
         if self.config.role.kv_transfer:
             env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port(self.host))
         self._process = subprocess.Popen(
-            ["bash", "-c", _GROUP_GUARD, "pdcluster-engine", str(os.getpid()), *self.server_command()],
+            ["bash", "-c", GROUP_GUARD, "pdcluster-engine", str(os.getpid()), *self.server_command()],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
             bufsize=1,
             start_new_session=True,  # its own process group: stop() ends engine core and workers too
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
         )
         threading.Thread(target=self._follow_log, args=(self._process,), daemon=True).start()
 
@@ -216,6 +203,10 @@ class EngineHost:
                 # Lazy first-request work does not depend on the weights: pay it now, not on activation.
                 await self._warm_up()
                 self.state = InstanceState.STANDBY
+                if self.config.sleep_mode:
+                    await self._engine_post("/sleep", {"level": "2"})  # weights and KV cache: none to keep
+                    self.timeline.mark("sleep")
+                    self.state = InstanceState.SLEEPING
             else:
                 await self._load_and_warm(peer)
 
@@ -223,12 +214,21 @@ class EngineHost:
         return self.timeline.as_record()
 
     async def activate(self, peer: dict | None = None) -> dict:
-        """Turn a STANDBY instance into a READY one: weights (from `peer`, else disk), a warm-up
-        request. Returns the timeline of the activation alone."""
-        if self.state != InstanceState.STANDBY:
+        """Turn a standby (awake or asleep) into a READY instance: its memory back if it sleeps,
+        weights (from `peer`, else disk), a warm-up request. Returns the activation's timeline."""
+        if not self.state.is_standby:
             raise EngineStartError(f"{self.instance_id} is {self.state.value}, not standby")
         self.timeline = StartTimeline()
-        await self._guarded(self._load_and_warm(peer), self.config.start_timeout_s, "activation")
+
+        async def wake_and_load() -> None:
+            if self.state == InstanceState.SLEEPING:
+                # All tags at once: the weights' memory comes back empty and is filled next; the
+                # KV cache's is needed by the warm-up anyway.
+                await self._engine_post("/wake_up", {})
+                self.timeline.mark("wake_up")
+            await self._load_and_warm(peer)
+
+        await self._guarded(wake_and_load(), self.config.start_timeout_s, "activation")
         return self.timeline.as_record()
 
     async def export_weights(self, use_nixl: bool = True, offer_file: bool = True) -> dict:
@@ -253,7 +253,7 @@ class EngineHost:
             )
             tail = "\n".join(self.log_tail()[-40:])
             raise EngineStartError(f"{self.instance_id} {what} failed: {reason}\n{tail}") from None
-        if self.state != InstanceState.STANDBY:
+        if not self.state.is_standby:
             self.state = InstanceState.READY
 
     async def _load_and_warm(self, peer: dict | None) -> None:
@@ -266,12 +266,14 @@ class EngineHost:
         self.timeline.details.update(weights_source=source, weights_bytes=record["bytes"])
         if record["fallback_reason"]:
             self.timeline.details["weights_fallback_reason"] = record["fallback_reason"]
-        async with self._client(60.0) as client:
-            # Blocks cached before the real weights arrived would hold wrong KV.
-            (await client.post(f"{self.url}/reset_prefix_cache")).raise_for_status()
+        await self._engine_post("/reset_prefix_cache", {})  # blocks cached before the weights hold wrong KV
         self.state = InstanceState.WARMING
         await self._warm_up()
         self.timeline.mark("warmup_request")
+
+    async def _engine_post(self, path: str, params: dict[str, str]) -> None:
+        async with self._client(60.0) as client:
+            (await client.post(f"{self.url}{path}", params=params)).raise_for_status()
 
     async def _warm_up(self) -> None:
         """Readiness means a request has really run through the engine, not just /health. It asks
@@ -338,7 +340,7 @@ class EngineHost:
 
     async def health(self) -> dict:
         """The instance's state, re-checked against its process and /health."""
-        if self.state in (InstanceState.READY, InstanceState.STANDBY):
+        if self.state == InstanceState.READY or self.state.is_standby:
             alive = self._process is not None and self._process.poll() is None
             async with self._client(2.0) as client:
                 if not alive or not await self._healthy(client):
@@ -379,24 +381,4 @@ class EngineHost:
 
     def _client(self, timeout_s: float) -> httpx.AsyncClient:
         """A client for this instance's engine server, with the engine token."""
-        return _local_client(timeout_s, self.auth_headers)
-
-
-@functools.cache
-def _ssl_context() -> ssl.SSLContext:
-    return ssl.create_default_context()
-
-
-def _local_client(timeout_s: float, headers: dict[str, str]) -> httpx.AsyncClient:
-    """A client for this node's engine server (plain HTTP, no proxy). Every new httpx client
-    builds an SSL context and loads the CA certificates unless given one: 20-55 ms here, and an
-    activation makes three clients on its way to READY."""
-    return httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), verify=_ssl_context(), trust_env=False,
-                             headers=headers)
-
-
-def node_address() -> str:
-    """The address this process's Ray node uses (loopback on a one-machine cluster)."""
-    import ray
-
-    return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+        return local_client(timeout_s, self.auth_headers)

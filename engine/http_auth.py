@@ -23,9 +23,12 @@ from security.credentials import EngineKeys, bearer_matches
 ROUTES = frozenset({
     ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
     ("GET", "/health"), ("GET", "/metrics"), ("POST", "/reset_prefix_cache"), ("POST", "/collective_rpc"),
+    ("POST", "/sleep"), ("POST", "/wake_up"),
 })
 WORKER_METHODS = frozenset({"pdc_load_weights", "pdc_export_weights", "pdc_release_weights"})
-MAX_RPC_BODY_BYTES = 64 * 1024
+# A weight descriptor names every parameter with its handle and checksum: ~150 KB for an 8B
+# Llama (64 KiB refused it on the H200), MBs for a large MoE. Read only from token holders.
+MAX_RPC_BODY_BYTES = 64 * 1024 * 1024
 
 
 def _error(status: int, kind: str, message: str) -> bytes:
@@ -53,7 +56,10 @@ class EngineAuthMiddleware:
             return
         if scope["path"] == "/collective_rpc":
             body = await _read_body(receive, MAX_RPC_BODY_BYTES)
-            if body is None or _rpc_method(body) not in WORKER_METHODS:
+            if body is None:
+                await _respond(send, 413, _error(413, "RequestTooLarge", "a collective_rpc body over the limit"))
+                return
+            if _rpc_method(body) not in WORKER_METHODS:
                 await _respond(send, 403, _error(403, "PermissionError", "not a worker method of pdcluster's"))
                 return
             receive = _replay(body, receive)

@@ -11,12 +11,20 @@ class InstanceState(enum.StrEnum):
     """Where an instance is in its life. Only READY instances receive traffic."""
 
     STANDBY = "standby"
+    SLEEPING = "sleeping"
+    """A standby whose GPU memory is given back but for its CUDA context and graphs (vLLM's
+    sleep mode, level 2): it holds ~2 GiB instead of its share of the GPU."""
     LOADING = "loading"
     WARMING = "warming"
     READY = "ready"
     DRAINING = "draining"
     STOPPED = "stopped"
     FAILED = "failed"
+
+    @property
+    def is_standby(self) -> bool:
+        """Waiting for weights, awake or asleep: no traffic; `activate()` makes it READY."""
+        return self in (InstanceState.STANDBY, InstanceState.SLEEPING)
 
 
 @dataclasses.dataclass

@@ -99,13 +99,17 @@ def _llama_config(fast, layers: int, hidden: int, intermediate: int, heads: int,
     )
 
 
+LLAMA8B_SHAPE = (32, 4096, 14336, 32, 8)
+"""Layers, hidden size, MLP size, attention heads, KV heads of Llama-3-8B."""
+
+
 def write_llama8b_shape(target: Path) -> None:
     """The configuration of an 8B Llama (32 layers, hidden 4096, GQA 32/8) and the trained
     tokenizer, without weights: for benchmarks on engines that keep vLLM's dummy weights (a
     checkpoint of 16 GB would only be random too). Its vocabulary is the tokenizer's (2048), so
     its head is ~0.05 of a real 8B's."""
     fast = _trained_tokenizer(target, vocab_size=2048)
-    _llama_config(fast, 32, 4096, 14336, 32, 8, tied=False, max_positions=8192).save_pretrained(target)
+    _llama_config(fast, *LLAMA8B_SHAPE, tied=False, max_positions=8192).save_pretrained(target)
 
 
 def _random_llama(target: Path, seed: int, layers: int, hidden: int, intermediate: int, heads: int,
@@ -137,6 +141,21 @@ def build_tiny_tied(target: Path, seed: int = 0) -> None:
 def build_llama1b(target: Path, seed: int = 0, tied: bool = False) -> None:
     """A ~1B-parameter Llama (16 layers, hidden 2048) with random weights: cold-start yardstick."""
     _random_llama(target, seed, layers=16, hidden=2048, intermediate=8192, heads=32, kv_heads=8, tied=tied)
+
+
+def build_llama8b(target: Path, seed: int = 0) -> None:
+    """The 8B Llama shape of `write_llama8b_shape` with random bf16 weights (16 GB), made on the
+    GPU when there is one (minutes on a CPU): cold starts that load real checkpoint bytes."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    fast = _trained_tokenizer(target, vocab_size=2048)
+    torch.manual_seed(seed)
+    config = _llama_config(fast, *LLAMA8B_SHAPE, tied=False, max_positions=8192)
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = LlamaForCausalLM(config)
+    model.save_pretrained(target, safe_serialization=True)
 
 
 def build_llama1b_tied(target: Path, seed: int = 0) -> None:
@@ -180,6 +199,7 @@ BUILDERS: dict[str, Callable[[Path], None]] = {
     "smollm2": build_smollm2,
     "llama1b": build_llama1b,
     "llama1b-tied": build_llama1b_tied,
+    "llama8b": build_llama8b,
 }
 
 

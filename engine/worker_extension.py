@@ -220,6 +220,11 @@ class WeightPlaneExtension:
     def _pdc_ipc_descriptor(self) -> dict:
         from engine.device_checksum import region_checksum
 
+        if self.vllm_config.model_config.enable_sleep_mode:
+            # Its memory is mapped by vLLM's CuMemAllocator, which the driver gives no IPC handle
+            # (seen on the H200: cudaErrorInvalidValue); peers load from another peer or disk.
+            raise WeightTransferError("an engine in sleep mode cannot offer its weights over CUDA IPC")
+
         params = self._pdc_parameters()
         described = {
             "kind": "cuda_ipc", "host": _node_host(), "model_id": model_id(self._pdc_model_dir()),

@@ -214,7 +214,7 @@ class StoreShardActor:
                  fault_injection: bool = False):
         import ray
 
-        from engine.host import node_address
+        from engine.process import node_address
 
         self._credentials = ClusterCredentials.from_hex(cluster_secret)
         name = ray.get_runtime_context().get_actor_name() or f"unnamed-{os.getpid()}"

@@ -7,9 +7,12 @@ Three paths, each run `--runs` times, in one process (same machine state for all
   (b) disk    - our EngineHost start: the engine built with dummy weights, then our parallel
                 safetensors loader, warm-up request;
   (c) standby - a STANDBY instance (started beforehand, untimed) activated with the weights of a
-                ready peer (shared memory on one node), then the warm-up request.
+                ready peer (shared memory on one node, CUDA IPC on a GPU), then the warm-up request;
+  (d) sleeping - the same with a standby that sleeps until activated (vLLM's sleep mode, level 2;
+                CUDA only): its memory comes back, then the peer's weights, the warm-up request.
 The clock starts at the call and stops at the first streamed token of a request to the new
-instance. Path (c) also checks that the activated instance's greedy tokens equal the peer's.
+instance. Paths (c) and (d) also check that the activated instance's greedy tokens equal the
+peer's, and on a GPU record the device memory the waiting standby held.
 Prints a table, writes JSON and a PNG of the stages. Needs only `engine.*` and httpx, so it runs
 on the CUDA machines too (the table is plain text; the PNG needs matplotlib).
 """
@@ -34,14 +37,15 @@ from engine.environment import engine_process_env, free_port
 from engine.host import EngineHost
 
 PROMPT = "The first token after a cold start"
-PATHS = ("plain", "disk", "standby")
+PATHS = ("plain", "disk", "standby", "sleeping")
 
 
-async def first_token(url: str, model: str, max_tokens: int = 1, prompt: str = PROMPT) -> list[str]:
+async def first_token(url: str, model: str, max_tokens: int = 1, prompt: str = PROMPT,
+                      headers: dict[str, str] | None = None) -> list[str]:
     """Stream a greedy completion; return its text piece by piece (one piece per token)."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
     tokens: list[str] = []
-    async with httpx.AsyncClient(timeout=120) as client:
+    async with httpx.AsyncClient(timeout=120, headers=headers) as client:
         async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
             response.raise_for_status()
             async for line in response.aiter_lines():
@@ -92,7 +96,7 @@ async def disk_start(config: EngineConfig, run: int) -> dict:
     try:
         record = await host.start()
         before_token = time.perf_counter() - asked
-        await first_token(host.url, config.served_model_name)
+        await first_token(host.url, config.served_model_name, headers=host.auth_headers)
         total = time.perf_counter() - asked
         record["stages_s"]["first_token"] = total - before_token
         return {**record, "first_token_s": total}
@@ -100,28 +104,45 @@ async def disk_start(config: EngineConfig, run: int) -> dict:
         await host.stop()
 
 
-async def standby_start(config: EngineConfig, peer: EngineHost, run: int, check_tokens: int) -> dict:
-    """(c): activate a standby with the peer's weights; the standby's own start is not counted."""
-    standby = EngineHost(config, f"cold-standby-{run}", host="127.0.0.1")
+def gpu_memory_used() -> int | None:
+    """Bytes in use on GPU 0 by all processes (NVML: no CUDA context of our own); None without one."""
     try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).used)
+    except Exception:  # no NVML, no driver, no GPU: the CPU build
+        return None
+
+
+async def standby_start(config: EngineConfig, peer: EngineHost, run: int, check_tokens: int,
+                        sleep: bool = False) -> dict:
+    """(c), or (d) if `sleep`: activate a standby with the peer's weights; the standby's own
+    start is not counted."""
+    config = config.model_copy(update={"sleep_mode": sleep})
+    standby = EngineHost(config, f"cold-{'sleeping' if sleep else 'standby'}-{run}", host="127.0.0.1")
+    try:
+        used_before = gpu_memory_used()
         untimed = await standby.start(standby=True)
+        used_waiting = gpu_memory_used()
         descriptor = await peer.export_weights(use_nixl=False)
         asked = time.perf_counter()
         record = await standby.activate(descriptor)
         before_token = time.perf_counter() - asked
-        await first_token(standby.url, config.served_model_name)
+        await first_token(standby.url, config.served_model_name, headers=standby.auth_headers)
         total = time.perf_counter() - asked
         record["stages_s"]["first_token"] = total - before_token
         # A prompt neither has seen: a prefix-cache hit on one side only changes the numerics
         # enough to flip near-ties of greedy decoding (random weights are full of them).
         check = f"{run} and its tokens must match the peer's"
-        ours = await first_token(standby.url, config.served_model_name, check_tokens, check)
-        theirs = await first_token(peer.url, config.served_model_name, check_tokens, check)
-        theirs_again = await first_token(peer.url, config.served_model_name, check_tokens, check)
+        ours = await first_token(standby.url, config.served_model_name, check_tokens, check, standby.auth_headers)
+        theirs = await first_token(peer.url, config.served_model_name, check_tokens, check, peer.auth_headers)
+        theirs_again = await first_token(peer.url, config.served_model_name, check_tokens, check, peer.auth_headers)
         # Joined: where a stream cuts its text pieces depends on detokenizer timing, not the tokens.
         return {**record, "first_token_s": total, "tokens_match_peer": "".join(ours) == "".join(theirs),
                 "peer_repeats_itself": "".join(theirs) == "".join(theirs_again), "tokens": [ours, theirs],
-                "standby_start_s": untimed["total_s"], "weights": standby.weights_record}
+                "standby_start_s": untimed["total_s"], "weights": standby.weights_record,
+                "waiting_gpu_bytes": used_waiting - used_before if used_before is not None else None}
     finally:
         await standby.stop()
 
@@ -142,13 +163,15 @@ async def bench(
                 elif path == "disk":
                     record = await disk_start(new_config, run)
                 else:
-                    record = await standby_start(new_config, peer, run, check_tokens=8)
+                    record = await standby_start(new_config, peer, run, check_tokens=8, sleep=path == "sleeping")
                 results[path].append(record)
                 stages = " ".join(f"{k}={v:.3f}" for k, v in record["stages_s"].items())
                 details = record.get("details", {})
                 source = details.get("weights_source", "")
                 if "weights_fallback_reason" in details:
                     source += f" (fallback: {details['weights_fallback_reason']})"
+                if record.get("waiting_gpu_bytes") is not None:
+                    source += f" (held {record['waiting_gpu_bytes'] / 2**30:.2f} GiB while waiting)"
                 print(f"run {run} {path:8s} first token after {record['first_token_s']:.3f} s: {stages} {source}",
                       flush=True)
     finally:
@@ -164,6 +187,11 @@ def summarize(results: dict[str, list[dict]]) -> dict[str, dict]:
             "first_token_s": statistics.median(r["first_token_s"] for r in records),
             "stages_s": {n: statistics.median(r["stages_s"].get(n, 0.0) for r in records) for n in stages},
         }
+        held = [r["waiting_gpu_bytes"] for r in records if r.get("waiting_gpu_bytes") is not None]
+        if held:
+            summary[path]["waiting_gpu_gib"] = statistics.median(held) / 2**30
+        if any("tokens_match_peer" in r for r in records):
+            summary[path]["tokens_match_peer"] = all(r["tokens_match_peer"] for r in records)
     if "plain" in summary:
         baseline = summary["plain"]["first_token_s"]
         for path in summary:
@@ -173,11 +201,13 @@ def summarize(results: dict[str, list[dict]]) -> dict[str, dict]:
 
 def print_table(model: str, summary: dict[str, dict], runs: int) -> None:
     print(f"\ncold start, {model}, medians of {runs} runs (seconds from the call to the first token)")
-    print(f"{'path':10s} {'first token':>12s} {'vs plain':>9s}  stages")
+    print(f"{'path':10s} {'first token':>12s} {'vs plain':>9s} {'held GiB':>9s} {'=peer':>6s}  stages")
     for path, row in summary.items():
         stages = " ".join(f"{k}={v:.3f}" for k, v in row["stages_s"].items())
         speedup = f"{row['speedup_vs_plain']:8.1f}x" if "speedup_vs_plain" in row else " " * 9
-        print(f"{path:10s} {row['first_token_s']:12.3f} {speedup}  {stages}")
+        held = f"{row['waiting_gpu_gib']:9.2f}" if "waiting_gpu_gib" in row else " " * 9
+        equal = str(row.get("tokens_match_peer", "")).rjust(6)
+        print(f"{path:10s} {row['first_token_s']:12.3f} {speedup} {held} {equal}  {stages}")
 
 
 def plot(summary: dict[str, dict], title: str, path: Path) -> None:
@@ -214,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.25)
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--cores", default="0,1", help="CPU cores of the peer and of the new instance")
-    parser.add_argument("--paths", default=",".join(PATHS), help="which of plain,disk,standby to run")
+    parser.add_argument("--paths", default="plain,disk,standby", help=f"which of {','.join(PATHS)} to run")
     parser.add_argument("--out", type=Path, default=None, help="JSON path (PNG beside it)")
     args = parser.parse_args(argv)
     config = EngineConfig(model=args.model, served_model_name=args.model.name, enforce_eager=not args.no_eager,

@@ -1,6 +1,7 @@
 """On a CUDA GPU: a random ~1B Llama with tied word embeddings, loaded by our disk streaming
-loader and by a standby over CUDA IPC from that peer, answers as plain vLLM does on the same
-checkpoint (issue #18, item 4; docs/gpu-notes.md).
+loader, by a standby over CUDA IPC from that peer, and by a standby that slept (vLLM's sleep
+mode, level 2) until activated, answers as plain vLLM does on the same checkpoint (issue #18,
+item 4; issue #23; docs/gpu-notes.md).
 
 Needs a GPU and vLLM's CUDA build (on the lent H200: docs/gpu/h200/run_conformance.sh); skipped
 anywhere else, CI included. Three servers share GPU 0: plain vLLM, our peer, our standby.
@@ -24,7 +25,8 @@ pytest.importorskip("vllm")
 from oracle import ask_all, assert_conforms, differences, oracle_answers  # noqa: E402
 
 from engine.config import EngineConfig  # noqa: E402
-from engine.host import EngineHost  # noqa: E402
+from engine.host import EngineHost, EngineStartError  # noqa: E402
+from engine.lifecycle import InstanceState  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -40,12 +42,21 @@ def tied_1b(tmp_path_factory) -> Path:
     return path
 
 
-def test_disk_loader_and_cuda_ipc_standby_answer_as_plain_vllm(tied_1b, artifacts):
-    config = EngineConfig(model=tied_1b, served_model_name="llama1b-tied", gpu_memory_utilization=0.25,
-                          enforce_eager=os.environ.get("PDC_CUDA_EAGER", "1") == "1", max_model_len=2048,
-                          log_dir=artifacts / "conformance-gpu")
-    want = oracle_answers(config, artifacts / "plain-vllm-llama1b-tied-cuda.log")
-    print({name: answer.token_ids for name, answer in want.items()})
+@pytest.fixture(scope="module")
+def config(tied_1b, artifacts) -> EngineConfig:
+    return EngineConfig(model=tied_1b, served_model_name="llama1b-tied", gpu_memory_utilization=0.25,
+                        enforce_eager=os.environ.get("PDC_CUDA_EAGER", "1") == "1", max_model_len=2048,
+                        log_dir=artifacts / "conformance-gpu")
+
+
+@pytest.fixture(scope="module")
+def want(config, artifacts) -> dict:
+    answers = oracle_answers(config, artifacts / "plain-vllm-llama1b-tied-cuda.log")
+    print({name: answer.token_ids for name, answer in answers.items()})
+    return answers
+
+
+def test_disk_loader_and_cuda_ipc_standby_answer_as_plain_vllm(config, want):
     peer = EngineHost(config, "peer-1b", host="127.0.0.1")
     standby = EngineHost(config, "standby-1b", host="127.0.0.1")
 
@@ -63,3 +74,28 @@ def test_disk_loader_and_cuda_ipc_standby_answer_as_plain_vllm(tied_1b, artifact
     finally:
         asyncio.run(standby.stop())
         asyncio.run(peer.stop())
+
+
+def test_sleeping_standby_wakes_with_peer_weights_and_answers_as_plain_vllm(config, want):
+    """A standby asleep (weights and KV cache given back) wakes with the peer's weights over CUDA
+    IPC. It cannot be a CUDA IPC peer itself (memory vLLM maps has no IPC handle): it says so."""
+    peer = EngineHost(config, "peer-1b", host="127.0.0.1")
+    sleeper = EngineHost(config.model_copy(update={"sleep_mode": True}), "sleeping-1b", host="127.0.0.1")
+
+    async def start_all() -> None:
+        # One after another: vLLM sizes its KV cache from the memory free while it profiles, which
+        # engines starting beside it take (seen: "No available memory for the cache blocks").
+        await peer.start()
+        await sleeper.start(standby=True)
+
+    try:
+        asyncio.run(start_all())
+        assert sleeper.state == InstanceState.SLEEPING
+        asyncio.run(sleeper.activate(asyncio.run(peer.export_weights())))
+        assert sleeper.weights_record["transport"] == "cuda_ipc"
+        assert_conforms(sleeper.url, "llama1b-tied", want, sleeper.auth_headers)
+        with pytest.raises(EngineStartError, match="sleep mode cannot offer its weights over CUDA IPC"):
+            asyncio.run(sleeper.export_weights())
+    finally:
+        for host in (sleeper, peer):
+            asyncio.run(host.stop())

@@ -1,0 +1,24 @@
+# Sleeping standbys on the lent H200 (issue #23; vLLM 0.26, torch 2.11, Python 3.12, no network).
+# Calls before this one (each within 30 s of the last) copy the three parts of
+# ../shared/gpu/build-vllm-wheelhouse.sh (.vchunks/part00..02) into /tmp/vparts.
+# Then, from the repository root: bash docs/gpu/h200/run_sleep.sh test|cold1b|cold8b
+#   test:   tests/conformance/test_conformance_gpu.py (disk, CUDA IPC standby, sleeping standby)
+#   cold1b: loadtest.cold_start, the tied ~1B Llama, standby vs sleeping, CUDA graphs
+#   cold8b: the same on a random 8B Llama (built on the GPU in its own process, 16 GB)
+set -eo pipefail
+[ -d /tmp/site ] || bash /tmp/vparts/install.sh > /tmp/install.log 2>&1
+source /tmp/vparts/env.sh
+export PYTHONPATH=$PYTHONPATH:$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PDC_CUDA_MODEL_DIR=/tmp/models
+# Models are built in a process of their own, before any engine starts.
+build() { python3 -c "import sys; from pathlib import Path; from engine.models import ensure_model; ensure_model(sys.argv[1], Path(sys.argv[2]))" "$1" "/tmp/models/$1"; }
+case "$1" in
+  test) shift; python3 -m pytest tests/conformance/test_conformance_gpu.py -v -s -p no:cacheprovider --timeout 560 "$@" ;;
+  cold1b) build llama1b-tied
+          python3 -m loadtest.cold_start --model /tmp/models/llama1b-tied --no-eager --paths standby,sleeping \
+            --runs "${RUNS:-3}" --out "${OUT:-/tmp}/cold_start-m1b-sleeping.json" ;;
+  cold8b) build llama8b
+          python3 -m loadtest.cold_start --model /tmp/models/llama8b --no-eager --paths standby,sleeping \
+            --runs "${RUNS:-2}" --out "${OUT:-/tmp}/cold_start-m8b-sleeping.json" ;;
+  *) echo "usage: $0 test|cold1b|cold8b" >&2; exit 2 ;;
+esac
