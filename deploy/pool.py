@@ -45,6 +45,9 @@ class PoolSpec(BaseModel):
     max_ready: int = Field(1, ge=1)
     standby: int = Field(0, ge=0)
     """Standby instances kept ready to activate."""
+    standby_sleeps: bool = False
+    """Standbys sleep until activated (EngineConfig.sleep_mode): ~2 GiB of GPU memory each
+    instead of their share, a wake-up (~0.05 s on an H200) added to the activation."""
     target_inflight: float = Field(8.0, gt=0)
     """Mean requests in flight per ready instance above which the pool grows."""
     idle_s: float = Field(120.0, gt=0)
@@ -197,7 +200,8 @@ class PoolController:
 
     async def _add_standby(self, spec: PoolSpec) -> None:
         try:
-            await self.launcher.start_standby(self._new_id(spec.role), self._config(spec.role))
+            config = self._config(spec.role).model_copy(update={"sleep_mode": spec.standby_sleeps})
+            await self.launcher.start_standby(self._new_id(spec.role), config)
         except Exception:
             log.exception("starting a %s standby failed", spec.role.name)
         finally:

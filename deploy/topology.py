@@ -28,12 +28,18 @@ class Topology:
     """Ready instances per pool at most; 0: the initial count (at least 1)."""
     target_ttft_s: float | None = None
     """The prefilling pool's TTFT trigger (PoolSpec.target_ttft_s)."""
+    sleeping_standbys: bool = False
+    """Standbys sleep until activated (PoolSpec.standby_sleeps; colocated pools, CUDA)."""
 
     @classmethod
     def from_args(cls, instances: int, prefill: int, decode: int, standby: int = 0, max_instances: int = 0,
-                  target_ttft_s: float | None = None, colocated: bool = False) -> Topology:
+                  target_ttft_s: float | None = None, colocated: bool = False,
+                  sleeping_standbys: bool = False) -> Topology:
         if colocated and (prefill or decode):
             raise ValueError("--colocated and --prefill/--decode exclude each other")
+        if sleeping_standbys and (prefill or decode or not standby):
+            # A P/D engine's KV connector registers its KV cache's memory, which sleep would unmap.
+            raise ValueError("--sleeping-standbys needs --standby and a colocated topology")
         if standby < 0 or max_instances < 0:
             raise ValueError("--standby and --max-instances cannot be negative")
         if target_ttft_s is not None and target_ttft_s <= 0:
@@ -45,7 +51,7 @@ class Topology:
             return cls(0, prefill, decode, standby, max_instances, target_ttft_s)
         if instances < least:
             raise ValueError("--instances must be at least 1 (or 0 with --standby)")
-        return cls(instances, 0, 0, standby, max_instances, target_ttft_s)
+        return cls(instances, 0, 0, standby, max_instances, target_ttft_s, sleeping_standbys)
 
     def _counts(self) -> list[tuple[RoleSpec, int]]:
         if self.colocated or not (self.prefill or self.decode):
@@ -61,7 +67,8 @@ class Topology:
 
         return [
             PoolSpec(role=role, min_ready=count, max_ready=max(count, self.max_instances, 1), standby=self.standby,
-                     target_ttft_s=self.target_ttft_s if role.prefills else None)
+                     target_ttft_s=self.target_ttft_s if role.prefills else None,
+                     standby_sleeps=self.sleeping_standbys)
             for role, count in self._counts()
         ]
 

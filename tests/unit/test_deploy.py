@@ -164,3 +164,50 @@ async def test_a_drain_ends_at_its_deadline():
     await asyncio.wait_for(launcher.stop_instance("colocated-0", drain_s=0.2), 2)
     assert time.monotonic() - started >= 0.2  # it waited for the stream, then no longer
     assert registry.get("colocated-0") is None
+
+
+def test_sleeping_standbys_are_for_colocated_pools_with_standbys():
+    pools = Topology.from_args(1, 0, 0, standby=2, sleeping_standbys=True).pools()
+    assert [(p.role, p.standby, p.standby_sleeps) for p in pools] == [(COLOCATED, 2, True)]
+    with pytest.raises(ValueError, match="--sleeping-standbys"):
+        Topology.from_args(0, 1, 1, standby=1, sleeping_standbys=True)  # P/D: the KV connector's memory
+    with pytest.raises(ValueError, match="--sleeping-standbys"):
+        Topology.from_args(1, 0, 0, sleeping_standbys=True)  # nothing to put to sleep
+
+
+class RecordingLauncher:
+    """Stands in for the launcher (no Ray, no engine): records the standbys asked for and the
+    instances activated, as the pool controller decides them."""
+
+    def __init__(self) -> None:
+        self.standby_configs, self.activated = [], []
+
+    async def start_standby(self, instance_id, config):
+        self.standby_configs.append(config)
+
+    async def peer_weights(self):
+        return None
+
+    async def activate(self, instance_id, peer):
+        self.activated.append(instance_id)
+        return {"total_s": 0.0}
+
+
+async def test_a_pool_starts_sleeping_standbys_and_activates_an_awake_one_first(tmp_path):
+    from deploy.pool import PoolController
+    from engine.config import EngineConfig
+    from engine.lifecycle import InstanceState
+    from router.instances import CapacityQueue, InstanceRegistry
+
+    (tmp_path / "config.json").write_text("{}")  # a model folder as EngineConfig checks it; never loaded
+    registry, launcher = InstanceRegistry(), RecordingLauncher()
+    spec = PoolSpec(role=COLOCATED, min_ready=0, max_ready=1, standby=1, standby_sleeps=True)
+    controller = PoolController(launcher, registry, CapacityQueue(1, 1.0), [spec],
+                                EngineConfig(model=tmp_path, served_model_name="m"))
+    await controller._add_standby(spec)
+    assert [c.sleep_mode for c in launcher.standby_configs] == [True]
+    registry.add(Instance("asleep", COLOCATED, "http://127.0.0.1:1", InstanceState.SLEEPING))
+    registry.add(Instance("awake", COLOCATED, "http://127.0.0.1:2", InstanceState.STANDBY))
+    controller._growing[COLOCATED] += 1
+    await controller._grow(spec)
+    assert launcher.activated == ["awake"]  # no wake-up to wait for
