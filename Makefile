@@ -4,9 +4,24 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip -q --disable-pip-version-check
 STAMP := $(VENV)/.pdcluster-installed
 
-.PHONY: install serve test test-fast lint clean
+SYSTEM_PACKAGES := prometheus chromium
 
-install: $(STAMP)
+.PHONY: install system-packages serve test test-fast lint clean
+
+install: system-packages $(STAMP)
+
+# Debian's prometheus (tests/e2e/test_dashboard.py starts it; its promtool lints our metric names)
+# and chromium (the status page's test drives it headless). Cheap when present: a `command -v`
+# each; installed as root when missing, else named for the user to install.
+system-packages:
+	@missing=""; for package in $(SYSTEM_PACKAGES); do command -v $$package >/dev/null || missing="$$missing $$package"; done; \
+	if [ -z "$$missing" ]; then exit 0; fi; \
+	if [ "$$(id -u)" = 0 ]; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
+	else \
+		echo "missing Debian packages:$$missing (the dashboard and status page tests need them):"; \
+		echo "  sudo apt-get install --no-install-recommends$$missing"; \
+	fi
 
 # torch 2.13.0 first so nothing pulls a CUDA torch (pip finds the CPU wheel in the machine's
 # wheel directory; elsewhere set PIP_EXTRA_INDEX_URL to PyTorch's CPU index). torchvision,

@@ -55,6 +55,11 @@ def _add_serve_parser(subparsers, name: str = "serve", help: str = "serve a mode
         help="standby instances per pool (started without weights, activated in < 1 s)",
     )
     parser.add_argument(
+        "--sleeping-standbys",
+        action="store_true",
+        help="standbys sleep until activated (vLLM sleep mode; CUDA, colocated): ~2 GiB of GPU memory each",
+    )
+    parser.add_argument(
         "--max-instances",
         type=int,
         default=0,
@@ -136,6 +141,11 @@ def _add_serve_parser(subparsers, name: str = "serve", help: str = "serve a mode
     parser.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "float32"), default="auto",
                         help="the engines' weights and activations (auto: the checkpoint's)")
     parser.add_argument(
+        "--otlp-traces-endpoint",
+        help="export one OpenTelemetry trace per request (the router's spans and the engines' vLLM "
+        "spans) over OTLP/gRPC to http(s)://HOST:PORT; off by default",
+    )
+    parser.add_argument(
         "--engine-log-dir",
         type=Path,
         help="write each engine's whole vLLM output to DIR/<instance id>.log on its node",
@@ -181,10 +191,31 @@ def _add_cluster_parsers(subparsers) -> None:
     down = subparsers.add_parser("down", help="stop pdcluster and `ray down` the cluster")
     down.add_argument("cluster_yaml", type=Path)
     down.set_defaults(func=_cmd_down)
-    status = subparsers.add_parser("status", help="pools, instances and their states")
-    status.add_argument("--url", default=f"http://127.0.0.1:{_env('PORT', '8000')}")
-    status.add_argument("--secret-file", type=Path, help="the cluster's secret (as for serve)")
+    _add_status_parsers(subparsers)
+
+
+def _add_status_parsers(subparsers) -> None:
+    status = subparsers.add_parser("status", help="pools, instances, starts, hit rates, store, errors")
+    top = subparsers.add_parser("top", help="`pdcluster status`, redrawn in place until Ctrl-C")
+    for parser in (status, top):
+        parser.add_argument("--url", default=f"http://127.0.0.1:{_env('PORT', '8000')}", help="the router")
+        parser.add_argument("--secret-file", type=Path, help="the cluster's secret (as for serve)")
+    status.add_argument("--print-admin-token", action="store_true",
+                        help="print the admin token (the status page's password) and exit")
     status.set_defaults(func=_cmd_status)
+    top.add_argument("--interval", type=_positive(float), default=2.0, help="seconds between refreshes")
+    top.add_argument("--refreshes", type=_positive(int), help="stop after this many refreshes (default: Ctrl-C)")
+    top.set_defaults(func=_cmd_top)
+
+
+def _positive(kind: type):
+    def parse(text: str):
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be above 0: {text}")
+        return value
+
+    return parse
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
@@ -212,27 +243,45 @@ def _cmd_down(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    import httpx
-    from rich.table import Table
+    from rich.text import Text
 
+    from deploy.status_view import StatusSource, StatusUnavailable, render_status
     from security.credentials import ClusterCredentials
 
     try:
-        headers = ClusterCredentials.load(args.secret_file).admin_headers()
-        health = httpx.get(f"{args.url}/health", timeout=5).json()
-        response = httpx.get(f"{args.url}/admin/instances", headers=headers, timeout=5)
-        response.raise_for_status()
-        instances = response.json()["instances"]
-    except (httpx.HTTPError, RuntimeError) as exc:
-        console.print(f"[red]no router at {args.url}:[/] {exc!r}")
+        credentials = ClusterCredentials.load(args.secret_file)
+    except RuntimeError as exc:  # CredentialsError
+        console.print("[red]no cluster secret:[/]", Text(str(exc)))
         return 1
-    table = Table(title=f"pdcluster at {args.url}: {health['status']}")
-    for column in ("instance", "role", "state", "in flight", "url"):
-        table.add_column(column)
-    for i in instances:
-        table.add_row(i["instance_id"], i["role"], i["state"], str(i["inflight"]), i["url"])
-    Console().print(table)
+    if args.print_admin_token:
+        print(credentials.admin_token)
+        return 0
+    try:
+        status = StatusSource(args.url.rstrip("/"), credentials.admin_headers()).fetch()
+    except StatusUnavailable as exc:
+        console.print("[red]no router status:[/]", Text(str(exc)))
+        return 1
+    Console().print(render_status(status, args.url))
+    console.print(f"The page: {args.url.rstrip('/')}/status (any user name; the password: "
+                  "`pdcluster status --print-admin-token`)", highlight=False)
     return 0
+
+
+def _cmd_top(args: argparse.Namespace) -> int:
+    from rich.text import Text
+
+    from deploy.status_view import StatusSource, watch
+    from security.credentials import ClusterCredentials
+
+    try:
+        source = StatusSource(args.url.rstrip("/"), ClusterCredentials.load(args.secret_file).admin_headers())
+    except RuntimeError as exc:  # CredentialsError
+        console.print("[red]no cluster secret:[/]", Text(str(exc)))
+        return 1
+    try:
+        return 0 if watch(source, Console(), args.interval, args.refreshes) else 1
+    except KeyboardInterrupt:  # Ctrl-C is how `top` ends
+        return 0
 
 
 def _cmd_model(args: argparse.Namespace) -> int:

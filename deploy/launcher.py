@@ -21,6 +21,7 @@ import logging
 import os
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +39,7 @@ from engine.host import EngineHost
 from engine.lifecycle import InstanceState
 from engine.roles import Role, RoleSpec
 from router.instances import Instance, InstanceRegistry
+from router.status_model import StartRecord
 from security.credentials import ClusterCredentials
 
 log = logging.getLogger(__name__)
@@ -130,6 +132,8 @@ class Launcher:
         """The cluster's: shards get its secret; adopted actors must prove they hold it too."""
         self.console = console or Console(stderr=True)
         self.start_log = start_log
+        self.on_start: list[Callable[[StartRecord], None]] = []
+        """Called with each finished start (the router's status view keeps the last ones)."""
         self.instances: dict[str, StartedInstance] = {}
         self._actors: dict[str, ray.actor.ActorHandle] = {}
         self._adopted: set[str] = set()  # engines a launcher before this one started
@@ -172,7 +176,7 @@ class Launcher:
             info = answers[name]
             if not (isinstance(info, dict) and info.get("model") == str(config.model)
                     and info["served_model_name"] == config.served_model_name
-                    and info["state"] in (InstanceState.READY.value, InstanceState.STANDBY.value)):
+                    and (info["state"] == InstanceState.READY.value or InstanceState(info["state"]).is_standby)):
                 ended.append(actor)
                 continue
             self._actors[name] = actor
@@ -271,14 +275,15 @@ class Launcher:
         return started
 
     async def start_standby(self, instance_id: str, config: EngineConfig) -> StartedInstance:
-        """An instance with everything but weights, registered as STANDBY (gets no traffic)."""
+        """An instance with everything but weights, registered as STANDBY, or SLEEPING with
+        `sleep_mode` (gets no traffic)."""
         return (await self.start_instances([(instance_id, config)], standby=True, progress=False))[0]
 
     async def activate(self, instance_id: str, peer: dict | None) -> dict:
         """Give a standby its weights (from `peer`, else disk) and put it in rotation."""
         record = self.instances[instance_id]
         instance = self.registry.get(instance_id)
-        if instance is None or instance.state != InstanceState.STANDBY:
+        if instance is None or not instance.state.is_standby:
             raise RuntimeError(f"{instance_id} is not a registered standby")
         instance.state = InstanceState.LOADING  # no second activation of the same standby
         try:
@@ -330,6 +335,11 @@ class Launcher:
         for stage, seconds in timeline["stages_s"].items():
             START_SECONDS.labels(path, stage).observe(seconds)
         START_SECONDS.labels(path, "total").observe(timeline["total_s"])
+        record = StartRecord(instance_id=instance_id, role=self.instances[instance_id].role.name, path=path,
+                             started_at=timeline["started_at"], total_s=timeline["total_s"],
+                             stages_s=timeline["stages_s"])
+        for callback in self.on_start:
+            callback(record)
         if self.start_log is not None:
             self.start_log.parent.mkdir(parents=True, exist_ok=True)
             with self.start_log.open("a") as out:

@@ -80,6 +80,7 @@ def serve(args: argparse.Namespace) -> int:
             start_timeout_s=args.start_timeout,
             cluster_secret=secret,
             log_dir=args.engine_log_dir.resolve() if args.engine_log_dir else None,
+            otlp_traces_endpoint=args.otlp_traces_endpoint,
         )
         router_config = RouterConfig(
             host=args.host, port=args.port, served_model_name=name,
@@ -90,9 +91,10 @@ def serve(args: argparse.Namespace) -> int:
             api_keys=load_api_keys(args.api_keys_file), rate_limit_per_s=args.rate_limit, cluster_secret=secret,
             max_concurrency_per_key=args.max_concurrency_per_key,
             queue_timeout_s=args.queue_timeout, max_migrations=args.max_migrations,
+            otlp_traces_endpoint=args.otlp_traces_endpoint,
         )
         topology = Topology.from_args(args.instances, args.prefill, args.decode, args.standby, args.max_instances,
-                                      args.target_ttft, args.colocated)
+                                      args.target_ttft, args.colocated, args.sleeping_standbys)
     except (ValidationError, ValueError, OSError, CredentialsError) as exc:
         console.print(f"[red]invalid configuration:[/] {exc}")
         return 2
@@ -142,9 +144,13 @@ async def _start_fleet(launcher, registry, engine_config, router_config, topolog
     from deploy.launcher import cpu_core_sets
     from deploy.pool import PoolController
     from engine.environment import free_port, is_cpu_build
-    from engine.host import node_address
+    from engine.process import node_address
     from router.app import build_app
     from router.kv_events import STORE_HOLDER
+    from router.status import StartLog
+
+    starts = StartLog()  # every start from here on, for the router's status view
+    launcher.on_start.append(starts.record)
 
     # A router restarted on a running cluster takes over the engines its predecessor left.
     adopted = await launcher.adopt(engine_config, keep_store=store_bytes > 0)
@@ -164,7 +170,7 @@ async def _start_fleet(launcher, registry, engine_config, router_config, topolog
     configs = [(instance_id, engine_config.model_copy(update={"role": role, "cpu_cores": cores[k] if cores else None}))
                for k, (instance_id, role) in enumerate(roles)]
     await launcher.start_instances(configs, placement_timeout_s)
-    app = build_app(router_config, registry, store_endpoints=engine_config.kv_store_endpoints)
+    app = build_app(router_config, registry, store_endpoints=engine_config.kv_store_endpoints, starts=starts)
     launcher.store.on_restart.append(lambda: app.state.index.clear(STORE_HOLDER))
     # Instances the controller adds get the core sets the initial ones left (all, if none).
     controller = PoolController(launcher, registry, app.state.queue, topology.pools(), engine_config,

@@ -11,6 +11,13 @@ what the real run shows is contention. `--null-engine` puts a router in front of
 server that streams 16 canned SSE events at once (named as such: no engine runs), which isolates
 the router's own cost.
 
+`--tracing` measures two routers, the same but for `--otlp-traces-endpoint` (to a real OTLP/gRPC
+receiver in this process that drops what it gets, loadtest/otlp_receiver.py), in front of the
+same engine; requests alternate over the three paths (router, engine, traced router). With a
+real engine both are stand-alone routers (each in its own process, routing on load) before the
+engine of a `pdcluster serve` started with the same endpoint, so vLLM exports its spans on both
+paths. The result adds the traced router's added time and its ratio to the untraced one's.
+
 `--attackers N` adds a second measurement through the router while N clients send it the largest
 chat prompts a body may hold, in a loop (each is refused with a 400 after the router tokenized
 it; docs/security.md, attack 5): what such clients cost everyone else's time to first token.
@@ -34,6 +41,8 @@ from rich.progress import track
 from rich.table import Table
 
 from deploy.local import LocalServer
+from engine.environment import free_port
+from loadtest.otlp_receiver import OTLPReceiver
 from router.metrics import percentile
 from security.credentials import ClusterCredentials
 
@@ -51,15 +60,17 @@ def timed_stream(client: httpx.Client, base_url: str, body: dict, headers: dict 
 
 
 def measure(router_url: str, engine_url: str, model: str, rounds: int, max_tokens: int,
-            engine_headers: dict | None = None) -> dict:
+            engine_headers: dict | None = None, traced_router_url: str | None = None) -> dict:
     """Alternating requests through the router and straight to the engine (with the engine
-    token, which the router presents too)."""
+    token, which the router presents too), and through the traced router if there is one."""
     body = {"model": model, "prompt": "Measure the router's overhead, please.", "max_tokens": max_tokens,
             "temperature": 0, "stream": True, "ignore_eos": True}
-    samples: dict[str, dict[str, list[float]]] = {p: {"ttft": [], "total": []} for p in ("router", "engine")}
+    paths = (("router", router_url, None), ("engine", engine_url, engine_headers))
+    if traced_router_url:
+        paths += (("router_traced", traced_router_url, None),)
+    samples: dict[str, dict[str, list[float]]] = {p: {"ttft": [], "total": []} for p, _, _ in paths}
     with httpx.Client(timeout=60) as client:
-        paths = (("router", router_url, None), ("engine", engine_url, engine_headers))
-        for _, url, headers in paths * 5:  # warm both paths' connections and caches
+        for _, url, headers in paths * 5:  # warm every path's connections and caches
             timed_stream(client, url, body, headers)
         for _ in track(range(rounds), description="router vs engine"):
             for path, url, headers in paths:
@@ -71,10 +82,11 @@ def measure(router_url: str, engine_url: str, model: str, rounds: int, max_token
                         "p90_ms": percentile(v, 90) * 1e3} for metric, v in metrics.items()}
         for path, metrics in samples.items()
     }
-    summary["added_ms"] = {
-        metric: summary["router"][metric]["median_ms"] - summary["engine"][metric]["median_ms"]
-        for metric in ("ttft", "total")
-    }
+    for router in ("router", "router_traced")[:len(paths) - 1]:
+        summary[router.replace("router", "added") + "_ms"] = {
+            metric: summary[router][metric]["median_ms"] - summary["engine"][metric]["median_ms"]
+            for metric in ("ttft", "total")
+        }
     return summary
 
 
@@ -130,7 +142,10 @@ async def null_engine_app(scope, receive, send) -> None:
     await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
 
 
-def _serve_router_before(engine_url: str, port: int) -> None:
+def _serve_router_before(engine_url: str, port: int, model: str = "null", otlp_traces_endpoint: str | None = None,
+                         cluster_secret: str | None = None) -> None:
+    """A router in front of one engine, in a process of its own (the secret comes through
+    multiprocessing's pipe, never argv)."""
     import uvicorn
 
     from engine.roles import COLOCATED
@@ -139,64 +154,90 @@ def _serve_router_before(engine_url: str, port: int) -> None:
     from router.instances import Instance, InstanceRegistry
 
     registry = InstanceRegistry()
-    registry.add(Instance("null-0", COLOCATED, engine_url))
-    config = RouterConfig(served_model_name="null", max_model_len=4096, port=port, health_interval_s=3600)
+    registry.add(Instance(f"{model}-0", COLOCATED, engine_url))
+    secret = {"cluster_secret": cluster_secret} if cluster_secret else {}
+    config = RouterConfig(served_model_name=model, max_model_len=4096, port=port, health_interval_s=3600,
+                          otlp_traces_endpoint=otlp_traces_endpoint, **secret)
     uvicorn.run(build_app(config, registry), host="127.0.0.1", port=port, log_level="error")
 
 
-def null_engine_run(rounds: int, runs: int) -> tuple[list[dict], list[dict]]:
-    """Router in front of the null engine, each in its own process."""
-    import multiprocessing
-
+def _serve_null_engine(port: int) -> None:
     import uvicorn
 
-    from engine.environment import free_port
+    uvicorn.run(null_engine_app, host="127.0.0.1", port=port, log_level="error")
 
-    engine_port, router_port = free_port("127.0.0.1"), free_port("127.0.0.1")
-    engine_url, router_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{router_port}"
+
+def _wait_for_http(url: str, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            httpx.get(url, timeout=1)
+            return
+        except httpx.HTTPError:
+            time.sleep(0.2)
+
+
+@contextlib.contextmanager
+def child_processes(targets: list[tuple]) -> Iterator[None]:
+    """`(function, *args)` each in a process of its own (spawned) until the block ends."""
+    import multiprocessing
+
     context = multiprocessing.get_context("spawn")
-    processes = [
-        context.Process(target=uvicorn.run, args=(null_engine_app,),
-                        kwargs={"host": "127.0.0.1", "port": engine_port, "log_level": "error"}),
-        context.Process(target=_serve_router_before, args=(engine_url, router_port)),
-    ]
+    processes = [context.Process(target=target, args=tuple(args)) for target, *args in targets]
     for process in processes:
         process.start()
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{router_url}/v1/models", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        return [measure(router_url, engine_url, "null", rounds, 16) for _ in range(runs)], []
+        yield
     finally:
         for process in processes:
             process.terminate()
             process.join(10)
 
 
+def null_engine_run(rounds: int, runs: int, tracing: bool) -> tuple[list[dict], list[dict]]:
+    """Router (and with `tracing` a traced one) in front of the null engine, each in its own process."""
+    engine_port, router_port, traced_port = (free_port("127.0.0.1") for _ in range(3))
+    engine_url, router_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{router_port}"
+    traced_url = f"http://127.0.0.1:{traced_port}" if tracing else None
+    with OTLPReceiver(keep=False) as sink:
+        targets = [(_serve_null_engine, engine_port), (_serve_router_before, engine_url, router_port)]
+        if tracing:
+            targets.append((_serve_router_before, engine_url, traced_port, "null", sink.endpoint))
+        with child_processes(targets):
+            for url in filter(None, (engine_url, router_url, traced_url)):
+                _wait_for_http(url)
+            return [measure(router_url, engine_url, "null", rounds, 16, traced_router_url=traced_url)
+                    for _ in range(runs)], []
+
+
 def engine_runs(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
     """The overhead runs and the attack runs against a real engine: the router at --url, or a
-    `pdcluster serve --model tiny` started here."""
-    server = None
-    if args.url is None:
-        server = LocalServer(["--model", "tiny"], Path("results/router_overhead-serve.log")).start()
-    try:
+    `pdcluster serve --model tiny` started here (with --tracing, its engine exporting vLLM's
+    spans to a dropping receiver, and two stand-alone routers before it, one traced)."""
+    with OTLPReceiver(keep=False) as sink, contextlib.ExitStack() as stack:
+        if args.url is None:
+            traced = ["--otlp-traces-endpoint", sink.endpoint] if args.tracing else []
+            server = LocalServer(["--model", "tiny", *traced], Path("results/router_overhead-serve.log"))
+            stack.enter_context(server)
         router_url = args.url or server.url
         credentials = ClusterCredentials.load()  # the cluster's, on this machine
         admin = credentials.admin_headers()
         (instance,) = httpx.get(f"{router_url}/admin/instances", headers=admin, timeout=5).json()["instances"][:1]
         model = httpx.get(f"{router_url}/v1/models", timeout=5).json()["data"][0]["id"]
+        traced_url = None
+        if args.tracing:  # the same stand-alone router twice, off and on: only tracing differs
+            router_url, traced_url = (f"http://127.0.0.1:{free_port('127.0.0.1')}" for _ in range(2))
+            secret = credentials.secret.hex()
+            stack.enter_context(child_processes([
+                (_serve_router_before, instance["url"], int(url.rsplit(":", 1)[1]), model, endpoint, secret)
+                for url, endpoint in ((router_url, None), (traced_url, sink.endpoint))]))
+            for url in (router_url, traced_url):
+                _wait_for_http(url)
         runs = [measure(router_url, instance["url"], model, args.rounds, args.max_tokens,
-                        credentials.engine_headers()) for _ in range(args.runs)]
+                        credentials.engine_headers(), traced_router_url=traced_url) for _ in range(args.runs)]
         attacks = [attacked_ttft(router_url, model, args.rounds, args.attackers)
                    for _ in range(args.runs if args.attackers else 0)]
         return runs, attacks
-    finally:
-        if server:
-            server.stop()
 
 
 def print_table(result: dict, console: Console) -> None:
@@ -214,6 +255,15 @@ def print_table(result: dict, console: Console) -> None:
             f"{result['added_ms'][metric]:.2f}",
         )
     console.print(table)
+    if "tracing" in result:
+        tracing = result["tracing"]
+        table = Table(title="the router's added time with tracing off and on (medians of runs)")
+        for column in ("metric", "added ms, off", "added ms, on", "ratio on/off"):
+            table.add_column(column, justify="right")
+        for metric in ("ttft", "total"):
+            table.add_row(metric, f"{result['added_ms'][metric]:.3f}", f"{tracing['added_ms'][metric]:.3f}",
+                          f"{tracing['added_ratio'][metric]:.2f}x")
+        console.print(table)
     if "attack" in result:
         attack = result["attack"]
         table = Table(title=f"router TTFT with {result['attackers']} huge-prompt clients (medians of runs)")
@@ -256,10 +306,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--null-engine", action="store_true", help="measure against a stand-in engine")
     parser.add_argument("--attackers", type=int, default=0,
                         help="also measure the router's TTFT while this many clients send huge prompts")
+    parser.add_argument("--tracing", action="store_true",
+                        help="also measure a router exporting OpenTelemetry spans (to a receiver that drops them)")
     parser.add_argument("--out", type=Path, default=Path("results/router_overhead.json"))
     args = parser.parse_args(argv)
     console = Console()
-    runs, attacks = null_engine_run(args.rounds, args.runs) if args.null_engine else engine_runs(args)
+    runs, attacks = (null_engine_run(args.rounds, args.runs, args.tracing) if args.null_engine
+                     else engine_runs(args))
     result = {
         "engine_kind": "null engine (stand-in)" if args.null_engine else "vLLM engine",
         "rounds": args.rounds,
@@ -270,6 +323,14 @@ def main(argv: list[str] | None = None) -> int:
         "added_ms": {m: statistics.median(r["added_ms"][m] for r in runs) for m in ("ttft", "total")},
         "per_run": runs,
     }
+    if args.tracing:
+        traced_ms = {m: statistics.median(r["added_traced_ms"][m] for r in runs) for m in ("ttft", "total")}
+        result["tracing"] = {
+            "router_traced": {m: statistics.median(r["router_traced"][m]["median_ms"] for r in runs)
+                              for m in ("ttft", "total")},
+            "added_ms": traced_ms,
+            "added_ratio": {m: traced_ms[m] / result["added_ms"][m] for m in ("ttft", "total")},
+        }
     if attacks:
         result["attackers"] = args.attackers
         result["attack"] = {phase: {stat: statistics.median(a[phase][stat] for a in attacks)

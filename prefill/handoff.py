@@ -68,12 +68,15 @@ class PrefillClient:
     def circuit_closed(instance, now: float) -> bool:
         return instance.prefill_open_until <= now
 
-    async def run(self, instance, endpoint: str, body: dict) -> KVHandoff | None:
-        """Prefill `body` on `instance`; None (and the reason logged) if it failed or timed out."""
+    async def run(self, instance, endpoint: str, body: dict,
+                  trace_headers: Mapping[str, str] | None = None) -> KVHandoff | None:
+        """Prefill `body` on `instance`; None (and the reason logged) if it failed or timed out.
+        `trace_headers`: the W3C trace context the engine's request span joins (router/tracing.py)."""
         started = time.monotonic()
         try:
             async with asyncio.timeout(self.timeout_s):
-                async with self.session().post(f"{instance.url}{endpoint}", json=prefill_body(body)) as response:
+                async with self.session().post(f"{instance.url}{endpoint}", json=prefill_body(body),
+                                               headers=trace_headers) as response:
                     answer = await response.json(content_type=None)
                     if response.status != 200:
                         raise RuntimeError(f"HTTP {response.status}: {str(answer)[:300]}")

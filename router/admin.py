@@ -2,25 +2,33 @@
 
 They show which instances exist and where, what the index holds, every tenant's request counts
 and timings: nothing a client should read. `pdcluster status`, load tests and Prometheus send
-`Authorization: Bearer <admin token>` (security/credentials.py; Prometheus: `bearer_token_file`).
+`Authorization: Bearer <admin token>` (security/credentials.py; Prometheus: `bearer_token_file`);
+a browser (the status page) sends it as a Basic password, for reads only (router/status_page.py).
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 from collections.abc import Awaitable, Callable
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from router import metrics
+from router.admin_auth import require_admin
 from router.admission import Admitted
 from router.analysis import RequestAnalyzer
-from router.errors import Unauthorized
 from router.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
-from security.credentials import ClusterCredentials, bearer_matches
+from router.status import (
+    ScrapeTargetGroup,
+    cluster_status,
+    engine_metrics,
+    engine_scrape_targets,
+    read_shards,
+    scrape_metrics,
+)
+from router.status_model import ClusterStatus
+from security.credentials import ClusterCredentials
 from transport.zmq_curve import STORE_PLANE
 
 AdmitRequest = Callable[[Request, type[SamplingRequest]], Awaitable[Admitted]]
@@ -30,18 +38,14 @@ def add_admin_routes(app: FastAPI, credentials: ClusterCredentials, analyzer: Re
                      admitted_request: AdmitRequest, store_endpoints: tuple[str, ...]) -> None:
     """Add /metrics and /admin/* to `app` (its state holds registry, index and listener)."""
 
-    def admin_only(request: Request) -> None:
-        if not bearer_matches(request.headers.get("authorization"), credentials.admin_token):
-            raise Unauthorized("this endpoint needs the cluster's admin token")
-
-    routes = APIRouter(dependencies=[Depends(admin_only)])
+    routes = APIRouter(dependencies=[Depends(require_admin(credentials))])  # Bearer, or Basic for reads
     registry, index = app.state.registry, app.state.index
+    store_keys = credentials.curve(STORE_PLANE)
+    engine_headers = credentials.engine_headers()
 
     @routes.get("/metrics")
     async def prometheus_metrics() -> Response:
-        metrics.INSTANCES.clear()
-        for instance in registry.all():
-            metrics.INSTANCES.labels(instance.role.name, instance.state.value).inc()
+        await scrape_metrics(app, store_endpoints, store_keys)
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     @routes.get("/admin/instances")
@@ -60,23 +64,26 @@ def add_admin_routes(app: FastAPI, credentials: ClusterCredentials, analyzer: Re
     @routes.get("/admin/store")
     async def store() -> dict:
         """The KV store's shards and their memory (used, stored, in flight, leased)."""
-        from kvstore import protocol
-        from kvstore.client import StoreUnavailable, request_once
-        
-        keys = credentials.curve(STORE_PLANE)
-        members: list[str] = []  # the shards as now counted (nodes join and leave), else ours
-        for endpoint in store_endpoints:
-            with contextlib.suppress(StoreUnavailable):
-                members = (await asyncio.to_thread(request_once, endpoint, protocol.Members(), 5.0, keys))["members"]
-                break
-        shards = []
-        for endpoint in members or store_endpoints:
-            try:
-                stats = await asyncio.to_thread(request_once, endpoint, protocol.Stats(), 5.0, keys)
-            except StoreUnavailable as exc:
-                stats = {"error": str(exc)}
-            shards.append({"endpoint": endpoint, **stats})
-        return {"shards": shards}
+        return {"shards": await read_shards(store_endpoints, store_keys)}
+
+    @routes.get("/admin/engines/{instance_id}/metrics")
+    async def engine_metrics_relay(instance_id: str) -> Response:
+        """vLLM's own metrics of one engine of the registry (Prometheus holds no engine token)."""
+        instance = registry.get(instance_id)
+        if instance is None:
+            raise StarletteHTTPException(404, f"no instance {instance_id!r} behind this router")
+        return await engine_metrics(instance, engine_headers)
+
+    @routes.get("/admin/prometheus_sd")
+    async def prometheus_sd(request: Request) -> list[ScrapeTargetGroup]:
+        """Prometheus HTTP service discovery: every running engine, scraped through the relay above."""
+        return engine_scrape_targets(registry, request.url.netloc, request.url.scheme)
+
+    @routes.get("/admin/status")
+    async def status() -> ClusterStatus:
+        """The whole cluster in one typed snapshot (router/status_model.py): what the status
+        page, `pdcluster status` and `pdcluster top` draw."""
+        return await cluster_status(app, store_endpoints, store_keys)
 
     @routes.post("/admin/explain")
     async def explain(request: Request) -> dict:

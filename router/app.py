@@ -16,7 +16,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.lifecycle import InstanceState
 from router.admin import add_admin_routes
 from router.admission import Admission, Intake, release_after, validation_message
 from router.analysis import RequestAnalyzer
@@ -29,6 +28,9 @@ from router.placement import PlacementSettings, Placer
 from router.policies import PolicyContext, make_policy
 from router.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from router.proxy import Forwarder
+from router.status import ErrorLog, StartLog
+from router.status_page import add_status_page
+from router.tracing import NO_SPAN, RouterTracing
 from transport.zmq_curve import KV_EVENTS_PLANE
 
 log = logging.getLogger(__name__)
@@ -59,10 +61,11 @@ def _body_schema(model: type[SamplingRequest]) -> dict:
 
 
 def build_app(
-    config: RouterConfig, registry: InstanceRegistry, store_endpoints: tuple[str, ...] = ()
+    config: RouterConfig, registry: InstanceRegistry, store_endpoints: tuple[str, ...] = (),
+    starts: StartLog | None = None,
 ) -> FastAPI:
     """The router's FastAPI app; its lifespan owns the HTTP client, the health monitor and the
-    KV event listener."""
+    KV event listener. `starts`: where whoever starts engines records each start (the status view)."""
     credentials = config.credentials()
     index = KVIndex(config.max_index_blocks_per_instance, config.speculative_ttl_s)
     registry.on_remove.append(index.remove_holder)  # a departed instance's blocks route nothing
@@ -71,7 +74,8 @@ def build_app(
         prefill_tokens_per_s=config.prefill_tokens_per_s, fetch_cost=config.fetch_cost,
     )
     placer = Placer(PlacementSettings(config.remote_prefill_min_tokens, config.remote_prefill_max_queued_tokens),
-                    make_policy(config.policy, context), make_policy(config.policy, context))
+                    make_policy(config.policy, context), make_policy(config.policy, context),
+                    index=index, store_holders=context.store_holders)
     admission = Admission(config.api_keys, config.rate_limit_per_s, config.max_concurrency_per_key,
                           credentials.tenant_salt)
     if admission.open:
@@ -97,59 +101,89 @@ def build_app(
                 await listener.stop()
             await forwarder.close()
             analyzer.close()
+            if tracing:
+                tracing.shutdown()  # exports the spans still batched
 
+    # Off: no OpenTelemetry set-up at all (router/tracing.py).
+    tracing = RouterTracing(config.otlp_traces_endpoint) if config.otlp_traces_endpoint else None
     app = FastAPI(title="pdcluster router", lifespan=lifespan)
+    app.state.tracing = tracing
     app.state.registry, app.state.queue, app.state.first_tokens = registry, queue, forwarder.first_tokens
     app.state.config, app.state.index, app.state.listener = config, index, listener
+    app.state.starts, app.state.errors = starts or StartLog(), ErrorLog()
     intake = Intake(config, admission)
     _add_error_handlers(app)
     _add_openai_routes(app, intake, analyzer, forwarder)
     add_admin_routes(app, credentials, analyzer, intake.admit, store_endpoints)
+    add_status_page(app, credentials)
     return app
 
 
 def _add_error_handlers(app: FastAPI) -> None:
-    """Every error as OpenAI shapes it; an unexpected one names an incident, never its text."""
+    """Every error as OpenAI shapes it, those of clients' routes kept in the recent errors
+    (app.state.errors); an unexpected one names an incident, never its text."""
+    errors: ErrorLog = app.state.errors
+
+    def record(request: Request, kind: str, status: int, message: str) -> None:
+        if request.url.path.startswith("/v1/"):  # an operator's 401 on /admin is no client's error
+            errors.record(kind, status, message)
 
     @app.exception_handler(RouterError)
-    async def _router_error(_: Request, exc: RouterError) -> JSONResponse:
+    async def _router_error(request: Request, exc: RouterError) -> JSONResponse:
+        record(request, exc.type, exc.status, exc.message)
         return exc.response()
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return BadRequest(*validation_message(exc.errors())).response()
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        error = BadRequest(*validation_message(exc.errors()))
+        record(request, error.type, error.status, error.message)
+        return error.response()
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "NotFoundError" if exc.status_code == 404 else "InvalidRequestError"
+        record(request, kind, exc.status_code, str(exc.detail))
         return JSONResponse(error_body(str(exc.detail), kind, exc.status_code), exc.status_code)
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         incident = uuid.uuid4().hex[:12]  # the log has the exception; the client only this id
         log.exception("unexpected error (incident %s)", incident)
+        record(request, "InternalServerError", 500, f"internal error (incident {incident})")
         return JSONResponse(error_body(f"internal error (incident {incident})", "InternalServerError", 500), 500)
 
 
 def _add_openai_routes(app: FastAPI, intake: Intake, analyzer: RequestAnalyzer, forwarder: Forwarder) -> None:
-    config, registry = app.state.config, app.state.registry
+    config, registry, tracing = app.state.config, app.state.registry, app.state.tracing
 
     def serving_instances():
         return registry.ready(lambda role: role.serves_clients)
 
     async def serve(request: Request, model: type[SamplingRequest], endpoint: str) -> Response:
-        admitted = await intake.admit(request, model)
-        release = intake.admission.admit(admitted.key)
+        trace = tracing.begin(request.headers, endpoint) if tracing else None
+        release = None
         try:
-            routing = await analyzer.analyze(admitted.request, admitted.body_bytes)
-            response = await forwarder.forward(endpoint, admitted.request.forwarded(), serving_instances, routing)
-        except BaseException:
-            release()
+            with trace.stage("pdcluster.admission") if trace else NO_SPAN:
+                admitted = await intake.admit(request, model)
+                release = intake.admission.admit(admitted.key)
+            with trace.stage("pdcluster.analysis") if trace else NO_SPAN:
+                routing = await analyzer.analyze(admitted.request, admitted.body_bytes)
+            response = await forwarder.forward(endpoint, admitted.request.forwarded(), serving_instances, routing,
+                                               trace)
+        except BaseException as exc:
+            if release:
+                release()
+            if trace:
+                trace.fail(exc)
             raise
         if isinstance(response, StreamingResponse):
             response.body_iterator = release_after(response.body_iterator, release)
+            if trace:  # the request's span ends with the stream's last byte
+                response.body_iterator = trace.until_end(response.body_iterator)
         else:
             release()
+            if trace:
+                trace.finish(response.status_code)
         return response
 
     @app.post("/v1/completions", responses=ERROR_RESPONSES, openapi_extra=_body_schema(CompletionRequest))
@@ -174,7 +208,7 @@ def _add_openai_routes(app: FastAPI, intake: Intake, analyzer: RequestAnalyzer, 
         """200 while requests can be served: by a ready instance, or by a standby the pool
         controller activates for them (a scaled-to-zero pool is not down)."""
         ready = len(serving_instances())
-        standby = sum(1 for i in registry.all() if i.state == InstanceState.STANDBY and i.role.serves_clients)
+        standby = sum(1 for i in registry.all() if i.state.is_standby and i.role.serves_clients)
         status = 200 if ready or standby else 503
         body = {"status": "ok" if status == 200 else "unavailable", "ready_instances": ready,
                 "standby_instances": standby}

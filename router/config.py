@@ -7,7 +7,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
-from engine.config import KVHashing
+from engine.config import KVHashing, OtlpEndpoint
 from engine.environment import is_loopback
 from security.credentials import ClusterCredentials
 
@@ -84,6 +84,9 @@ class RouterConfig(BaseModel):
     """A prompt longer than max_model_len x this many characters cannot fit: refused untokenized."""
     max_sequences_per_request: int = Field(16, ge=1)
     """Prompts x n of one request at most (400 beyond): one request's work stays bounded."""
+    otlp_traces_endpoint: OtlpEndpoint | None = None
+    """Export one OpenTelemetry trace per request over OTLP/gRPC there (router/tracing.py); None:
+    tracing off, at no cost."""
     allow_remote: bool = False
     """Allow binding beyond loopback (for a cluster's head node; needs API keys)."""
     cluster_secret: SecretStr = Field(default_factory=lambda: SecretStr(secrets.token_hex(32)))

@@ -17,6 +17,9 @@ instance prefills itself. The reasons, in the order they are tried:
               steps that wait behind that prefill;
   remote      the prefill instance computes the prompt and hands its KV over.
 
+Given the KV index, `place` also counts where the prompt's blocks were found (`PromptHits`),
+matched before the policy chooses: its speculative insert would count them as held.
+
 Hazards: a policy's `choose` records a speculative index insert, so `place` is not idempotent;
 call it once per attempt. The prefill instance's queue (`pending_prefill_tokens`) is charged by
 the caller while the prefill runs, not here.
@@ -28,6 +31,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from router.instances import Instance
+from router.kv_index import KVIndex
 from router.policies import RoutingDecision, RoutingPolicy, RoutingRequest
 
 
@@ -35,6 +39,16 @@ from router.policies import RoutingDecision, RoutingPolicy, RoutingRequest
 class PlacementSettings:
     remote_prefill_min_tokens: int = 256
     remote_prefill_max_queued_tokens: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptHits:
+    """A prompt's full KV blocks, and how many of its leading ones the serving instance held
+    (as the router's index saw them) or, beyond those, the store did."""
+
+    blocks: int = 0
+    instance: int = 0
+    store: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +60,7 @@ class Placement:
     reason: str
     uncached_tokens: int
     """Prompt tokens in neither the serving instance's cache nor the store: the prefill work."""
+    hits: PromptHits = PromptHits()
 
     @property
     def served_prefill_tokens(self) -> int:
@@ -54,19 +69,27 @@ class Placement:
 
 
 class Placer:
-    def __init__(self, settings: PlacementSettings, serve_policy: RoutingPolicy, prefill_policy: RoutingPolicy):
+    def __init__(self, settings: PlacementSettings, serve_policy: RoutingPolicy, prefill_policy: RoutingPolicy,
+                 index: KVIndex | None = None, store_holders: frozenset[str] = frozenset()):
         self.settings = settings
         self.serve_policy = serve_policy
         self.prefill_policy = prefill_policy
+        self.index = index
+        """Where `PromptHits` are looked up (None: not counted)."""
+        self.store_holders = store_holders
 
     def place(self, request: RoutingRequest, servers: Sequence[Instance], prefillers: Sequence[Instance]) -> Placement:
         """`servers`: ready instances that may stream the answer (never empty); `prefillers`:
         ready prefill instances whose circuit is closed."""
+        matched = self.index.match(request.block_hashes) if self.index is not None and request.block_hashes else {}
         serve = self.serve_policy.choose(servers, request)
         uncached = max(0, request.num_tokens - serve.cached_tokens - serve.store_tokens)
+        held = matched.get(serve.instance.instance_id, 0)
+        in_store = max((matched.get(holder, 0) for holder in self.store_holders), default=0)
+        hits = PromptHits(len(request.block_hashes), held, max(in_store - held, 0))
 
         def placed(prefill: Instance | None, reason: str) -> Placement:
-            return Placement(serve, prefill, reason, uncached)
+            return Placement(serve, prefill, reason, uncached, hits)
 
         if not serve.instance.role.kv_transfer:
             return placed(None, "colocated")

@@ -33,6 +33,7 @@ from router.instances import CapacityQueue, Instance, InstanceRegistry, LatencyW
 from router.migration import StreamLedger, migratable
 from router.placement import Placement, Placer
 from router.policies import RoutingRequest
+from router.tracing import NO_SPAN, EngineCall, RequestTrace, instance_attributes, placement_attributes
 
 log = logging.getLogger(__name__)
 # The router's prefills metric keeps its labels: "local" for a short prompt or no prefill pool.
@@ -90,7 +91,8 @@ class Forwarder:
             await self._session.close()
 
     async def forward(
-        self, endpoint: str, body: dict, candidates: Callable[[], list[Instance]], request: RoutingRequest
+        self, endpoint: str, body: dict, candidates: Callable[[], list[Instance]], request: RoutingRequest,
+        trace: RequestTrace | None = None,
     ) -> Response:
         started = time.perf_counter()
         tried: set[str] = set()
@@ -100,25 +102,28 @@ class Forwarder:
             def untried() -> list[Instance]:
                 return [i for i in candidates() if i.instance_id not in tried]
 
+            if trace:
+                trace.attempt = attempt
             # Only a request no instance has failed yet waits for capacity.
-            ready = await self.queue.wait(untried) if not tried else untried()
+            with trace.stage("pdcluster.queue_wait") if trace and not tried else NO_SPAN:
+                ready = await self.queue.wait(untried) if not tried else untried()
             if not ready:
                 break
             if attempt:
                 metrics.RETRIES.inc()
-            placement, send_body, computes = await self.prepare(endpoint, body, request, ready)
+            placement, send_body, computes = await self.prepare(endpoint, body, request, ready, trace)
             instance = placement.serve.instance
             tried.add(instance.instance_id)
             prefill = PendingPrefill(instance, computes)
             try:
-                return await self._send(instance, endpoint, send_body, started, prefill, untried)
+                return await self._send(instance, endpoint, send_body, started, prefill, untried, trace)
             except _RetryableEngineError as exc:
                 last_error = str(exc)
                 log.warning("instance %s failed a request: %s", instance.instance_id, exc)
         raise EngineFailed(f"every instance tried failed; last error: {last_error}")
 
     async def prepare(self, endpoint: str, body: dict, request: RoutingRequest,
-                      servers: list[Instance]) -> tuple[Placement, dict, int]:
+                      servers: list[Instance], trace: RequestTrace | None = None) -> tuple[Placement, dict, int]:
         """Place the request among `servers` (and the prefill instances whose circuit is
         closed), run its prefill elsewhere if so placed; returns the placement, the body for the
         serving instance (with the prefill's KV handoff if it succeeded) and the prompt tokens
@@ -126,12 +131,18 @@ class Forwarder:
         now = time.monotonic()
         prefillers = [i for i in self.registry.ready(lambda role: role.takes_remote_prefills)
                       if self.prefills.circuit_closed(i, now)]
-        placement = self.placer.place(request, servers, prefillers)
-        send_body, computes = await self._handed_over(endpoint, body, request, placement)
+        with trace.stage("pdcluster.placement") if trace else NO_SPAN as span:
+            placement = self.placer.place(request, servers, prefillers)
+            if span:
+                attributes = placement_attributes(placement, request.num_tokens)
+                span.set_attributes(attributes)
+                trace.root.set_attributes(attributes)
+        metrics.count_prompt_hits(placement.hits)
+        send_body, computes = await self._handed_over(endpoint, body, request, placement, trace)
         return placement, send_body, computes
 
     async def _handed_over(self, endpoint: str, body: dict, request: RoutingRequest,
-                           placement: Placement) -> tuple[dict, int]:
+                           placement: Placement, trace: RequestTrace | None) -> tuple[dict, int]:
         if placement.reason != "colocated" and placement.prefill is None:
             metrics.PREFILLS.labels(_PREFILL_LABELS.get(placement.reason, placement.reason)).inc()
         if placement.prefill is None:
@@ -140,7 +151,11 @@ class Forwarder:
         prefiller.inflight += 1
         queued = PendingPrefill(prefiller, request.num_tokens)
         try:
-            handoff = await self.prefills.run(prefiller, endpoint, body)
+            with trace.stage("pdcluster.remote_prefill", instance_attributes(prefiller), client=True) if trace \
+                    else NO_SPAN as span:
+                handoff = await self.prefills.run(prefiller, endpoint, body, trace.headers(span) if span else None)
+                if span:
+                    span.set_attribute("pdcluster.kv_handed_over", handoff is not None)
         finally:
             prefiller.inflight -= 1
             queued.done()
@@ -148,13 +163,17 @@ class Forwarder:
             metrics.PREFILLS.labels("fallback_local").inc()
             return body, placement.uncached_tokens
         metrics.PREFILLS.labels("remote").inc()
+        metrics.KV_HANDOVER_PROMPT_TOKENS.inc(request.num_tokens)
+        if trace:
+            trace.begin_handover(prefiller, placement.serve.instance, request.num_tokens)
         metrics.REMOTE_PREFILL.observe(handoff.seconds)
         return handoff.decode_body(body), 0
 
     async def _send(
         self, instance: Instance, endpoint: str, body: dict, started: float, prefill: PendingPrefill,
-        others: Callable[[], list[Instance]],
+        others: Callable[[], list[Instance]], trace: RequestTrace | None = None,
     ) -> Response:
+        call = trace.engine_call("pdcluster.decode_stream", instance) if trace else None
         ledger = (StreamLedger.start(endpoint, body, self.config.max_model_len)
                   if self.config.max_migrations and migratable(endpoint, body) else None)
         body = ledger.engine_body if ledger else body
@@ -162,13 +181,16 @@ class Forwarder:
         handed_over = False
         try:
             try:
-                upstream = await self.session.post(f"{instance.url}{endpoint}", json=body)
+                upstream = await self.session.post(f"{instance.url}{endpoint}", json=body,
+                                                   headers=call.headers if call else None)
             except aiohttp.ClientConnectorError as exc:  # never connected: the request went nowhere
                 self.registry.mark_failed(instance, f"unreachable: {exc!r}")
                 raise _RetryableEngineError(f"unreachable: {exc!r}") from None
             except (aiohttp.ClientConnectionError, TimeoutError) as exc:
                 self.registry.mark_failed(instance, f"broke on a request: {exc!r}")
                 raise EngineFailed("the engine failed while serving this request") from None
+            if call:
+                call.status = upstream.status
             if upstream.status >= 500:
                 text = (await upstream.read()).decode(errors="replace")[:500]
                 upstream.release()
@@ -185,6 +207,8 @@ class Forwarder:
                 finally:
                     upstream.release()
                 self._observe(endpoint, upstream.status, started, first_byte=True)
+                if trace:  # not streamed: the whole answer is its first byte
+                    trace.first_byte(call)
                 return Response(content, upstream.status, media_type="application/json")
             chunks = upstream.content.iter_any()
             try:
@@ -196,15 +220,20 @@ class Forwarder:
             first_token_s = time.perf_counter() - started
             metrics.TIME_TO_FIRST_BYTE.labels(endpoint).observe(first_token_s)
             self.first_tokens.observe(first_token_s)
+            if trace:
+                trace.first_byte(call)
             prefill.done()
             handed_over = True
-            relay = (self._relay(instance, endpoint, upstream, first, chunks, started) if ledger is None
-                     else self._migrating_relay(instance, endpoint, upstream, first, chunks, started, ledger, others))
+            relay = (self._relay(instance, endpoint, upstream, first, chunks, started, call) if ledger is None
+                     else self._migrating_relay(instance, endpoint, upstream, first, chunks, started, ledger, others,
+                                                call))
             return StreamingResponse(relay, media_type="text/event-stream")
         finally:
             prefill.done()
             if not handed_over:
                 self._leave(instance)
+                if call:
+                    call.end()
 
     async def _relay(
         self,
@@ -214,6 +243,7 @@ class Forwarder:
         first: bytes,
         chunks: AsyncIterator[bytes],
         started: float,
+        call: EngineCall | None = None,
     ) -> AsyncIterator[bytes]:
         status, finished = 200, False
         try:
@@ -234,10 +264,13 @@ class Forwarder:
                 upstream.close()
             self._leave(instance)
             self._observe(endpoint, status, started, first_byte=False)
+            if call:
+                call.end(status)
 
     async def _migrating_relay(
         self, instance: Instance, endpoint: str, upstream: aiohttp.ClientResponse, first: bytes,
         chunks: AsyncIterator[bytes], started: float, ledger: StreamLedger, others: Callable[[], list[Instance]],
+        call: EngineCall | None = None,
     ) -> AsyncIterator[bytes]:
         """`_relay`'s job for a migratable stream: through its ledger, and on to another
         instance (at most `max_migrations` times) when its engine's stream breaks."""
@@ -280,7 +313,7 @@ class Forwarder:
                 moved = None
                 if migrations < self.config.max_migrations and ledger.can_continue():
                     migrations += 1
-                    moved = await self._continue_elsewhere(endpoint, ledger, others, broke)
+                    moved = await self._continue_elsewhere(endpoint, ledger, others, broke, call)
                 if moved is None:
                     status = 502
                     yield _error_event(f"the engine's stream broke: {broke}")
@@ -290,9 +323,13 @@ class Forwarder:
             if instance is not None:  # the client left mid-stream
                 let_go(broken=True)
             self._observe(endpoint, status, started, first_byte=False)
+            if call:
+                call.span.set_attribute("pdcluster.migrations", migrations)
+                call.end(status)
 
     async def _continue_elsewhere(
-        self, endpoint: str, ledger: StreamLedger, others: Callable[[], list[Instance]], broke: str
+        self, endpoint: str, ledger: StreamLedger, others: Callable[[], list[Instance]], broke: str,
+        call: EngineCall | None = None,
     ) -> tuple[Instance, aiohttp.ClientResponse, bytes, AsyncIterator[bytes]] | None:
         """The continuation of `ledger`'s stream on the least loaded other instance, up to its
         first bytes; None if there is none or it failed too. Whatever ends it early (the client
@@ -305,10 +342,13 @@ class Forwarder:
         log.warning("stream of %s broke (%s): continuing on %s after %d tokens", endpoint, broke,
                     instance.instance_id, len(body["prompt"]) - len(ledger.prompt_token_ids))
         metrics.MIGRATIONS.inc()
+        if call:  # the continuation's engine span joins the same decode_stream span
+            call.span.add_event("pdcluster.migrated", instance_attributes(instance))
         self._enter(instance)
         upstream, moved = None, None
         try:
-            upstream = await self.session.post(f"{instance.url}/v1/completions", json=body)
+            upstream = await self.session.post(f"{instance.url}/v1/completions", json=body,
+                                               headers=call.headers if call else None)
             if upstream.status != 200:
                 text = (await upstream.read()).decode(errors="replace")[:500]
                 log.warning("instance %s refused a continued stream: HTTP %d %s", instance.instance_id,

@@ -10,7 +10,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from engine.http_auth import EngineAuthMiddleware
+from engine.http_auth import MAX_RPC_BODY_BYTES, EngineAuthMiddleware
 from engine.roles import COLOCATED
 from router.app import build_app
 from router.config import RouterConfig
@@ -26,15 +26,25 @@ def router(**config) -> TestClient:
     return TestClient(build_app(settings, InstanceRegistry()), raise_server_exceptions=False)
 
 
-@pytest.mark.parametrize("path", ["/metrics", "/admin/instances", "/admin/store"])
-def test_operator_routes_need_the_admin_token(path):
+# What clients may call (with their API key, when keys are configured); everything else the
+# router answers is the operator's.
+CLIENT_ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/openapi.json", "/docs",
+                 "/docs/oauth2-redirect", "/redoc"}
+
+
+def test_every_operator_route_needs_the_admin_token():
+    """Every route the app has beyond the clients' (so a route added later is covered too)."""
     with router() as client:
-        assert client.get(path).status_code == 401
-        assert client.get(path, headers={"authorization": "Bearer k1"}).status_code == 401  # a tenant's key
-        assert client.get(path, headers=CREDENTIALS.engine_headers()).status_code == 401  # another token
-        assert client.get(path, headers=CREDENTIALS.admin_headers()).status_code == 200
-    with router() as client:
-        assert client.post("/admin/explain", json={"model": "m", "prompt": "x"}).status_code == 401
+        routes = [(method, route.path.replace("{instance_id}", "colocated-0").replace("{name}", "status.js"))
+                  for route in client.app.routes if route.path not in CLIENT_ROUTES
+                  for method in getattr(route, "methods", ())]
+        assert {"/metrics", "/admin/instances", "/admin/store", "/admin/status", "/status"} <= {p for _, p in routes}
+        for method, path in routes:
+            assert client.request(method, path).status_code == 401, path
+            assert client.request(method, path, headers={"authorization": "Bearer k1"}).status_code == 401, path
+            assert client.request(method, path, headers=CREDENTIALS.engine_headers()).status_code == 401, path
+            if method == "GET":
+                assert client.get(path, headers=CREDENTIALS.admin_headers()).status_code != 401, path
 
 
 @pytest.mark.parametrize(("field", "value"), [
@@ -132,8 +142,8 @@ def test_the_router_sends_the_engine_token_to_engines_and_clients_cannot_skip_it
         for method in ("execute_model", "__init__", "pdc_load_weights_x", None):
             refused = direct.post("/collective_rpc", json={"method": method}, headers=token)
             assert refused.status_code == 403
-        huge = {"method": "pdc_load_weights", "args": ["x" * 100_000]}
-        assert direct.post("/collective_rpc", json=huge, headers=token).status_code == 403
+        huge = {"method": "pdc_load_weights", "args": ["x" * (MAX_RPC_BODY_BYTES + 1)]}
+        assert direct.post("/collective_rpc", json=huge, headers=token).status_code == 413
 
 
 async def test_the_router_presents_the_engine_token():

@@ -1,0 +1,85 @@
+"""GET /admin/status (router/status.py): the snapshot the operator views draw, and the prompt-hit
+counts placement feeds it. No engine runs: the instances are registered, not started."""
+
+from __future__ import annotations
+
+from fastapi.testclient import TestClient
+from prometheus_client import REGISTRY
+
+from decode.role import DECODE
+from engine.environment import free_port
+from engine.lifecycle import InstanceState
+from engine.roles import COLOCATED
+from router.app import build_app
+from router.config import RouterConfig
+from router.instances import Instance, InstanceRegistry
+from router.kv_index import KVIndex
+from router.placement import PlacementSettings, Placer, PromptHits
+from router.policies import RoutingRequest, make_policy
+from router.status import StartLog
+from router.status_model import ClusterStatus, StartRecord
+from security.credentials import ClusterCredentials
+
+
+def test_placement_counts_blocks_held_by_the_chosen_instance_then_the_store():
+    index = KVIndex()
+    hashes = (1, 2, 3, 4, 5)
+    index.stored("d", hashes[:2])
+    index.stored("store", hashes[:4])
+    placer = Placer(PlacementSettings(0), make_policy("least_loaded"), make_policy("least_loaded"),
+                    index=index, store_holders=frozenset({"store"}))
+    decode = Instance("d", DECODE, "u")
+    placement = placer.place(RoutingRequest(hashes, 80, 16), [decode], [])
+    assert placement.hits == PromptHits(blocks=5, instance=2, store=2)
+    other = placer.place(RoutingRequest((9, 8), 32, 16), [decode], [])
+    assert other.hits == PromptHits(blocks=2, instance=0, store=0)
+
+
+def test_admin_status_shows_pools_starts_errors_and_is_closed_to_others():
+    registry = InstanceRegistry()
+    registry.add(Instance("c-0", COLOCATED, "http://127.0.0.1:1"))
+    registry.add(Instance("c-1", COLOCATED, "http://127.0.0.1:2", InstanceState.STANDBY))
+    starts = StartLog()
+    starts.record(StartRecord(instance_id="c-0", role="colocated", path="disk", started_at=1.0, total_s=3.0,
+                              stages_s={"spawn": 1.0, "weights": 2.0}))
+    credentials = ClusterCredentials.load()  # the session's (tests/conftest.py)
+    config = RouterConfig(served_model_name="m", max_model_len=128, health_interval_s=60, queue_timeout_s=0,
+                          cluster_secret=credentials.secret.hex())
+    admin = credentials.admin_headers()
+    not_found = {"kind": "NotFoundError", "status": "404"}
+    errors_before = REGISTRY.get_sample_value("pdcluster_router_errors_total", not_found)
+    with TestClient(build_app(config, registry, starts=starts)) as client:
+        secret_prompt = "my secret prompt"
+        assert client.post("/v1/completions", json={"model": "nope", "prompt": secret_prompt}).status_code == 404
+        assert client.get("/admin/status").status_code == 401
+        response = client.get("/admin/status", headers=admin)
+    assert response.status_code == 200
+    status = ClusterStatus.model_validate(response.json())
+    assert status.health == "ok" and status.model == "m"
+    assert [(p.role, p.states) for p in status.pools] == [("colocated", {"ready": 1, "standby": 1})]
+    assert {i.instance_id: i.state for i in status.instances} == {"c-0": "ready", "c-1": "standby"}
+    assert [s.stages_s for s in status.starts] == [{"spawn": 1.0, "weights": 2.0}]
+    kinds = [(e.kind, e.status) for e in status.recent_errors]
+    assert kinds == [("NotFoundError", 404)]  # the 401 on /admin/status was no client's error
+    assert all(secret_prompt not in e.message for e in status.recent_errors)
+    assert REGISTRY.get_sample_value("pdcluster_router_errors_total", not_found) == errors_before + 1
+    assert status.store == [] and status.requests.served >= 1
+
+
+def test_engine_metrics_discovery_lists_running_engines_and_the_relay_takes_only_their_ids():
+    registry = InstanceRegistry()
+    registry.add(Instance("d-0", DECODE, f"http://127.0.0.1:{free_port('127.0.0.1')}"))  # nothing listens
+    registry.add(Instance("c-1", COLOCATED, "http://127.0.0.1:2", InstanceState.STANDBY))  # no vLLM server yet
+    credentials = ClusterCredentials.load()
+    config = RouterConfig(served_model_name="m", max_model_len=128, health_interval_s=60, queue_timeout_s=0,
+                          cluster_secret=credentials.secret.hex())
+    admin = credentials.admin_headers()
+    with TestClient(build_app(config, registry), base_url="http://router.example:9000") as client:
+        assert client.get("/admin/prometheus_sd").status_code == 401
+        assert client.get("/admin/engines/d-0/metrics", headers=credentials.engine_headers()).status_code == 401
+        targets = client.get("/admin/prometheus_sd", headers=admin).json()
+        assert targets == [{"targets": ["router.example:9000"], "labels": {
+            "__metrics_path__": "/admin/engines/d-0/metrics", "__scheme__": "http", "instance_id": "d-0",
+            "role": "decode"}}]
+        assert client.get("/admin/engines/nope/metrics", headers=admin).status_code == 404
+        assert client.get("/admin/engines/d-0/metrics", headers=admin).status_code == 502  # refused, bounded

@@ -1,0 +1,110 @@
+"""The router's spans without vLLM (router/tracing.py): a real router app, a real OTLP/gRPC
+receiver, and a stand-in engine (named so: an ASGI app that streams canned events and keeps the
+trace context it was sent), so the span tree and the `traceparent` an engine gets are checked in
+the unit tier. tests/e2e/test_tracing.py checks the whole P/D chain with real engines."""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+
+import pytest
+import uvicorn
+from fastapi.testclient import TestClient
+from pydantic import ValidationError
+
+from engine.environment import free_port
+from engine.roles import COLOCATED
+from loadtest.otlp_receiver import OTLPReceiver
+from router.app import build_app
+from router.config import RouterConfig
+from router.instances import Instance, InstanceRegistry
+from router.tracing import REQUEST_SPAN
+
+COLOCATED_STAGES = ("pdcluster.admission", "pdcluster.analysis", "pdcluster.queue_wait", "pdcluster.placement",
+                    "pdcluster.decode_stream")
+
+
+class StandInEngine:
+    """Answers any request with three SSE events and [DONE]; keeps each POST's `traceparent`."""
+
+    def __init__(self) -> None:
+        self.traceparents: list[str | None] = []
+        self.port = free_port("127.0.0.1")
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="error",
+                                                     interface="asgi3"))
+        self._thread = threading.Thread(target=self._server.run, daemon=True)
+
+    async def app(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return
+        if scope["method"] == "POST":  # not the router's health checks
+            self.traceparents.append(dict(scope["headers"]).get(b"traceparent", b"").decode() or None)
+        while (await receive()).get("more_body"):
+            pass
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})
+        for _ in range(3):
+            await send({"type": "http.response.body", "body": b'data: {"choices": [{"text": "x"}]}\n\n',
+                        "more_body": True})
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+
+    def __enter__(self) -> StandInEngine:
+        self._thread.start()
+        deadline = time.monotonic() + 10
+        while not self._server.started and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._server.should_exit = True
+        self._thread.join(10)
+
+
+def router(engine: StandInEngine, endpoint: str | None) -> TestClient:
+    registry = InstanceRegistry()
+    registry.add(Instance("colocated-0", COLOCATED, engine.url))
+    config = RouterConfig(served_model_name="m", max_model_len=128, health_interval_s=60, otlp_traces_endpoint=endpoint)
+    return TestClient(build_app(config, registry))
+
+
+def test_a_request_is_one_trace_and_the_engine_joins_its_stream_span():
+    trace_id, client_span = secrets.token_hex(16), secrets.token_hex(8)
+    body = {"model": "m", "prompt": "a prompt no span may carry", "max_tokens": 3, "stream": True}
+    with OTLPReceiver() as receiver, StandInEngine() as engine:
+        with router(engine, receiver.endpoint) as client:  # leaving it flushes the router's spans
+            response = client.post("/v1/completions", json=body,
+                                   headers={"traceparent": f"00-{trace_id}-{client_span}-01"})
+            assert response.status_code == 200 and response.text.endswith("data: [DONE]\n\n")
+        spans = receiver.spans()
+    assert {s.trace_id for s in spans} == {trace_id}
+    by_name = {s.name: s for s in spans}
+    assert sorted(by_name) == sorted((REQUEST_SPAN, *COLOCATED_STAGES))  # no prefill elsewhere
+    root, stream = by_name[REQUEST_SPAN], by_name["pdcluster.decode_stream"]
+    assert root.parent_span_id == client_span
+    assert all(by_name[name].parent_span_id == root.span_id for name in COLOCATED_STAGES)
+    assert root.attributes["pdcluster.placement.reason"] == "colocated"
+    assert root.attributes["pdcluster.serve.instance_id"] == stream.attributes["pdcluster.instance_id"] == "colocated-0"
+    assert stream.attributes["http.response.status_code"] == 200
+    assert [name for name, _ in stream.events] == ["first_byte"]
+    # The engine's request carried the stream span's context: its own span would be that span's child.
+    assert engine.traceparents == [f"00-{trace_id}-{stream.span_id}-01"]
+    assert not any("no span may carry" in str(v) for s in spans for v in s.attributes.values())
+
+
+def test_off_sets_nothing_up_and_sends_no_trace_context():
+    with StandInEngine() as engine, router(engine, None) as client:
+        assert client.app.state.tracing is None
+        headers = {"traceparent": f"00-{secrets.token_hex(16)}-{secrets.token_hex(8)}-01"}
+        response = client.post("/v1/completions", json={"model": "m", "prompt": "x", "stream": True}, headers=headers)
+        assert response.status_code == 200
+    assert engine.traceparents == [None]
+
+
+@pytest.mark.parametrize("endpoint", ["127.0.0.1:4317", "grpc://127.0.0.1:4317", "http://127.0.0.1",
+                                      "http://user:token@127.0.0.1:4317", "http://127.0.0.1:4317?key=k"])
+def test_an_endpoint_is_a_plain_url_with_no_credentials(endpoint):
+    with pytest.raises(ValidationError):
+        RouterConfig(served_model_name="m", max_model_len=128, otlp_traces_endpoint=endpoint)
