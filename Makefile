@@ -8,7 +8,7 @@ SYSTEM_PACKAGES := prometheus chromium
 
 .PHONY: install system-packages serve test test-fast lint clean
 
-install: system-packages $(STAMP)
+install: $(STAMP)
 
 # Debian's prometheus (tests/e2e/test_dashboard.py starts it; its promtool lints our metric names)
 # and chromium (the status page's test drives it headless). Cheap when present: a `command -v`
@@ -38,7 +38,7 @@ $(STAMP): pyproject.toml
 serve: install
 	$(VENV)/bin/pdcluster serve
 
-test: install
+test: install system-packages
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/pytest -ra
 

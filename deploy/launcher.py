@@ -138,6 +138,7 @@ class Launcher:
         self._actors: dict[str, ray.actor.ActorHandle] = {}
         self._adopted: set[str] = set()  # engines a launcher before this one started
         self._descriptors: dict[str, dict] = {}
+        self._not_peers: set[str] = set()
         """Weight descriptors of ready instances, by instance id (see peer_weights)."""
         self.store = StoreShards(credentials, self.console, self._engine_nodes)
 
@@ -302,7 +303,7 @@ class Launcher:
         first ask sets up the peer's side (a NIXL agent: ~0.5 s on the CPU build)."""
         for instance in self.registry.all():
             record = self.instances.get(instance.instance_id)
-            if record is None or instance.state != InstanceState.READY:
+            if record is None or instance.state != InstanceState.READY or instance.instance_id in self._not_peers:
                 continue
             if instance.instance_id in self._descriptors:
                 return self._descriptors[instance.instance_id]
@@ -310,6 +311,7 @@ class Launcher:
                 descriptor = await asyncio.wait_for(record.actor.export_weights.remote(), 30)
             except Exception as exc:  # try the next peer; disk is the last resort
                 log.warning("peer %s cannot offer its weights: %s", instance.instance_id, exc)
+                self._not_peers.add(instance.instance_id)  # e.g. a woken sleeper (no CUDA IPC): not asked again
                 continue
             self._descriptors[instance.instance_id] = descriptor
             return descriptor

@@ -107,6 +107,9 @@ class PoolController:
         self._ids = itertools.count()
         self._growing: dict[RoleSpec, int] = {role: 0 for role in self.specs}
         self._standby_starting: dict[RoleSpec, int] = {role: 0 for role in self.specs}
+        self._standby_failures: dict[RoleSpec, int] = {role: 0 for role in self.specs}
+        self._standby_retry_at: dict[RoleSpec, float] = {role: 0.0 for role in self.specs}
+        """After a failed standby start, the next waits 2, 4, ... 60 s: no storm of starts."""
         self._last_busy: dict[RoleSpec, float] = {role: time.monotonic() for role in self.specs}
         self._grown_at: dict[RoleSpec, float] = {role: 0.0 for role in self.specs}
         self._tasks: set[asyncio.Task] = set()
@@ -161,7 +164,7 @@ class PoolController:
             self._growing[role] += 1
             self._spawn(self._grow(spec), f"grow-{role.name}")
         standbys = len(self._standbys(role)) + self._standby_starting[role]
-        if standbys < spec.standby:
+        if standbys < spec.standby and time.monotonic() >= self._standby_retry_at[role]:
             self._standby_starting[role] += 1
             self._spawn(self._add_standby(spec), f"standby-{role.name}")
         idle = time.monotonic() - self._last_busy[role]
@@ -202,7 +205,10 @@ class PoolController:
         try:
             config = self._config(spec.role).model_copy(update={"sleep_mode": spec.standby_sleeps})
             await self.launcher.start_standby(self._new_id(spec.role), config)
+            self._standby_failures[spec.role] = 0
         except Exception:
-            log.exception("starting a %s standby failed", spec.role.name)
+            failures = self._standby_failures[spec.role] = self._standby_failures[spec.role] + 1
+            self._standby_retry_at[spec.role] = time.monotonic() + min(60.0, 2.0**failures)
+            log.exception("starting a %s standby failed (%d in a row)", spec.role.name, failures)
         finally:
             self._standby_starting[spec.role] -= 1

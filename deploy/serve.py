@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from rich.console import Console
 
 from deploy.topology import Topology, roles_to_start
-from engine.environment import is_loopback, use_ray
+from engine.environment import is_cpu_build, is_loopback, use_ray
 from engine.models import BUILDERS, COMPLETE_MARKER, default_model_root
 
 log = logging.getLogger(__name__)
@@ -95,6 +95,8 @@ def serve(args: argparse.Namespace) -> int:
         )
         topology = Topology.from_args(args.instances, args.prefill, args.decode, args.standby, args.max_instances,
                                       args.target_ttft, args.colocated, args.sleeping_standbys)
+        if topology.sleeping_standbys and args.address is None and is_cpu_build():
+            raise ValueError("--sleeping-standbys needs CUDA engines: vLLM's CPU build has no sleep mode")
     except (ValidationError, ValueError, OSError, CredentialsError) as exc:
         console.print(f"[red]invalid configuration:[/] {exc}")
         return 2
@@ -143,7 +145,7 @@ async def _start_fleet(launcher, registry, engine_config, router_config, topolog
     router's app and the pool controller (started); returns both."""
     from deploy.launcher import cpu_core_sets
     from deploy.pool import PoolController
-    from engine.environment import free_port, is_cpu_build
+    from engine.environment import free_port
     from engine.process import node_address
     from router.app import build_app
     from router.kv_events import STORE_HOLDER

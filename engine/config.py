@@ -66,8 +66,9 @@ class EngineConfig(BaseModel):
     """Share of GPU memory vLLM may take on a CUDA build."""
     sleep_mode: bool = False
     """CUDA only: a standby sleeps once started (vLLM's sleep mode, level 2: weights' and KV
-    cache's memory given back) and wakes on activation. Its live weights are then not offered to
-    peers over CUDA IPC (memory vLLM maps itself has no IPC handle), only through NIXL."""
+    cache's memory given back) and wakes on activation. Once awake it offers no weights to peers
+    (its memory, mapped by vLLM's CuMemAllocator, has no CUDA IPC handle): they load from another
+    peer or from disk."""
     cpu_cores: str | None = None
     """Cores the CPU build binds its threads to ("1", "2-3"); None lets vLLM choose."""
     gpu_ids: str | None = None

@@ -10,7 +10,8 @@ An engine that serves streams (decode, colocated) is killed only once at least h
 has sent tokens and it holds some of them (none within 60 s: the run is an error); the row says
 how many it held and each open stream's tokens so far, and how many streams' texts equal the
 same burst's without a fault (sent first; the streams the victim held go on elsewhere,
-router/migration.py);
+router/migration.py), except in `structured-stream-killed`, whose streams carry a regex that
+the router does not migrate (they must end with an error event, the others complete);
 P/D scenarios also report what the store still holds in flight afterwards (leases, reserved
 bytes: both must be back at 0). Every request is classified:
 completed (all its tokens), failed clean (an OpenAI-style HTTP error or an error event closing
@@ -56,6 +57,23 @@ class Scenario:
     """When the victim serves no streams (prefill, store, router): seconds into the burst."""
     prompt_words: int
     max_tokens: int
+    regex_chars: int | None = None
+    """Structured output: each stream must match `[a-z ]{regex_chars}` (vLLM's `structured_outputs`),
+    which the router does not migrate: a killed engine's streams must end with an error event."""
+
+    def body(self, prompt: str) -> dict:
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": self.max_tokens, "temperature": 0,
+                "ignore_eos": True}
+        if self.regex_chars:
+            body["structured_outputs"] = {"regex": f"[a-z ]{{{self.regex_chars}}}"}
+        return body
+
+    def complete(self, result: RequestResult) -> bool:
+        """All of the stream's output arrived: every token, or the whole structured string (its
+        grammar ends the request however many tokens it took)."""
+        if self.regex_chars:
+            return len(result.text) == self.regex_chars
+        return result.output_tokens == self.max_tokens
 
     @property
     def kills_streams(self) -> bool:
@@ -85,6 +103,9 @@ SCENARIOS = {
     "colocated-killed-mid-stream": Scenario(
         "colocated-killed-mid-stream", ("--instances", "2", *FLOAT32), "colocated", 0.0, 40, 512,
     ),
+    "structured-stream-killed": Scenario(
+        "structured-stream-killed", ("--instances", "2", *FLOAT32), "colocated", 0.0, 40, 600, regex_chars=600,
+    ),
     # On a Ray cluster of its own (as on a `ray up` head), so the engines outlive the router.
     "router-restarted": Scenario(
         "router-restarted",
@@ -102,12 +123,12 @@ def kill_engine(url: str) -> None:
     os.killpg(os.getpgid(pid), signal.SIGKILL)
 
 
-def classify(result, max_tokens: int) -> str:
+def classify(result: RequestResult, scenario: Scenario) -> str:
     if result.error == "timeout":
         return "hung"
     if result.error in ("stream",) or (result.error or "").startswith("http_"):
         return "failed_clean"
-    if result.error or result.output_tokens != max_tokens:
+    if result.error or not scenario.complete(result):
         return "dropped"
     return "completed"
 
@@ -130,8 +151,7 @@ async def burst(url: str, count: int, scenario: Scenario, seed: int,
     async with aiohttp.ClientSession(timeout=timeout) as session:
 
         async def one(prompt: str) -> Outcome:
-            body = {"model": "tiny", "prompt": prompt, "max_tokens": scenario.max_tokens, "temperature": 0,
-                    "ignore_eos": True}
+            body = scenario.body(prompt)
             result = RequestResult(started_at=time.time())
             if live is not None:
                 live.append(result)
@@ -140,7 +160,7 @@ async def burst(url: str, count: int, scenario: Scenario, seed: int,
                     await stream_request(session, f"{url}/v1/completions", body, result)
             except TimeoutError:
                 return Outcome("hung", "timeout", result.text)
-            return Outcome(classify(result, scenario.max_tokens), result.error or "", result.text)
+            return Outcome(classify(result, scenario), result.error or "", result.text)
 
         return await asyncio.gather(*(one(p) for p in prompts))
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -41,7 +41,6 @@ def add_admin_routes(app: FastAPI, credentials: ClusterCredentials, analyzer: Re
     routes = APIRouter(dependencies=[Depends(require_admin(credentials))])  # Bearer, or Basic for reads
     registry, index = app.state.registry, app.state.index
     store_keys = credentials.curve(STORE_PLANE)
-    engine_headers = credentials.engine_headers()
 
     @routes.get("/metrics")
     async def prometheus_metrics() -> Response:
@@ -72,12 +71,16 @@ def add_admin_routes(app: FastAPI, credentials: ClusterCredentials, analyzer: Re
         instance = registry.get(instance_id)
         if instance is None:
             raise StarletteHTTPException(404, f"no instance {instance_id!r} behind this router")
-        return await engine_metrics(instance, engine_headers)
+        return await engine_metrics(instance, app.state.monitor.client)
 
-    @routes.get("/admin/prometheus_sd")
-    async def prometheus_sd(request: Request) -> list[ScrapeTargetGroup]:
-        """Prometheus HTTP service discovery: every running engine, scraped through the relay above."""
-        return engine_scrape_targets(registry, request.url.netloc, request.url.scheme)
+    @routes.get("/admin/prometheus_sd", response_model=list[ScrapeTargetGroup])
+    async def prometheus_sd(request: Request) -> JSONResponse:
+        """Prometheus HTTP service discovery: every running engine, scraped through the relay above
+        at the router's own address (never the request's Host header, which a proxy in between
+        could let a caller choose, and with it where Prometheus sends its token)."""
+        config = app.state.config
+        groups = engine_scrape_targets(registry, f"{config.host}:{config.port}", request.url.scheme)
+        return JSONResponse([g.model_dump() for g in groups], headers={"Cache-Control": "no-store"})
 
     @routes.get("/admin/status")
     async def status() -> ClusterStatus:

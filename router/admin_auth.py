@@ -3,7 +3,7 @@
 A browser cannot send a Bearer token from its address bar, so the operator's routes also take
 HTTP Basic auth whose password is the admin token (any user name): a 401 names the realm and the
 browser asks once, then sends the credential with the page's own requests. Basic is accepted for
-reads (GET, HEAD) only: a browser attaches it to any request for this origin, a cross-site form's
+reads (GET) only: a browser attaches it to any request for this origin, a cross-site form's
 POST included, so it must never authorize anything that acts. The token never goes in a URL.
 """
 
@@ -20,7 +20,7 @@ from router.errors import Unauthorized
 from security.credentials import ClusterCredentials, bearer_matches
 
 REALM = "pdcluster"
-READ_METHODS = frozenset({"GET", "HEAD"})
+READ_METHODS = frozenset({"GET"})
 
 
 class AdminCredentialRequired(Unauthorized):

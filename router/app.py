@@ -5,6 +5,7 @@ tenant salt) -> `RequestAnalyzer` (router/analysis.py: tokens, block hashes) -> 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -28,18 +29,15 @@ from router.placement import PlacementSettings, Placer
 from router.policies import PolicyContext, make_policy
 from router.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from router.proxy import Forwarder
-from router.status import ErrorLog, StartLog
+from router.status import ErrorLog, StartLog, serving_counts
 from router.status_page import add_status_page
 from router.tracing import NO_SPAN, RouterTracing
 from transport.zmq_curve import KV_EVENTS_PLANE
 
 log = logging.getLogger(__name__)
-ERROR_RESPONSES = {
-    status: {"description": description}
-    for status, description in ((400, "Invalid request"), (401, "No or invalid API key"),
-                                (404, "Unknown model"), (413, "Body too large"), (429, "Rate limited"),
-                                (502, "Engine failed"), (503, "No ready instance"))
-}
+ERROR_DESCRIPTIONS = {400: "Invalid request", 401: "No or invalid API key", 404: "Unknown model or route",
+                      413: "Body too large", 429: "Rate limited", 502: "Engine failed", 503: "No ready instance"}
+ERROR_RESPONSES = {status: {"description": description} for status, description in ERROR_DESCRIPTIONS.items()}
 
 
 def _body_schema(model: type[SamplingRequest]) -> dict:
@@ -102,7 +100,7 @@ def build_app(
             await forwarder.close()
             analyzer.close()
             if tracing:
-                tracing.shutdown()  # exports the spans still batched
+                await asyncio.to_thread(tracing.shutdown)  # exports the spans still batched
 
     # Off: no OpenTelemetry set-up at all (router/tracing.py).
     tracing = RouterTracing(config.otlp_traces_endpoint) if config.otlp_traces_endpoint else None
@@ -110,6 +108,7 @@ def build_app(
     app.state.tracing = tracing
     app.state.registry, app.state.queue, app.state.first_tokens = registry, queue, forwarder.first_tokens
     app.state.config, app.state.index, app.state.listener = config, index, listener
+    app.state.monitor = monitor
     app.state.starts, app.state.errors = starts or StartLog(), ErrorLog()
     intake = Intake(config, admission)
     _add_error_handlers(app)
@@ -125,8 +124,10 @@ def _add_error_handlers(app: FastAPI) -> None:
     errors: ErrorLog = app.state.errors
 
     def record(request: Request, kind: str, status: int, message: str) -> None:
-        if request.url.path.startswith("/v1/"):  # an operator's 401 on /admin is no client's error
-            errors.record(kind, status, message)
+        """Clients' errors only (an operator's 401 on /admin is none), each under its status's
+        fixed description: the client's message may quote its own request (a model name, a field)."""
+        if request.url.path.startswith("/v1/"):
+            errors.record(kind, status, message if status == 500 else ERROR_DESCRIPTIONS.get(status, kind))
 
     @app.exception_handler(RouterError)
     async def _router_error(request: Request, exc: RouterError) -> JSONResponse:
@@ -207,8 +208,7 @@ def _add_openai_routes(app: FastAPI, intake: Intake, analyzer: RequestAnalyzer, 
     async def health() -> JSONResponse:
         """200 while requests can be served: by a ready instance, or by a standby the pool
         controller activates for them (a scaled-to-zero pool is not down)."""
-        ready = len(serving_instances())
-        standby = sum(1 for i in registry.all() if i.state.is_standby and i.role.serves_clients)
+        ready, standby = serving_counts(registry)
         status = 200 if ready or standby else 503
         body = {"status": "ok" if status == 200 else "unavailable", "ready_instances": ready,
                 "standby_instances": standby}

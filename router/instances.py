@@ -97,7 +97,9 @@ class InstanceRegistry:
 
 
 class HealthMonitor:
-    """Checks every instance's /health each `interval_s`; owns its task and its HTTP client."""
+    """Checks every instance's /health each `interval_s`; owns its task and `client`, the router's
+    httpx client to engines (engine token; no proxy taken from the environment, which would see
+    the token), which the metrics relay borrows."""
 
     def __init__(
         self,
@@ -113,24 +115,25 @@ class HealthMonitor:
         self.timeout_s = timeout_s
         self.failure_threshold = failure_threshold
         self._task: asyncio.Task[None] | None = None
+        self.client: httpx.AsyncClient | None = None
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="health-monitor")
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(self.timeout_s), headers=self.engine_headers,
+                                        trust_env=False)
+        self._task = asyncio.create_task(self._run(self.client), name="health-monitor")
 
     async def stop(self) -> None:
         if self._task:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        if self.client:
+            await self.client.aclose()
 
-    async def _run(self) -> None:
-        async with httpx.AsyncClient(timeout=httpx.Timeout(self.timeout_s), headers=self.engine_headers) as client:
-            while True:
-                instances = [
-                    i for i in self.registry.all()
-                    if i.state in (InstanceState.READY, InstanceState.FAILED)
-                ]
-                await asyncio.gather(*(self.check(client, i) for i in instances))
-                await asyncio.sleep(self.interval_s)
+    async def _run(self, client: httpx.AsyncClient) -> None:
+        while True:
+            instances = [i for i in self.registry.all() if i.state in (InstanceState.READY, InstanceState.FAILED)]
+            await asyncio.gather(*(self.check(client, i) for i in instances))
+            await asyncio.sleep(self.interval_s)
 
     async def check(self, client: httpx.AsyncClient, instance: Instance) -> None:
         try:

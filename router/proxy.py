@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -232,8 +233,8 @@ class Forwarder:
             prefill.done()
             if not handed_over:
                 self._leave(instance)
-                if call:
-                    call.end()
+                if call:  # an exception on its way out (a read that broke) is the engine's failure
+                    call.end(502 if sys.exc_info()[0] is not None else None)
 
     async def _relay(
         self,

@@ -78,16 +78,19 @@ class ErrorLog:
         self.total = 0
 
     def record(self, kind: str, status: int, message: str) -> None:
+        """Count it; list it unless it is a 401 (anyone can send those, and they would push the
+        errors worth reading out of the list)."""
         self.total += 1
         metrics.ERRORS.labels(kind, str(status)).inc()
-        self._records.append(ErrorRecord(at=time.time(), kind=kind, status=status,
-                                         message=message[:MAX_MESSAGE_CHARS]))
+        if status != 401:
+            self._records.append(ErrorRecord(at=time.time(), kind=kind, status=status,
+                                             message=message[:MAX_MESSAGE_CHARS]))
 
     def recent(self) -> list[ErrorRecord]:
         return list(self._records)
 
 
-def health(registry: InstanceRegistry) -> tuple[int, int]:
+def serving_counts(registry: InstanceRegistry) -> tuple[int, int]:
     """(ready, standby) instances that serve clients: requests can be served while either is
     non-zero (a standby is activated for them: a scaled-to-zero pool is not down)."""
     serving = [i for i in registry.all() if i.role.serves_clients]
@@ -148,7 +151,7 @@ async def cluster_status(app: FastAPI, store_endpoints: tuple[str, ...], store_k
     ]
     shards = [ShardStatus.model_validate(s) for s in await read_shards(store_endpoints, store_keys)] \
         if store_endpoints else []
-    ready, standby = health(registry)
+    ready, standby = serving_counts(registry)
     inflight = sum(i.inflight for i in instances if i.role != "prefill")  # a P/D request counts once
     return ClusterStatus(
         generated_at=time.time(), model=state.config.served_model_name,
@@ -197,8 +200,8 @@ class ScrapeTargetGroup(BaseModel):
 
 
 def engine_scrape_targets(registry: InstanceRegistry, router_netloc: str, scheme: str) -> list[ScrapeTargetGroup]:
-    """Each running engine as a target on this router (`router_netloc`: the host:port Prometheus
-    reached it at), scraped through the relay with the admin token Prometheus already has."""
+    """Each running engine as a target on this router (`router_netloc`: its host:port), scraped
+    through the relay with the admin token Prometheus already has."""
     return [
         ScrapeTargetGroup(targets=[router_netloc], labels={
             "__metrics_path__": f"/admin/engines/{i.instance_id}/metrics", "__scheme__": scheme,
@@ -207,12 +210,11 @@ def engine_scrape_targets(registry: InstanceRegistry, router_netloc: str, scheme
     ]
 
 
-async def engine_metrics(instance: Instance, engine_headers: dict[str, str]) -> Response:
-    """`instance`'s vLLM /metrics, fetched with the engine token (at most
-    ENGINE_METRICS_TIMEOUT_S); 502 if it does not answer."""
+async def engine_metrics(instance: Instance, client: httpx.AsyncClient) -> Response:
+    """`instance`'s vLLM /metrics, fetched by `client` (the health monitor's: the engine token, no
+    proxy) within ENGINE_METRICS_TIMEOUT_S; 502 if it does not answer."""
     try:
-        async with httpx.AsyncClient(timeout=ENGINE_METRICS_TIMEOUT_S, headers=engine_headers) as client:
-            answer = await client.get(f"{instance.url}/metrics")
+        answer = await client.get(f"{instance.url}/metrics", timeout=ENGINE_METRICS_TIMEOUT_S)
     except httpx.HTTPError as exc:
         raise EngineFailed(f"engine {instance.instance_id} did not answer its metrics: {type(exc).__name__}") from None
     if answer.status_code != 200:

@@ -100,5 +100,6 @@ class ClusterStatus(BaseModel):
     hit_rates: HitRates
     store: list[ShardStatus] = Field(default_factory=list)
     recent_errors: list[ErrorRecord] = Field(default_factory=list)
-    """The last errors answered to clients, oldest first (at most 50); messages never carry
-    prompts or keys."""
+    """The last errors answered to clients on the OpenAI routes, oldest first (at most 50; 401s
+    only counted): each with its status's fixed description (or, for a 500, the incident id),
+    never the client's own message, which may quote its request."""

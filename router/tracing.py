@@ -77,19 +77,24 @@ class RouterTracing:
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
+        from opentelemetry.sdk.trace.sampling import ALWAYS_ON
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-        self.provider = TracerProvider(resource=Resource.create({"service.name": SERVICE_NAME}))
+        # ALWAYS_ON, not the default ParentBased: a client's traceparent may name its trace, never
+        # turn the operator's tracing off (its sampled flag is not obeyed).
+        self.provider = TracerProvider(resource=Resource.create({"service.name": SERVICE_NAME}), sampler=ALWAYS_ON)
         exporter = OTLPSpanExporter(endpoint=endpoint, insecure=urlparse(endpoint).scheme != "https")
         self.provider.add_span_processor(BatchSpanProcessor(exporter))
         self.tracer = self.provider.get_tracer("pdcluster.router")
         self.propagator = TraceContextTextMapPropagator()
 
     def begin(self, headers: Mapping[str, str], endpoint: str) -> RequestTrace:
-        """The request's span, a child of the client's `traceparent` if it sent a valid one."""
+        """The request's span, a child of the client's `traceparent` if it sent a valid one (its
+        `tracestate` is not taken: nothing of the client's goes on to the engines but the trace id)."""
         from opentelemetry.trace import SpanKind
 
-        span = self.tracer.start_span(REQUEST_SPAN, context=self.propagator.extract(headers), kind=SpanKind.SERVER,
+        carrier = {"traceparent": headers["traceparent"]} if "traceparent" in headers else {}
+        span = self.tracer.start_span(REQUEST_SPAN, context=self.propagator.extract(carrier), kind=SpanKind.SERVER,
                                       attributes={"http.route": endpoint})
         return RequestTrace(self, span)
 
@@ -104,6 +109,7 @@ class EngineCall:
 
     span: Span
     headers: dict[str, str]
+    request: RequestTrace
     status: int = 502
     """The engine's HTTP status, once it answered; 502 if it never did."""
 
@@ -111,6 +117,7 @@ class EngineCall:
         from opentelemetry.trace import StatusCode
 
         status = self.status if status is None else status
+        self.request.status = status  # a stream that broke ends its request's span as an error too
         self.span.set_attribute("http.response.status_code", status)
         if status >= 500:
             self.span.set_status(StatusCode.ERROR)
@@ -128,6 +135,8 @@ class RequestTrace:
         self.root = root
         self._context = set_span_in_context(root)
         self._handover: Span | None = None
+        self.status = 200
+        """The answer's status as the last engine call ended it (a stream's error event: 502)."""
         self.attempt = 0
 
     def child(self, name: str, attributes: Mapping[str, Any] | None = None, client: bool = False) -> Span:
@@ -152,7 +161,7 @@ class RequestTrace:
     def engine_call(self, name: str, instance: Instance) -> EngineCall:
         """A CLIENT span for requests to `instance`, with the `traceparent` they carry."""
         span = self.child(name, instance_attributes(instance), client=True)
-        return EngineCall(span, self.headers(span))
+        return EngineCall(span, self.headers(span), self)
 
     def headers(self, span: Span) -> dict[str, str]:
         """The W3C trace context (`traceparent`) of a request sent under `span`."""
@@ -200,7 +209,7 @@ class RequestTrace:
             async for chunk in body:
                 yield chunk
         finally:
-            self.finish(200)
+            self.finish(self.status)
 
 
 def _mark_failed(span: Span, exc: BaseException) -> None:

@@ -78,7 +78,9 @@ def test_engine_metrics_discovery_lists_running_engines_and_the_relay_takes_only
         assert client.get("/admin/prometheus_sd").status_code == 401
         assert client.get("/admin/engines/d-0/metrics", headers=credentials.engine_headers()).status_code == 401
         targets = client.get("/admin/prometheus_sd", headers=admin).json()
-        assert targets == [{"targets": ["router.example:9000"], "labels": {
+        # The router's own address, not the Host header the request came with (a proxy could let a caller
+        # choose it, and with it where Prometheus sends its admin token).
+        assert targets == [{"targets": [f"{config.host}:{config.port}"], "labels": {
             "__metrics_path__": "/admin/engines/d-0/metrics", "__scheme__": "http", "instance_id": "d-0",
             "role": "decode"}}]
         assert client.get("/admin/engines/nope/metrics", headers=admin).status_code == 404

@@ -31,6 +31,7 @@ class StandInEngine:
 
     def __init__(self) -> None:
         self.traceparents: list[str | None] = []
+        self.tracestates: list[str | None] = []
         self.port = free_port("127.0.0.1")
         self.url = f"http://127.0.0.1:{self.port}"
         self._server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="error",
@@ -42,6 +43,7 @@ class StandInEngine:
             return
         if scope["method"] == "POST":  # not the router's health checks
             self.traceparents.append(dict(scope["headers"]).get(b"traceparent", b"").decode() or None)
+            self.tracestates.append(dict(scope["headers"]).get(b"tracestate", b"").decode() or None)
         while (await receive()).get("more_body"):
             pass
         await send({"type": "http.response.start", "status": 200,
@@ -92,6 +94,21 @@ def test_a_request_is_one_trace_and_the_engine_joins_its_stream_span():
     # The engine's request carried the stream span's context: its own span would be that span's child.
     assert engine.traceparents == [f"00-{trace_id}-{stream.span_id}-01"]
     assert not any("no span may carry" in str(v) for s in spans for v in s.attributes.values())
+
+
+def test_a_client_cannot_turn_tracing_off_or_send_its_tracestate_to_the_engines():
+    trace_id = secrets.token_hex(16)
+    headers = {"traceparent": f"00-{trace_id}-{secrets.token_hex(8)}-00",  # sampled flag off
+               "tracestate": "vendor=chosen-by-the-client"}
+    with OTLPReceiver() as receiver, StandInEngine() as engine:
+        with router(engine, receiver.endpoint) as client:
+            body = {"model": "m", "prompt": "x", "max_tokens": 3, "stream": True}
+            assert client.post("/v1/completions", json=body, headers=headers).status_code == 200
+        spans = receiver.spans()
+    assert REQUEST_SPAN in {s.name for s in spans}  # recorded all the same, in the client's trace
+    assert {s.trace_id for s in spans} == {trace_id}
+    (sent,) = engine.traceparents
+    assert sent.endswith("-01") and engine.tracestates == [None]
 
 
 def test_off_sets_nothing_up_and_sends_no_trace_context():
