@@ -57,23 +57,16 @@ class Scenario:
     """When the victim serves no streams (prefill, store, router): seconds into the burst."""
     prompt_words: int
     max_tokens: int
-    regex_chars: int | None = None
-    """Structured output: each stream must match `[a-z ]{regex_chars}` (vLLM's `structured_outputs`),
-    which the router does not migrate: a killed engine's streams must end with an error event."""
+    regex: str | None = None
+    """Structured output (vLLM's `structured_outputs`), which the router does not migrate: a
+    killed engine's streams must end with an error event."""
 
     def body(self, prompt: str) -> dict:
         body = {"model": "tiny", "prompt": prompt, "max_tokens": self.max_tokens, "temperature": 0,
                 "ignore_eos": True}
-        if self.regex_chars:
-            body["structured_outputs"] = {"regex": f"[a-z ]{{{self.regex_chars}}}"}
+        if self.regex:
+            body["structured_outputs"] = {"regex": self.regex}
         return body
-
-    def complete(self, result: RequestResult) -> bool:
-        """All of the stream's output arrived: every token, or the whole structured string (its
-        grammar ends the request however many tokens it took)."""
-        if self.regex_chars:
-            return len(result.text) == self.regex_chars
-        return result.output_tokens == self.max_tokens
 
     @property
     def kills_streams(self) -> bool:
@@ -104,7 +97,8 @@ SCENARIOS = {
         "colocated-killed-mid-stream", ("--instances", "2", *FLOAT32), "colocated", 0.0, 40, 512,
     ),
     "structured-stream-killed": Scenario(
-        "structured-stream-killed", ("--instances", "2", *FLOAT32), "colocated", 0.0, 40, 600, regex_chars=600,
+        # Unbounded, so each stream runs to max_tokens (xgrammar does not hold `{600}` exactly: seen)
+        "structured-stream-killed", ("--instances", "2", *FLOAT32), "colocated", 0.0, 40, 512, regex="[a-z ]+",
     ),
     # On a Ray cluster of its own (as on a `ray up` head), so the engines outlive the router.
     "router-restarted": Scenario(
@@ -128,7 +122,7 @@ def classify(result: RequestResult, scenario: Scenario) -> str:
         return "hung"
     if result.error in ("stream",) or (result.error or "").startswith("http_"):
         return "failed_clean"
-    if result.error or not scenario.complete(result):
+    if result.error or result.output_tokens != scenario.max_tokens:
         return "dropped"
     return "completed"
 
