@@ -13,41 +13,33 @@ from deploy.status_view import StatusSource, render_status, watch
 from router.app import build_app
 from router.config import RouterConfig
 from router.instances import InstanceRegistry
-from router.status_model import (
-    ClusterStatus,
-    ErrorRecord,
-    HitRates,
-    InstanceStatus,
-    PoolStatus,
-    RequestCounts,
-    ShardStatus,
-    StartRecord,
-)
+from router.status_model import ClusterStatus, HitRates
 from security.credentials import ClusterCredentials
 
 CREDENTIALS = ClusterCredentials.load()  # the session's (tests/conftest.py)
 
 
 def cluster_status() -> ClusterStatus:
-    return ClusterStatus(
-        generated_at=1_790_000_000.0, model="tiny", health="ok",
-        requests=RequestCounts(served=42, inflight=3, queued=1),
-        pools=[PoolStatus(role="prefill", states={"ready": 1}),
-               PoolStatus(role="decode", states={"ready": 1, "standby": 2})],
-        instances=[
-            InstanceStatus(instance_id="prefill-0", role="prefill", state="ready", url="http://127.0.0.1:9001",
-                           inflight=2, pending_prefill_tokens=512.0, index_blocks=17),
-            InstanceStatus(instance_id="decode-7", role="decode", state="standby", url="http://127.0.0.1:9002",
-                           inflight=0, pending_prefill_tokens=0.0, index_blocks=0),
+    """A snapshot as the views get it: GET /admin/status's JSON."""
+    return ClusterStatus.model_validate({
+        "generated_at": 1_790_000_000.0, "model": "tiny", "health": "ok",
+        "requests": {"served": 42, "inflight": 3, "queued": 1},
+        "pools": [{"role": "prefill", "states": {"ready": 1}},
+                  {"role": "decode", "states": {"ready": 1, "standby": 2}}],
+        "instances": [
+            {"instance_id": "prefill-0", "role": "prefill", "state": "ready", "url": "http://127.0.0.1:9001",
+             "inflight": 2, "pending_prefill_tokens": 512.0, "index_blocks": 17},
+            {"instance_id": "decode-7", "role": "decode", "state": "standby", "url": "http://127.0.0.1:9002",
+             "inflight": 0, "pending_prefill_tokens": 0.0, "index_blocks": 0},
         ],
-        starts=[StartRecord(instance_id="decode-7", role="decode", path="peer", started_at=1_789_999_990.0,
-                            total_s=0.9, stages_s={"weights": 0.4, "warmup_request": 0.2, "api_server": 0.3})],
-        hit_rates=HitRates(prompt_blocks=200, instance_hit_blocks=50, store_hit_blocks=30),
-        store=[ShardStatus(endpoint="tcp://127.0.0.1:7000", capacity_bytes=2 * 2**30, used_bytes=2**30, chunks=9),
-               ShardStatus(endpoint="tcp://127.0.0.1:7001", error="no answer in 5 s")],
-        recent_errors=[ErrorRecord(at=1_789_999_999.0, kind="RateLimitError", status=429,
-                                   message="key over its rate [bold]limit[/bold]")],
-    )
+        "starts": [{"instance_id": "decode-7", "role": "decode", "path": "peer", "started_at": 1_789_999_990.0,
+                    "total_s": 0.9, "stages_s": {"weights": 0.4, "warmup_request": 0.2, "api_server": 0.3}}],
+        "hit_rates": {"prompt_blocks": 200, "instance_hit_blocks": 50, "store_hit_blocks": 30},
+        "store": [{"endpoint": "tcp://127.0.0.1:7000", "capacity_bytes": 2 * 2**30, "used_bytes": 2**30, "chunks": 9},
+                  {"endpoint": "tcp://127.0.0.1:7001", "error": "no answer in 5 s"}],
+        "recent_errors": [{"at": 1_789_999_999.0, "kind": "RateLimitError", "status": 429,
+                           "message": "key over its rate [bold]limit[/bold]"}],
+    })
 
 
 def rendered(status: ClusterStatus) -> str:
