@@ -17,8 +17,9 @@ instance prefills itself. The reasons, in the order they are tried:
               steps that wait behind that prefill;
   remote      the prefill instance computes the prompt and hands its KV over.
 
-Given the KV index, `place` also counts where the prompt's blocks were found (`PromptHits`),
-matched before the policy chooses: its speculative insert would count them as held.
+Given the KV index, `place` matches the prompt once, before the policy chooses (its speculative
+insert would count the blocks as held), and both counts where they were found (`PromptHits`) and
+hands the match to the policies in the request.
 
 Hazards: a policy's `choose` records a speculative index insert, so `place` is not idempotent;
 call it once per attempt. The prefill instance's queue (`pending_prefill_tokens`) is charged by
@@ -81,7 +82,9 @@ class Placer:
     def place(self, request: RoutingRequest, servers: Sequence[Instance], prefillers: Sequence[Instance]) -> Placement:
         """`servers`: ready instances that may stream the answer (never empty); `prefillers`:
         ready prefill instances whose circuit is closed."""
-        matched = self.index.match(request.block_hashes) if self.index is not None and request.block_hashes else {}
+        if self.index is not None and request.block_hashes:  # once, for the hits and the policies
+            request = dataclasses.replace(request, matched=self.index.match(request.block_hashes))
+        matched = request.matched or {}
         serve = self.serve_policy.choose(servers, request)
         uncached = max(0, request.num_tokens - serve.cached_tokens - serve.store_tokens)
         held = matched.get(serve.instance.instance_id, 0)

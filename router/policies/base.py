@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from router.instances import Instance
@@ -20,6 +20,9 @@ class RoutingRequest:
     num_tokens: int
     block_size: int
     text: str = ""
+    matched: Mapping[str, int] | None = None
+    """The index's match of `block_hashes` (leading blocks per holder), when the caller already
+    looked it up (router/placement.py): a policy then does not walk the hashes again."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -34,7 +34,9 @@ class KVAware:
 
     def choose(self, candidates: Sequence[Instance], request: RoutingRequest) -> RoutingDecision:
         ctx = self.context
-        matched = ctx.index.match(request.block_hashes) if ctx.index and request.block_hashes else {}
+        matched = request.matched
+        if matched is None:
+            matched = ctx.index.match(request.block_hashes) if ctx.index and request.block_hashes else {}
         store_blocks = max((matched.get(s, 0) for s in ctx.store_holders), default=0)
         turn = next(self._turn)
         best: tuple | None = None
