@@ -65,10 +65,10 @@ class EngineConfig(BaseModel):
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     """Share of GPU memory vLLM may take on a CUDA build."""
     sleep_mode: bool = False
-    """CUDA only: a standby sleeps once started (vLLM's sleep mode, level 2: weights' and KV
-    cache's memory given back) and wakes on activation. Once awake it offers no weights to peers
-    (its memory, mapped by vLLM's CuMemAllocator, has no CUDA IPC handle): they load from another
-    peer or from disk."""
+    """CUDA only: the engine can sleep (vLLM's sleep mode, level 2: weights' and KV cache's memory
+    given back): a standby sleeps once started, a ready engine when its pool puts it to sleep
+    (EngineHost.sleep), and either wakes on activation. It offers no weights to peers (its memory,
+    mapped by vLLM's CuMemAllocator, has no CUDA IPC handle): they load from another peer or disk."""
     cpu_cores: str | None = None
     """Cores the CPU build binds its threads to ("1", "2-3"); None lets vLLM choose."""
     gpu_ids: str | None = None

@@ -215,7 +215,8 @@ class EngineHost:
 
     async def activate(self, peer: dict | None = None) -> dict:
         """Turn a standby (awake or asleep) into a READY instance: its memory back if it sleeps,
-        weights (from `peer`, else disk), a warm-up request. Returns the activation's timeline."""
+        weights (from `peer`, else the host copy a ready engine kept when it went to sleep, else
+        disk), a warm-up request. Returns the activation's timeline."""
         if not self.state.is_standby:
             raise EngineStartError(f"{self.instance_id} is {self.state.value}, not standby")
         self.timeline = StartTimeline()
@@ -230,6 +231,27 @@ class EngineHost:
 
         await self._guarded(wake_and_load(), self.config.start_timeout_s, "activation")
         return self.timeline.as_record()
+
+    async def sleep(self) -> dict:
+        """Put a READY engine to sleep (vLLM's sleep mode, level 2; the caller drained it first):
+        it keeps a pinned host copy of its weights (made once), gives back all GPU memory but
+        ~2 GiB, and `activate()` wakes it with a peer's weights or that copy. Returns the timeline."""
+        if self.state != InstanceState.READY or not self.config.sleep_mode:
+            raise EngineStartError(f"{self.instance_id} is {self.state.value} (sleep mode: "
+                                   f"{self.config.sleep_mode}); only a ready engine in sleep mode sleeps")
+        timeline = StartTimeline()
+        self.state = InstanceState.DRAINING  # no health check calls it ready halfway
+        try:
+            record = await self._worker_call("pdc_keep_host_copy", {}, timeout_s=self.config.start_timeout_s)
+            timeline.mark("host_copy")
+            await self._engine_post("/sleep", {"level": "2"})
+            timeline.mark("sleep")
+        except Exception:
+            self.state = InstanceState.FAILED
+            raise
+        self.state = InstanceState.SLEEPING
+        timeline.details.update(host_copy_bytes=record["bytes"], host_copy_made=str(record["copied"]))
+        return timeline.as_record()
 
     async def export_weights(self, use_nixl: bool = True, offer_file: bool = True) -> dict:
         """How a peer reads this instance's weights (shared memory on this node unless not

@@ -25,7 +25,7 @@ ROUTES = frozenset({
     ("GET", "/health"), ("GET", "/metrics"), ("POST", "/reset_prefix_cache"), ("POST", "/collective_rpc"),
     ("POST", "/sleep"), ("POST", "/wake_up"),
 })
-WORKER_METHODS = frozenset({"pdc_load_weights", "pdc_export_weights", "pdc_release_weights"})
+WORKER_METHODS = frozenset({"pdc_load_weights", "pdc_export_weights", "pdc_release_weights", "pdc_keep_host_copy"})
 # A weight descriptor names every parameter with its handle and checksum: ~150 KB for an 8B
 # Llama (64 KiB refused it on the H200), MBs for a large MoE. Read only from token holders.
 MAX_RPC_BODY_BYTES = 64 * 1024 * 1024

@@ -158,6 +158,35 @@ def build_llama8b(target: Path, seed: int = 0) -> None:
     model.save_pretrained(target, safe_serialization=True)
 
 
+def derive_checkpoints(base: Path, count: int) -> list[Path]:
+    """`base` and `count - 1` checkpoints beside it that differ from it and each other in their
+    output head only (re-drawn, same scale) and share every other file with it by hard link:
+    several distinct 8B-shaped models for the price of one on disk, plus a shard each."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    index = base / "model.safetensors.index.json"
+    head_file = json.loads(index.read_text())["weight_map"]["lm_head.weight"] if index.exists() else "model.safetensors"
+    derived = [base]
+    for k in range(1, count):
+        target = base.parent / f"{base.name}-v{k}"
+        derived.append(target)
+        if (target / COMPLETE_MARKER).exists():
+            continue
+        target.mkdir(parents=True, exist_ok=True)
+        for item in base.iterdir():
+            if item.name not in (head_file, COMPLETE_MARKER):
+                (target / item.name).unlink(missing_ok=True)
+                os.link(item, target / item.name)
+        tensors = load_file(base / head_file)
+        head = tensors["lm_head.weight"]
+        drawn = torch.randn(head.shape, generator=torch.Generator().manual_seed(k), dtype=torch.float32)
+        tensors["lm_head.weight"] = (drawn * head.float().std()).to(head.dtype)
+        save_file(tensors, target / head_file, metadata={"format": "pt"})
+        (target / COMPLETE_MARKER).write_text(json.dumps({"derived_from": str(base), "head_seed": k}))
+    return derived
+
+
 def build_llama1b_tied(target: Path, seed: int = 0) -> None:
     """The ~1B Llama with tied word embeddings (the GPU conformance check)."""
     build_llama1b(target, seed, tied=True)

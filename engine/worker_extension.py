@@ -11,7 +11,9 @@ keeps every tensor's address (captured CUDA graphs stay valid). Two planes:
   outside the parameters, so only checkpoint tensors can travel).
 - CUDA: the peer's live parameters, opened by CUDA IPC and copied device to device (same GPU or
   over NVLink) into ours in kernel format, checked with on-device checksums; the disk path streams
-  safetensors through pinned slots to the device.
+  safetensors through pinned slots to the device. An engine that sleeps keeps a pinned host copy
+  of its parameters (`pdc_keep_host_copy`) and wakes from it when no peer offers its weights:
+  one host-to-device copy at the link's speed, no weight processing.
 
 Tied layers: vLLM's in-place reload re-processes a layer once its own checkpoint tensors have
 arrived. A layer whose parameters are another layer's (the output head tied to the input
@@ -117,6 +119,7 @@ class WeightPlaneExtension:
 
     _pdc_weights: WeightSet | None = None
     _pdc_exporter: WeightExporter | None = None
+    _pdc_host_params: dict | None = None
 
     def pdc_load_weights(self, request_json: str) -> dict:
         """Load weights from `peer` (a signed descriptor of a peer's `pdc_export_weights`) or,
@@ -133,6 +136,8 @@ class WeightPlaneExtension:
                     record.update(self._pdc_load_from_peer(request))
                 except Exception as exc:  # any failure of the peer path: disk rewrites every weight
                     record["fallback_reason"] = f"{type(exc).__name__}: {exc}"
+            if record["source"] == "disk" and self._pdc_host_params is not None:
+                record.update(self._pdc_load_from_host())
             if record["source"] == "disk":
                 record.update(self._pdc_load_from_disk())
         record["total_s"] = time.perf_counter() - started
@@ -149,6 +154,24 @@ class WeightPlaneExtension:
         if self._pdc_exporter is None:
             self._pdc_exporter = WeightExporter(self._pdc_weights, _node_host(), _weights_key())
         return self._pdc_exporter.descriptor(bool(request.get("use_nixl", True)), bool(request.get("offer_file", True)))
+
+    def pdc_keep_host_copy(self, request_json: str) -> dict:
+        """Copy this worker's parameters, as they serve (kernel format), into pinned host memory,
+        before the engine sleeps: what it wakes from when no peer offers weights. Its weights
+        never change while it lives, so only the first call copies."""
+        import torch
+
+        if not self._pdc_on_cuda():
+            raise RuntimeError("a host copy to wake from is for CUDA engines (the CPU build has no sleep mode)")
+        started = time.perf_counter()
+        copied = self._pdc_host_params is None
+        if copied:
+            self._pdc_host_params = {
+                name: torch.empty_like(t, device="cpu", pin_memory=True).copy_(t)
+                for name, t in self._pdc_parameters().items()
+            }
+        nbytes = sum(t.numel() * t.element_size() for t in self._pdc_host_params.values())
+        return {"copied": copied, "bytes": nbytes, "seconds": time.perf_counter() - started}
 
     def pdc_release_weights(self) -> None:
         """Drop the host copy (and stop offering it)."""
@@ -199,6 +222,21 @@ class WeightPlaneExtension:
         self._pdc_keep(weights)
         return {"source": "peer", "transport": fetched.transport, "transfer_s": fetched.transfer_s,
                 "verify_s": fetched.verify_s, "reload_s": reloaded, "bytes": fetched.nbytes}
+
+    def _pdc_load_from_host(self) -> dict:
+        """The parameters back from the pinned host copy into the same device addresses (vLLM's
+        wake-up maps its weights' memory where it was; level-2 sleep restores the buffers itself)."""
+        import torch
+
+        started = time.perf_counter()
+        params = self._pdc_parameters()
+        if params.keys() != self._pdc_host_params.keys():
+            raise WeightIntegrityError("the host copy does not name this model's parameters")
+        for name, host in self._pdc_host_params.items():
+            params[name].copy_(host, non_blocking=True)
+        torch.cuda.synchronize(self.device)
+        nbytes = sum(t.numel() * t.element_size() for t in self._pdc_host_params.values())
+        return {"source": "host", "transfer_s": time.perf_counter() - started, "bytes": nbytes}
 
     def _pdc_reload(self, tensors) -> None:
         """vLLM's in-place reload of checkpoint tensors, then the tied layers it leaves stale."""
