@@ -36,9 +36,10 @@ def _add_serve_parser(subparsers, name: str = "serve", help: str = "serve a mode
     parser.add_argument(
         "--model",
         default=_env("MODEL", "smollm2"),
-        help="tiny, smollm2, or a checkpoint folder (env PDCLUSTER_MODEL)",
+        help="tiny, smollm2, or a checkpoint folder; several, comma-separated, each get the pools the other "
+        "flags describe and are served by their own names (env PDCLUSTER_MODEL)",
     )
-    parser.add_argument("--served-model-name", help="name clients send (default: the model's)")
+    parser.add_argument("--served-model-name", help="name clients send (default: the model's; one model only)")
     parser.add_argument("--instances", type=int, default=1, help="colocated engine instances")
     parser.add_argument(
         "--colocated",
@@ -58,6 +59,13 @@ def _add_serve_parser(subparsers, name: str = "serve", help: str = "serve a mode
         "--sleeping-standbys",
         action="store_true",
         help="standbys sleep until activated (vLLM sleep mode; CUDA, colocated): ~2 GiB of GPU memory each",
+    )
+    parser.add_argument(
+        "--sleep-when-idle",
+        action="store_true",
+        help="idle instances sleep instead of stopping, down to none awake for a model nobody asks for (weights "
+        "kept in host memory, ~2 GiB of GPU memory held; CUDA, colocated); one wakes in well under a second "
+        "when its model is asked for again",
     )
     parser.add_argument(
         "--max-instances",

@@ -155,9 +155,9 @@ class Launcher:
                                          for a in self._actors.values()), return_exceptions=True)
         return {node for node in answers if isinstance(node, str)}
 
-    async def adopt(self, config: EngineConfig, keep_store: bool, timeout_s: float = 10.0) -> Adopted:
+    async def adopt(self, configs: list[EngineConfig], keep_store: bool, timeout_s: float = 10.0) -> Adopted:
         """Take over what a launcher that died left on this Ray cluster: its ready and standby
-        engines of `config`'s model are registered as they are (weights, KV cache and all); its
+        engines of the models of `configs` are registered as they are (weights, KV cache and all); its
         store shards are kept if `keep_store` (StoreShards.reconcile then keeps those that answer,
         where engines run). Any other engine of ours there (another model, a start cut short, one
         that does not answer) is stopped. Only actors that prove they hold the cluster's secret
@@ -173,10 +173,10 @@ class Launcher:
             *(asyncio.wait_for(h.describe.remote(), timeout_s) for h in engines.values()),
             return_exceptions=True), strict=True))
         adopted, events_endpoints, ended = [], set(), []
+        served = {(str(c.model), c.served_model_name) for c in configs}
         for name, actor in engines.items():
             info = answers[name]
-            if not (isinstance(info, dict) and info.get("model") == str(config.model)
-                    and info["served_model_name"] == config.served_model_name
+            if not (isinstance(info, dict) and (info.get("model"), info.get("served_model_name")) in served
                     and (info["state"] == InstanceState.READY.value or InstanceState(info["state"]).is_standby)):
                 ended.append(actor)
                 continue
@@ -185,7 +185,8 @@ class Launcher:
             role = ROLES[Role(info["role"])]
             self.instances[name] = StartedInstance(name, actor, info["url"], role, {})
             self.registry.add(Instance(name, role, info["url"], InstanceState(info["state"]),
-                                       kv_events_replay_endpoint=info["kv_events_replay_endpoint"]))
+                                       kv_events_replay_endpoint=info["kv_events_replay_endpoint"],
+                                       model=info["served_model_name"]))
             events_endpoints.add(info["kv_events_endpoint"])
             adopted.append(name)
         await _end_engines(ended)
@@ -268,7 +269,7 @@ class Launcher:
             self.instances[instance_id] = record
             self.registry.add(
                 Instance(instance_id, record.role, record.url, InstanceState(info["state"]),
-                         kv_events_replay_endpoint=info["kv_events_replay_endpoint"])
+                         kv_events_replay_endpoint=info["kv_events_replay_endpoint"], model=info["served_model_name"])
             )
             started.append(record)
             path = "standby_start" if standby else timeline["details"].get("weights_source", "disk")
@@ -297,13 +298,13 @@ class Launcher:
         self._record(instance_id, "standby", timeline)
         return timeline
 
-    async def peer_weights(self) -> dict | None:
-        """A weight descriptor of some ready instance (None if no instance can offer one). A
+    async def peer_weights(self, model: str) -> dict | None:
+        """A weight descriptor of some ready instance of `model` (None if none can offer one). A
         descriptor does not change while its instance lives, so each is asked for once; the
         first ask sets up the peer's side (a NIXL agent: ~0.5 s on the CPU build)."""
-        for instance in self.registry.all():
+        for instance in self.registry.ready(model=model):
             record = self.instances.get(instance.instance_id)
-            if record is None or instance.state != InstanceState.READY or instance.instance_id in self._not_peers:
+            if record is None or instance.instance_id in self._not_peers:
                 continue
             if instance.instance_id in self._descriptors:
                 return self._descriptors[instance.instance_id]
@@ -322,16 +323,33 @@ class Launcher:
         is left then goes on elsewhere, router/migration.py), stop its engine, end its actor."""
         instance = self.registry.get(instance_id)
         if instance is not None:
-            instance.state = InstanceState.DRAINING
-            deadline = time.monotonic() + drain_s
-            while instance.inflight and time.monotonic() < deadline:
-                await asyncio.sleep(0.1)
+            await _drained(instance, drain_s)
         actor = self._actors.pop(instance_id, None)
         self.instances.pop(instance_id, None)
         self._descriptors.pop(instance_id, None)
         if actor is not None:
             await _end_engines([actor])
         self.registry.remove(instance_id)
+
+    async def sleep_instance(self, instance_id: str, drain_s: float) -> None:
+        """Take a ready instance out of rotation, let it finish what it holds, and put it to sleep
+        (EngineHost.sleep): it waits as a SLEEPING standby that `activate()` wakes. One still busy
+        after `drain_s` goes back into rotation awake."""
+        instance, record = self.registry.get(instance_id), self.instances.get(instance_id)
+        if instance is None or record is None or instance.state != InstanceState.READY:
+            return
+        if not await _drained(instance, drain_s):
+            instance.state = InstanceState.READY
+            return
+        self._descriptors.pop(instance_id, None)
+        try:
+            timeline = await record.actor.sleep.remote()
+        except Exception:
+            instance.state = InstanceState.FAILED
+            raise
+        instance.state = InstanceState.SLEEPING
+        self.console.print(f"[green]{instance_id}[/] asleep in {timeline['total_s']:.2f} s "
+                           + " ".join(f"{k}={v:.2f}" for k, v in timeline["stages_s"].items()))
 
     def _record(self, instance_id: str, path: str, timeline: dict) -> None:
         for stage, seconds in timeline["stages_s"].items():
@@ -385,6 +403,15 @@ class Launcher:
         if kept:
             log.warning("left %d adopted engine(s) and the store's shards serving: %s", len(kept), sorted(kept))
         await self.store.stop(keep_serving=bool(kept))
+
+
+async def _drained(instance: Instance, drain_s: float) -> bool:
+    """Out of rotation (DRAINING) until it holds no request or `drain_s` passed; whether it is idle."""
+    instance.state = InstanceState.DRAINING
+    deadline = time.monotonic() + drain_s
+    while instance.inflight and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    return not instance.inflight
 
 
 async def _end_engines(actors: list[ray.actor.ActorHandle]) -> None:

@@ -1,17 +1,21 @@
-"""The pool controller: keeps each role's pool between its bounds and adds capacity fast.
+"""The pool controller: keeps each pool (a model's instances of one role) between its bounds
+and adds capacity fast.
 
-Per role it watches the router's wait queue, the in-flight requests per ready instance and, where
-a pool has a TTFT target, the p90 time to first token of streamed requests; and grows the pool
-by the fastest path available:
+Per pool it watches the router's wait queue for its model, the in-flight requests per ready
+instance and, where a pool has a TTFT target, the p90 time to first token of streamed requests;
+and grows the pool by the fastest path available:
 
-  1. standby  - an instance started ahead with everything but weights; activated with a ready
-                peer's weights (or from disk) in well under a second on the CPU build;
+  1. standby  - an instance started ahead with everything but weights (awake ones first, then
+                sleeping ones); activated with a ready peer's weights, its own host copy (an
+                instance put to sleep when idle), or disk: well under a second;
   2. peer     - a new instance whose weights come from a ready peer instead of disk;
   3. disk     - a new instance that reads the checkpoint itself.
 
 Used standbys are replaced in the background. A pool shrinks to `min_ready` after `idle_s`
-without traffic; `min_ready=0` with a standby is scale-to-zero with a sub-second way back. An
-instance leaving drains first: no new requests, then it stops once those it holds are done.
+without traffic: the instance leaving drains first (no new requests, then it finishes those it
+holds), then stops, or with `idle_sleeps` goes to sleep and waits as a standby that holds ~2 GiB
+of GPU memory. `min_ready=0` with a standby or `idle_sleeps` is scale-to-zero with a sub-second
+way back; with several models it hands the GPU to the model in demand.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import asyncio
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -33,13 +38,17 @@ if TYPE_CHECKING:  # deploy.launcher imports ray, which must not happen before u
     from deploy.launcher import Launcher
 
 log = logging.getLogger(__name__)
+PoolKey = tuple[str, RoleSpec]
+"""A pool: its model's served name and its role."""
 
 
 class PoolSpec(BaseModel):
-    """Bounds and triggers of one role's pool."""
+    """Bounds and triggers of one model's pool of one role."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    model: str
+    """The served model name of the pool's instances."""
     role: RoleSpec
     min_ready: int = Field(1, ge=0)
     max_ready: int = Field(1, ge=1)
@@ -48,6 +57,9 @@ class PoolSpec(BaseModel):
     standby_sleeps: bool = False
     """Standbys sleep until activated (EngineConfig.sleep_mode): ~2 GiB of GPU memory each
     instead of their share, a wake-up (~0.05 s on an H200) added to the activation."""
+    idle_sleeps: bool = False
+    """An idle instance above min_ready sleeps (EngineHost.sleep: its weights kept in host
+    memory, ~2 GiB of GPU memory held) instead of stopping, and waits as a standby. CUDA only."""
     target_inflight: float = Field(8.0, gt=0)
     """Mean requests in flight per ready instance above which the pool grows."""
     idle_s: float = Field(120.0, gt=0)
@@ -63,9 +75,17 @@ class PoolSpec(BaseModel):
     def _bounds(self) -> PoolSpec:
         if self.max_ready < self.min_ready:
             raise ValueError(
-                f"{self.role.name} pool: max_ready {self.max_ready} < min_ready {self.min_ready}"
+                f"{self.name} pool: max_ready {self.max_ready} < min_ready {self.min_ready}"
             )
         return self
+
+    @property
+    def key(self) -> tuple[str, RoleSpec]:
+        return self.model, self.role
+
+    @property
+    def name(self) -> str:
+        return f"{self.model}/{self.role.name}"
 
 
 def wants_more(spec: PoolSpec, ready: int, inflight: int, queued: int, growing: int,
@@ -91,35 +111,38 @@ class PoolController:
         registry: InstanceRegistry,
         queue: CapacityQueue,
         specs: list[PoolSpec],
-        config: EngineConfig,
+        configs: list[EngineConfig],
         core_sets: list[str] | None = None,
         interval_s: float = 0.05,
         first_tokens: LatencyWindow | None = None,
+        id_prefix: Callable[[str], str] = lambda model: "",
     ) -> None:
         self.launcher = launcher
         self.registry = registry
         self.queue = queue
         self.first_tokens = first_tokens
-        self.specs = {spec.role: spec for spec in specs}
-        self.config = config
+        self.specs = {spec.key: spec for spec in specs}
+        self.configs = {config.served_model_name: config for config in configs}
+        """Each model's engine configuration (its role and cores set per instance)."""
+        self.id_prefix = id_prefix
         self.interval_s = interval_s
         self._cores = itertools.cycle(core_sets or [None])
         self._ids = itertools.count()
-        self._growing: dict[RoleSpec, int] = {role: 0 for role in self.specs}
-        self._standby_starting: dict[RoleSpec, int] = {role: 0 for role in self.specs}
-        self._standby_failures: dict[RoleSpec, int] = {role: 0 for role in self.specs}
-        self._standby_retry_at: dict[RoleSpec, float] = {role: 0.0 for role in self.specs}
+        self._growing: dict[PoolKey, int] = dict.fromkeys(self.specs, 0)
+        self._standby_starting: dict[PoolKey, int] = dict.fromkeys(self.specs, 0)
+        self._standby_failures: dict[PoolKey, int] = dict.fromkeys(self.specs, 0)
+        self._standby_retry_at: dict[PoolKey, float] = dict.fromkeys(self.specs, 0.0)
         """After a failed standby start, the next waits 2, 4, ... 60 s: no storm of starts."""
-        self._last_busy: dict[RoleSpec, float] = {role: time.monotonic() for role in self.specs}
-        self._grown_at: dict[RoleSpec, float] = {role: 0.0 for role in self.specs}
+        self._last_busy: dict[PoolKey, float] = dict.fromkeys(self.specs, time.monotonic())
+        self._grown_at: dict[PoolKey, float] = dict.fromkeys(self.specs, 0.0)
         self._tasks: set[asyncio.Task] = set()
         self._loop: asyncio.Task | None = None
 
     def start(self) -> None:
         self._loop = asyncio.create_task(self._run(), name="pool-controller")
-        if any(spec.standby or spec.max_ready > spec.min_ready for spec in self.specs.values()):
+        for model in {spec.model for spec in self.specs.values() if spec.standby or spec.max_ready > spec.min_ready}:
             # Ask a peer for its weights now, not on the first scale-up's critical path.
-            self._spawn(self.launcher.peer_weights(), "peer-weights")
+            self._spawn(self.launcher.peer_weights(model), f"peer-weights-{model}")
 
     async def stop(self) -> None:
         for task in [self._loop, *self._tasks]:
@@ -138,77 +161,80 @@ class PoolController:
                 try:
                     self._step(spec)
                 except Exception:  # one bad step must not stop scaling
-                    log.exception("pool controller step for %s failed", spec.role.name)
+                    log.exception("pool controller step for %s failed", spec.name)
             await asyncio.sleep(self.interval_s)
 
-    def _instances(self, role: RoleSpec, state: InstanceState) -> list:
-        return [i for i in self.registry.all() if i.role == role and i.state == state]
+    def _instances(self, spec: PoolSpec, state: InstanceState) -> list:
+        return [i for i in self.registry.all() if (i.model, i.role) == spec.key and i.state == state]
 
-    def _standbys(self, role: RoleSpec) -> list:
-        """Standbys of `role`, awake ones first (they skip the wake-up)."""
-        return self._instances(role, InstanceState.STANDBY) + self._instances(role, InstanceState.SLEEPING)
+    def _standbys(self, spec: PoolSpec) -> list:
+        """Standbys of `spec`'s pool, awake ones first (they skip the wake-up)."""
+        return self._instances(spec, InstanceState.STANDBY) + self._instances(spec, InstanceState.SLEEPING)
 
     def _step(self, spec: PoolSpec) -> None:
-        role = spec.role
-        ready = self._instances(role, InstanceState.READY)
+        key = spec.key
+        ready = self._instances(spec, InstanceState.READY)
         inflight = sum(i.inflight for i in ready)
         # Requests wait for serving instances; without prefill instances decode prefills locally.
-        queued = self.queue.waiting if role.waits_on_queue else 0
+        queued = self.queue.waiting_for[spec.model] if spec.role.waits_on_queue else 0
         if inflight or queued:
-            self._last_busy[role] = time.monotonic()
+            self._last_busy[key] = time.monotonic()
         ttft_p90 = None
         if spec.target_ttft_s is not None and self.first_tokens is not None:
-            ttft_p90 = self.first_tokens.quantile(0.9, since=self._grown_at[role])
-        grow = wants_more(spec, len(ready), inflight, queued, self._growing[role], ttft_p90)
-        if grow and len(ready) + self._growing[role] < spec.max_ready:
-            self._growing[role] += 1
-            self._spawn(self._grow(spec), f"grow-{role.name}")
-        standbys = len(self._standbys(role)) + self._standby_starting[role]
-        if standbys < spec.standby and time.monotonic() >= self._standby_retry_at[role]:
-            self._standby_starting[role] += 1
-            self._spawn(self._add_standby(spec), f"standby-{role.name}")
-        idle = time.monotonic() - self._last_busy[role]
-        if len(ready) > spec.min_ready and idle > spec.idle_s and not self._growing[role]:
-            self._last_busy[role] = time.monotonic()
+            ttft_p90 = self.first_tokens.quantile(0.9, since=self._grown_at[key])
+        grow = wants_more(spec, len(ready), inflight, queued, self._growing[key], ttft_p90)
+        if grow and len(ready) + self._growing[key] < spec.max_ready:
+            self._growing[key] += 1
+            self._spawn(self._grow(spec), f"grow-{spec.name}")
+        standbys = len(self._standbys(spec)) + self._standby_starting[key]
+        if standbys < spec.standby and time.monotonic() >= self._standby_retry_at[key]:
+            self._standby_starting[key] += 1
+            self._spawn(self._add_standby(spec), f"standby-{spec.name}")
+        idle = time.monotonic() - self._last_busy[key]
+        if len(ready) > spec.min_ready and idle > spec.idle_s and not self._growing[key]:
+            self._last_busy[key] = time.monotonic()
             leaving = min(reversed(ready), key=lambda i: i.inflight)
-            self._spawn(self.launcher.stop_instance(leaving.instance_id, spec.drain_s), f"shrink-{role.name}")
+            if spec.idle_sleeps:
+                self._spawn(self.launcher.sleep_instance(leaving.instance_id, spec.drain_s), f"sleep-{spec.name}")
+            else:
+                self._spawn(self.launcher.stop_instance(leaving.instance_id, spec.drain_s), f"shrink-{spec.name}")
 
-    def _new_id(self, role: RoleSpec) -> str:
-        return f"{role.name}-{int(time.time())}-{next(self._ids)}"
+    def _new_id(self, spec: PoolSpec) -> str:
+        return f"{self.id_prefix(spec.model)}{spec.role.name}-{int(time.time())}-{next(self._ids)}"
 
-    def _config(self, role: RoleSpec) -> EngineConfig:
-        return self.config.model_copy(update={"role": role, "cpu_cores": next(self._cores)})
+    def _config(self, spec: PoolSpec) -> EngineConfig:
+        return self.configs[spec.model].model_copy(update={"role": spec.role, "cpu_cores": next(self._cores)})
 
     async def _grow(self, spec: PoolSpec) -> None:
         decided = time.monotonic()
         try:
-            peer = await self.launcher.peer_weights()
-            standbys = self._standbys(spec.role)
+            peer = await self.launcher.peer_weights(spec.model)
+            standbys = self._standbys(spec)
             if standbys:
                 instance_id, path = standbys[0].instance_id, "standby"
                 timeline = await self.launcher.activate(instance_id, peer)
             else:
-                instance_id, path = self._new_id(spec.role), "peer" if peer else "disk"
-                started = await self.launcher.start_instances(
-                    [(instance_id, self._config(spec.role))], peer=peer, progress=False
-                )
+                instance_id, path = self._new_id(spec), "peer" if peer else "disk"
+                started = await self.launcher.start_instances([(instance_id, self._config(spec))], peer=peer,
+                                                              progress=False)
                 timeline = started[0].timeline
-            log.info("%s pool grew by %s via %s in %.3f s (start %.3f s)", spec.role.name, instance_id, path,
+            log.info("%s pool grew by %s via %s in %.3f s (start %.3f s)", spec.name, instance_id, path,
                      time.monotonic() - decided, timeline["total_s"])
         except Exception:
-            log.exception("growing the %s pool failed", spec.role.name)
+            log.exception("growing the %s pool failed", spec.name)
         finally:
-            self._growing[spec.role] -= 1
-            self._grown_at[spec.role] = time.monotonic()
+            self._growing[spec.key] -= 1
+            self._grown_at[spec.key] = time.monotonic()
 
     async def _add_standby(self, spec: PoolSpec) -> None:
+        key = spec.key
         try:
-            config = self._config(spec.role).model_copy(update={"sleep_mode": spec.standby_sleeps})
-            await self.launcher.start_standby(self._new_id(spec.role), config)
-            self._standby_failures[spec.role] = 0
+            config = self._config(spec).model_copy(update={"sleep_mode": spec.standby_sleeps or spec.idle_sleeps})
+            await self.launcher.start_standby(self._new_id(spec), config)
+            self._standby_failures[key] = 0
         except Exception:
-            failures = self._standby_failures[spec.role] = self._standby_failures[spec.role] + 1
-            self._standby_retry_at[spec.role] = time.monotonic() + min(60.0, 2.0**failures)
-            log.exception("starting a %s standby failed (%d in a row)", spec.role.name, failures)
+            failures = self._standby_failures[key] = self._standby_failures[key] + 1
+            self._standby_retry_at[key] = time.monotonic() + min(60.0, 2.0**failures)
+            log.exception("starting a %s standby failed (%d in a row)", spec.name, failures)
         finally:
-            self._standby_starting[spec.role] -= 1
+            self._standby_starting[key] -= 1

@@ -29,6 +29,19 @@ SHUTDOWN_DRAIN_S = 120.0
 """Longest Ctrl-C / SIGTERM waits for the requests in flight before the engines stop."""
 
 
+def resolve_models(models: str, served_model_name: str | None) -> list[tuple[Path, str]]:
+    """`--model`'s comma-separated models as (folder, served name) each; a name given by
+    `--served-model-name` only with one model."""
+    resolved = [resolve_model(model.strip()) for model in models.split(",") if model.strip()]
+    if not resolved:
+        raise ValueError("--model names no model")
+    if served_model_name:
+        if len(resolved) > 1:
+            raise ValueError("--served-model-name names one model; several are served by their own names")
+        resolved = [(resolved[0][0], served_model_name)]
+    return resolved
+
+
 def resolve_model(model: str) -> tuple[Path, str]:
     """A builder name is built (in its own process: torch must not load here) and cached."""
     if model in BUILDERS:
@@ -61,31 +74,38 @@ def parse_api_keys(spec: str) -> dict[str, str]:
 def serve(args: argparse.Namespace) -> int:
     """`pdcluster serve` and `pdcluster launch`."""
     from engine.config import EngineConfig
-    from router.config import RouterConfig
+    from router.config import RouterConfig, ServedModel
     from security.credentials import ClusterCredentials, CredentialsError
 
-    model_path, default_name = resolve_model(args.model)
-    name = args.served_model_name or default_name
     try:
+        models = resolve_models(args.model, args.served_model_name)
+        topology = Topology.from_args(args.instances, args.prefill, args.decode, args.standby, args.max_instances,
+                                      args.target_ttft, args.colocated, args.sleeping_standbys,
+                                      args.sleep_when_idle, tuple(name for _, name in models))
+        if (topology.sleeping_standbys or topology.sleep_when_idle) and args.address is None and is_cpu_build():
+            raise ValueError("--sleeping-standbys and --sleep-when-idle need CUDA engines: vLLM's CPU build has "
+                             "no sleep mode")
         # One machine makes its own secret; a cluster's head must be given one (README, cluster steps).
         credentials = ClusterCredentials.load(args.secret_file, create=args.address is None)
         secret = credentials.secret.hex()
-        engine_config = EngineConfig(
-            model=model_path,
+        engine_configs = [EngineConfig(
+            model=path,
             served_model_name=name,
             max_model_len=args.max_model_len,
             kv_cache_gib=args.kv_cache_gib,
             enforce_eager=not args.no_eager,
             dtype=args.dtype,
+            sleep_mode=topology.sleep_when_idle,
             start_timeout_s=args.start_timeout,
             cluster_secret=secret,
             log_dir=args.engine_log_dir.resolve() if args.engine_log_dir else None,
             otlp_traces_endpoint=args.otlp_traces_endpoint,
-        )
+        ) for path, name in models]
         router_config = RouterConfig(
-            host=args.host, port=args.port, served_model_name=name,
-            max_model_len=args.max_model_len, policy=args.policy, tokenizer=model_path,
-            kv_hashing=engine_config.kv_hashing, allow_remote=args.address is not None,
+            host=args.host, port=args.port, policy=args.policy,
+            models=tuple(ServedModel(name=name, max_model_len=args.max_model_len, tokenizer=path)
+                         for path, name in models),
+            kv_hashing=engine_configs[0].kv_hashing, allow_remote=args.address is not None,
             remote_prefill_min_tokens=args.remote_prefill_min_tokens,
             remote_prefill_max_queued_tokens=args.remote_prefill_max_queued_tokens,
             api_keys=load_api_keys(args.api_keys_file), rate_limit_per_s=args.rate_limit, cluster_secret=secret,
@@ -93,10 +113,6 @@ def serve(args: argparse.Namespace) -> int:
             queue_timeout_s=args.queue_timeout, max_migrations=args.max_migrations,
             otlp_traces_endpoint=args.otlp_traces_endpoint,
         )
-        topology = Topology.from_args(args.instances, args.prefill, args.decode, args.standby, args.max_instances,
-                                      args.target_ttft, args.colocated, args.sleeping_standbys)
-        if topology.sleeping_standbys and args.address is None and is_cpu_build():
-            raise ValueError("--sleeping-standbys needs CUDA engines: vLLM's CPU build has no sleep mode")
     except (ValidationError, ValueError, OSError, CredentialsError) as exc:
         console.print(f"[red]invalid configuration:[/] {exc}")
         return 2
@@ -104,11 +120,11 @@ def serve(args: argparse.Namespace) -> int:
     use_ray(credentials.ray_auth_env(), loopback=args.address is None or is_loopback(args.address.rpartition(":")[0]))
     pd = topology.prefill or topology.decode
     store_bytes = int(args.store_gib * 1024**3) if pd and args.kv_transfer == "store" else 0
-    return asyncio.run(_serve(engine_config, router_config, topology, args.address, args.placement_timeout,
+    return asyncio.run(_serve(engine_configs, router_config, topology, args.address, args.placement_timeout,
                               args.start_log, store_bytes))
 
 
-async def _serve(engine_config, router_config, topology, address: str | None, placement_timeout_s: float,
+async def _serve(engine_configs, router_config, topology, address: str | None, placement_timeout_s: float,
                  start_log: Path, store_bytes: int = 0) -> int:
     from deploy.launcher import Launcher, start_ray
     from router.instances import InstanceRegistry
@@ -119,7 +135,7 @@ async def _serve(engine_config, router_config, topology, address: str | None, pl
     launcher = Launcher(registry, router_config.credentials(), console, start_log)
     controller = None
     try:
-        app, controller = await _start_fleet(launcher, registry, engine_config, router_config, topology,
+        app, controller = await _start_fleet(launcher, registry, engine_configs, router_config, topology,
                                              address, placement_timeout_s, store_bytes)
         await _serve_router(app, app.state.config)
         failed = False
@@ -139,7 +155,7 @@ async def _serve(engine_config, router_config, topology, address: str | None, pl
             ray.shutdown()
 
 
-async def _start_fleet(launcher, registry, engine_config, router_config, topology, address: str | None,
+async def _start_fleet(launcher, registry, engine_configs, router_config, topology, address: str | None,
                        placement_timeout_s: float, store_bytes: int):
     """Adopt what a previous launcher left, start the store and the missing engines, build the
     router's app and the pool controller (started); returns both."""
@@ -155,28 +171,32 @@ async def _start_fleet(launcher, registry, engine_config, router_config, topolog
     launcher.on_start.append(starts.record)
 
     # A router restarted on a running cluster takes over the engines its predecessor left.
-    adopted = await launcher.adopt(engine_config, keep_store=store_bytes > 0)
+    adopted = await launcher.adopt(engine_configs, keep_store=store_bytes > 0)
     # The engines publish their KV events to the router's SUB socket, on the router's node.
     events_host = node_address()
     events_endpoint = adopted.kv_events_endpoint or f"tcp://{events_host}:{free_port(events_host)}"
     router_config = router_config.model_copy(update={"kv_events_endpoint": events_endpoint})
-    engine_config = engine_config.model_copy(update={"kv_events_endpoint": events_endpoint})
+    shards: tuple[str, ...] = ()
     if store_bytes:
         fault_injection = os.environ.get(STORE_FAULT_INJECTION_ENV) == "1"
         # Adopted shards are kept; nodes without one get one, now and as they join.
         shards = await launcher.start_store_shards(store_bytes, fault_injection)
         launcher.watch_store()
-        engine_config = engine_config.model_copy(update={"kv_store_endpoints": shards})
-    roles = roles_to_start(topology.roles(), registry.ready())
+    engine_configs = [c.model_copy(update={"kv_events_endpoint": events_endpoint, "kv_store_endpoints": shards})
+                      for c in engine_configs]
+    roles = [(instance_id, role, config) for config in engine_configs
+             for instance_id, role in roles_to_start(topology.roles(config.served_model_name),
+                                                     registry.ready(model=config.served_model_name))]
     cores = cpu_core_sets(topology.engines_at_most(), os.cpu_count() or 1) if is_cpu_build() and not address else []
-    configs = [(instance_id, engine_config.model_copy(update={"role": role, "cpu_cores": cores[k] if cores else None}))
-               for k, (instance_id, role) in enumerate(roles)]
+    configs = [(instance_id, config.model_copy(update={"role": role, "cpu_cores": cores[k] if cores else None}))
+               for k, (instance_id, role, config) in enumerate(roles)]
     await launcher.start_instances(configs, placement_timeout_s)
-    app = build_app(router_config, registry, store_endpoints=engine_config.kv_store_endpoints, starts=starts)
+    app = build_app(router_config, registry, store_endpoints=shards, starts=starts)
     launcher.store.on_restart.append(lambda: app.state.index.clear(STORE_HOLDER))
     # Instances the controller adds get the core sets the initial ones left (all, if none).
-    controller = PoolController(launcher, registry, app.state.queue, topology.pools(), engine_config,
-                                core_sets=cores[len(roles):] or cores or None, first_tokens=app.state.first_tokens)
+    controller = PoolController(launcher, registry, app.state.queue, topology.pools(), engine_configs,
+                                core_sets=cores[len(roles):] or cores or None, first_tokens=app.state.first_tokens,
+                                id_prefix=topology.id_prefix)
     controller.start()
     return app, controller
 
@@ -189,10 +209,11 @@ async def _serve_router(app, router_config) -> None:
     server = uvicorn.Server(uvicorn.Config(app, host=router_config.host, port=router_config.port, log_level="warning",
                                            timeout_graceful_shutdown=SHUTDOWN_DRAIN_S))
     url = f"http://{router_config.host}:{router_config.port}"
-    console.print(f"[bold]pdcluster[/] serving [cyan]{router_config.served_model_name}[/] at {url}")
+    names = [m.name for m in router_config.models]
+    console.print(f"[bold]pdcluster[/] serving [cyan]{', '.join(names)}[/] at {url}")
     console.print(
         f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
-        f'-d \'{{"model": "{router_config.served_model_name}", '
+        f'-d \'{{"model": "{names[0]}", '
         f'"messages": [{{"role": "user", "content": "Hello!"}}]}}\''
     )
     _keep_cleanup_on_signals()

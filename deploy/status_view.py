@@ -79,7 +79,7 @@ def _meter(fraction: float, width: int = 20, style: str = "green") -> Text:
 
 def header(status: ClusterStatus, url: str) -> Text:
     requests = status.requests
-    line = Text(f"pdcluster at {url}  model {status.model}  ")
+    line = Text(f"pdcluster at {url}  model{'s' if len(status.models) > 1 else ''} {', '.join(status.models)}  ")
     line += _state(status.health)
     line += Text(f"  {requests.served} served, {requests.inflight} in flight, {requests.queued} queued  "
                  f"as of {time.strftime('%H:%M:%S', time.localtime(status.generated_at))}", style="dim")
@@ -88,11 +88,12 @@ def header(status: ClusterStatus, url: str) -> Text:
 
 def pools_table(pools: list[PoolStatus]) -> Table:
     table = Table(title="Pools", title_justify="left")
+    table.add_column("model")
     table.add_column("role")
     table.add_column("instances by state")
     for pool in pools:
         states = Text(" ").join(_state(state) + Text(f" {count}") for state, count in pool.states.items())
-        table.add_row(Text(pool.role), states)
+        table.add_row(Text(pool.model), Text(pool.role), states)
     return table
 
 

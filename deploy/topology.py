@@ -1,6 +1,6 @@
 """Which instances a cluster runs: colocated ones, or prefill and decode pools, each with its
-standbys and its ceiling; the pools the controller keeps, and the Ray resources a one-machine head
-offers them."""
+standbys and its ceiling, the same for every model served; the pools the controller keeps, and
+the Ray resources a one-machine head offers them."""
 
 from __future__ import annotations
 
@@ -30,16 +30,29 @@ class Topology:
     """The prefilling pool's TTFT trigger (PoolSpec.target_ttft_s)."""
     sleeping_standbys: bool = False
     """Standbys sleep until activated (PoolSpec.standby_sleeps; colocated pools, CUDA)."""
+    sleep_when_idle: bool = False
+    """Idle instances sleep instead of stopping (PoolSpec.idle_sleeps; colocated pools, CUDA),
+    all of a pool's if its model gets no requests: a sleeping one wakes in well under a second."""
+    models: tuple[str, ...] = ("model",)
+    """The served model names; each gets these pools."""
 
     @classmethod
     def from_args(cls, instances: int, prefill: int, decode: int, standby: int = 0, max_instances: int = 0,
                   target_ttft_s: float | None = None, colocated: bool = False,
-                  sleeping_standbys: bool = False) -> Topology:
+                  sleeping_standbys: bool = False, sleep_when_idle: bool = False,
+                  models: tuple[str, ...] = ("model",)) -> Topology:
         if colocated and (prefill or decode):
             raise ValueError("--colocated and --prefill/--decode exclude each other")
+        # A P/D engine's KV connector registers its KV cache's memory, which sleep would unmap.
         if sleeping_standbys and (prefill or decode or not standby):
-            # A P/D engine's KV connector registers its KV cache's memory, which sleep would unmap.
             raise ValueError("--sleeping-standbys needs --standby and a colocated topology")
+        if sleep_when_idle and (prefill or decode):
+            raise ValueError("--sleep-when-idle needs a colocated topology")
+        if len(models) > 1 and (prefill or decode):
+            # The router's index of the KV store does not tell models apart (router/kv_events.py).
+            raise ValueError("several models need a colocated topology")
+        if len(set(models)) != len(models):
+            raise ValueError(f"model names must be distinct: {list(models)}")
         if standby < 0 or max_instances < 0:
             raise ValueError("--standby and --max-instances cannot be negative")
         if target_ttft_s is not None and target_ttft_s <= 0:
@@ -48,28 +61,35 @@ class Topology:
         if prefill or decode:
             if prefill < least or decode < least or prefill + decode == 0:
                 raise ValueError("a P/D topology needs --prefill >= 1 and --decode >= 1 (0 with --standby)")
-            return cls(0, prefill, decode, standby, max_instances, target_ttft_s)
+            return cls(0, prefill, decode, standby, max_instances, target_ttft_s, models=models)
         if instances < least:
             raise ValueError("--instances must be at least 1 (or 0 with --standby)")
-        return cls(instances, 0, 0, standby, max_instances, target_ttft_s, sleeping_standbys)
+        return cls(instances, 0, 0, standby, max_instances, target_ttft_s, sleeping_standbys, sleep_when_idle,
+                   models)
 
     def _counts(self) -> list[tuple[RoleSpec, int]]:
         if self.colocated or not (self.prefill or self.decode):
             return [(COLOCATED, self.colocated)]
         return [(PREFILL, self.prefill), (DECODE, self.decode)]
 
-    def roles(self) -> list[tuple[str, RoleSpec]]:
-        """The instances started at once, by id."""
-        return [(f"{role.name}-{i}", role) for role, count in self._counts() for i in range(count)]
+    def id_prefix(self, model: str) -> str:
+        """What a model's instance ids start with: nothing when it is the only one."""
+        return f"{model}-" if len(self.models) > 1 else ""
+
+    def roles(self, model: str) -> list[tuple[str, RoleSpec]]:
+        """`model`'s instances started at once, by id."""
+        prefix = self.id_prefix(model)
+        return [(f"{prefix}{role.name}-{i}", role) for role, count in self._counts() for i in range(count)]
 
     def pools(self) -> list:
         from deploy.pool import PoolSpec
 
         return [
-            PoolSpec(role=role, min_ready=count, max_ready=max(count, self.max_instances, 1), standby=self.standby,
-                     target_ttft_s=self.target_ttft_s if role.prefills else None,
-                     standby_sleeps=self.sleeping_standbys)
-            for role, count in self._counts()
+            PoolSpec(model=model, role=role, min_ready=0 if self.sleep_when_idle else count,
+                     max_ready=max(count, self.max_instances, 1),
+                     standby=self.standby, target_ttft_s=self.target_ttft_s if role.prefills else None,
+                     standby_sleeps=self.sleeping_standbys, idle_sleeps=self.sleep_when_idle)
+            for model in self.models for role, count in self._counts()
         ]
 
     def engines_at_most(self) -> int:
@@ -77,8 +97,11 @@ class Topology:
 
     def ray_resources(self) -> dict[str, float]:
         """A one-machine head offers the role resources the pools are placed by."""
-        return {pool.role.ray_resource: float(pool.max_ready + pool.standby) for pool in self.pools()
-                if pool.role.ray_resource}
+        resources: dict[str, float] = collections.Counter()
+        for pool in self.pools():
+            if pool.role.ray_resource:
+                resources[pool.role.ray_resource] += pool.max_ready + pool.standby
+        return dict(resources)
 
 
 def roles_to_start(wanted: list[tuple[str, RoleSpec]], present: list) -> list[tuple[str, RoleSpec]]:

@@ -103,7 +103,7 @@ def _router_process(config: dict, instances: list[tuple[str, str, str]]) -> None
     roles = {role.name: role for role in (COLOCATED, PREFILL, DECODE)}
     registry = InstanceRegistry()
     for instance_id, role, url in instances:
-        registry.add(Instance(instance_id, roles[role], url))
+        registry.add(Instance(instance_id, roles[role], url, model="model"))
     router_config = RouterConfig(**config)
     uvicorn.run(build_app(router_config, registry), host=HOST, port=router_config.port, log_level="warning")
 
@@ -139,7 +139,7 @@ class Fleet:
         # Standby: the engines keep vLLM's dummy weights (random, as the model is).
         await asyncio.gather(*(host.start(standby=True) for host in self.hosts))
         port = free_port(HOST)
-        config = {"port": port, "served_model_name": "model", "max_model_len": args.max_model_len, "tokenizer": args.model,
+        config = {"port": port, "models": [{"name": "model", "max_model_len": args.max_model_len, "tokenizer": args.model}],
                   "cluster_secret": self.credentials.secret.hex(), "remote_prefill_min_tokens": 0,
                   "queue_timeout_s": 0}
         if self.topology == "pd-adaptive":  # the decode engine prefills while one prompt waits at the prefill's

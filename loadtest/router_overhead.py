@@ -150,13 +150,13 @@ def _serve_router_before(engine_url: str, port: int, model: str = "null", otlp_t
 
     from engine.roles import COLOCATED
     from router.app import build_app
-    from router.config import RouterConfig
+    from router.config import RouterConfig, ServedModel
     from router.instances import Instance, InstanceRegistry
 
     registry = InstanceRegistry()
-    registry.add(Instance(f"{model}-0", COLOCATED, engine_url))
+    registry.add(Instance(f"{model}-0", COLOCATED, engine_url, model=model))
     secret = {"cluster_secret": cluster_secret} if cluster_secret else {}
-    config = RouterConfig(served_model_name=model, max_model_len=4096, port=port, health_interval_s=3600,
+    config = RouterConfig(models=(ServedModel(name=model, max_model_len=4096),), port=port, health_interval_s=3600,
                           otlp_traces_endpoint=otlp_traces_endpoint, **secret)
     uvicorn.run(build_app(config, registry), host="127.0.0.1", port=port, log_level="error")
 

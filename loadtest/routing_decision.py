@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     tokens = [rng.randrange(1000) for _ in range(args.tokens)]
     prompt_hashes = hasher.block_hashes(tokens)
     index = KVIndex(speculative_ttl_s=0.001)  # speculation expires at once: every iteration alike
-    instances = [Instance(f"i{k}", COLOCATED, "http://127.0.0.1:1") for k in range(args.instances)]
+    instances = [Instance(f"i{k}", COLOCATED, "http://127.0.0.1:1", model="bench") for k in range(args.instances)]
     for k, instance in enumerate(instances):
         index.stored(instance.instance_id, (rng.getrandbits(64) for _ in range(50_000)))
         index.stored(instance.instance_id, prompt_hashes[: len(prompt_hashes) * k // args.instances])

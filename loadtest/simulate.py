@@ -155,9 +155,9 @@ def simulate(
     placer = Placer(PlacementSettings(config.remote_prefill_min_tokens), make_policy(policy_name, context),
                     make_policy(policy_name, context))
     serving_role = DECODE if config.prefill_instances else COLOCATED
-    sims = {f"sim-{i}": _SimInstance(Instance(f"sim-{i}", serving_role, "sim://"), config)
+    sims = {f"sim-{i}": _SimInstance(Instance(f"sim-{i}", serving_role, "sim://", model="sim"), config)
             for i in range(config.instances)}
-    sims |= {f"prefill-{i}": _SimInstance(Instance(f"prefill-{i}", PREFILL, "sim://"), config)
+    sims |= {f"prefill-{i}": _SimInstance(Instance(f"prefill-{i}", PREFILL, "sim://", model="sim"), config)
              for i in range(config.prefill_instances)}
     servers = [s.instance for s in sims.values() if s.instance.role.serves_clients]
     prefillers = [s.instance for s in sims.values() if s.instance.role.takes_remote_prefills]

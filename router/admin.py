@@ -98,7 +98,7 @@ def add_admin_routes(app: FastAPI, credentials: ClusterCredentials, analyzer: Re
         routing = await analyzer.analyze(parsed, admitted.body_bytes)
         listener = app.state.listener
         return {
-            "token_ids": analyzer.token_ids(parsed) if analyzer.hasher else None,
+            "token_ids": analyzer.token_ids(parsed),
             "block_hashes": [str(h) for h in routing.block_hashes],
             "matched_blocks": index.match(routing.block_hashes),
             "kv_event_batches": listener.batches_applied if listener else 0,

@@ -151,9 +151,9 @@ class Intake:
         if parsed.sequences() > limit:
             raise BadRequest(f"at most {limit} sequences (prompts x n) per request", param="n")
         asked = getattr(parsed, "max_completion_tokens", None) or parsed.max_tokens
-        if asked is not None and asked > self.config.max_model_len:
-            raise BadRequest(f"max_tokens is limited to the model's {self.config.max_model_len} tokens",
-                             param="max_tokens")
+        longest = self.config.served(parsed.model).max_model_len
+        if asked is not None and asked > longest:
+            raise BadRequest(f"max_tokens is limited to the model's {longest} tokens", param="max_tokens")
         salt = self.admission.cache_salt(key, getattr(parsed, "cache_salt", None))
         if salt is not None:
             parsed.cache_salt = salt  # an extra field: forwarded to vLLM, hashed by the analyzer
@@ -164,7 +164,7 @@ class Intake:
             parsed = model.model_validate_json(body)
         except ValidationError as exc:
             raise BadRequest(*validation_message(exc.errors())) from None
-        if parsed.model != self.config.served_model_name:
+        if self.config.served(parsed.model) is None:
             raise ModelNotFound(f"The model `{parsed.model}` does not exist.", param="model")
         return parsed
 

@@ -30,21 +30,23 @@ class RequestAnalyzer:
 
     def __init__(self, config: RouterConfig) -> None:
         self.block_size = config.block_size
-        self.max_model_len = config.max_model_len
-        self.max_bytes = config.max_model_len * config.max_chars_per_token + self.BODY_OVERHEAD_BYTES
-        self.hasher = (
-            PromptHasher(config.tokenizer, config.kv_hashing) if config.tokenizer else None
-        )
+        self.max_chars_per_token = config.max_chars_per_token
+        self.models = {m.name: m for m in config.models}
+        self.hashers = {m.name: PromptHasher(m.tokenizer, config.kv_hashing) for m in config.models if m.tokenizer}
+        """Each model's (the router's hashes are its engines'); a model without one routes on load only."""
         self.timeout_s = config.tokenize_timeout_s
         self._pool = concurrent.futures.ThreadPoolExecutor(config.tokenize_threads, "tokenize")
         self._capacity = config.tokenize_threads + config.tokenize_max_waiting
         self._pending = 0  # long prompts in the pool, running or waiting
 
     async def analyze(self, request: SamplingRequest, body_bytes: int) -> RoutingRequest:
+        """`request` names a served model (the intake checked it)."""
         text = _prompt_text(request)
-        if body_bytes > self.max_bytes:  # no tokenizer makes it fit: not worth the work
-            raise BadRequest(f"the prompt cannot fit the model's {self.max_model_len} tokens", param="prompt")
-        if self.hasher is None:
+        longest = self.models[request.model].max_model_len
+        if body_bytes > longest * self.max_chars_per_token + self.BODY_OVERHEAD_BYTES:  # no tokenizer makes it fit
+            raise BadRequest(f"the prompt cannot fit the model's {longest} tokens", param="prompt")
+        hasher = self.hashers.get(request.model)
+        if hasher is None:
             return RoutingRequest((), 0, self.block_size, text)
         try:
             if body_bytes > self.INLINE_BYTES:
@@ -54,10 +56,10 @@ class RequestAnalyzer:
         except (TypeError, ValueError, jinja2.TemplateError) as exc:  # e.g. a message with no content
             param = "messages" if isinstance(request, ChatCompletionRequest) else "prompt"
             raise BadRequest(f"the {param} cannot be tokenized for this model: {exc}", param=param) from None
-        if len(tokens) >= self.max_model_len:  # refused here: the engine never spends on it
-            raise BadRequest(f"the prompt has {len(tokens)} tokens; the model takes fewer than {self.max_model_len}",
+        if len(tokens) >= longest:  # refused here: the engine never spends on it
+            raise BadRequest(f"the prompt has {len(tokens)} tokens; the model takes fewer than {longest}",
                              param="messages" if isinstance(request, ChatCompletionRequest) else "prompt")
-        hashes = self.hasher.block_hashes(tokens, getattr(request, "cache_salt", None))
+        hashes = hasher.block_hashes(tokens, getattr(request, "cache_salt", None))
         return RoutingRequest(hashes, len(tokens), self.block_size, text)
 
     async def _off_loop(self, request: SamplingRequest) -> list[int]:
@@ -74,13 +76,16 @@ class RequestAnalyzer:
     def _release(self) -> None:
         self._pending -= 1
 
-    def token_ids(self, request: SamplingRequest) -> list[int]:
-        assert self.hasher is not None
+    def token_ids(self, request: SamplingRequest) -> list[int] | None:
+        """The prompt's tokens with its model's tokenizer; None for a model the router has none of."""
+        hasher = self.hashers.get(request.model)
+        if hasher is None:
+            return None
         if isinstance(request, ChatCompletionRequest):
             messages = [m.model_dump(exclude_unset=True) for m in request.messages]
-            return self.hasher.chat_tokens(messages, request.template_options())
+            return hasher.chat_tokens(messages, request.template_options())
         assert isinstance(request, CompletionRequest)
-        return self.hasher.completion_tokens(request.prompt)
+        return hasher.completion_tokens(request.prompt)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -157,8 +157,8 @@ def _add_error_handlers(app: FastAPI) -> None:
 def _add_openai_routes(app: FastAPI, intake: Intake, analyzer: RequestAnalyzer, forwarder: Forwarder) -> None:
     config, registry, tracing = app.state.config, app.state.registry, app.state.tracing
 
-    def serving_instances():
-        return registry.ready(lambda role: role.serves_clients)
+    def serving(model: str):
+        return lambda: registry.ready(lambda role: role.serves_clients, model)
 
     async def serve(request: Request, model: type[SamplingRequest], endpoint: str) -> Response:
         trace = tracing.begin(request.headers, endpoint) if tracing else None
@@ -169,8 +169,8 @@ def _add_openai_routes(app: FastAPI, intake: Intake, analyzer: RequestAnalyzer, 
                 release = intake.admission.admit(admitted.key)
             with trace.stage("pdcluster.analysis") if trace else NO_SPAN:
                 routing = await analyzer.analyze(admitted.request, admitted.body_bytes)
-            response = await forwarder.forward(endpoint, admitted.request.forwarded(), serving_instances, routing,
-                                               trace)
+            response = await forwarder.forward(endpoint, admitted.request.forwarded(),
+                                               serving(admitted.request.model), routing, trace)
         except BaseException as exc:
             if release:
                 release()
@@ -200,9 +200,9 @@ def _add_openai_routes(app: FastAPI, intake: Intake, analyzer: RequestAnalyzer, 
     @app.get("/v1/models")
     async def models(request: Request) -> dict:
         intake.admission.authenticate(request.headers.get("authorization"))
-        card = {"id": config.served_model_name, "object": "model", "created": int(time.time()),
-                "owned_by": "pdcluster", "max_model_len": config.max_model_len}
-        return {"object": "list", "data": [card]}
+        created = int(time.time())
+        return {"object": "list", "data": [{"id": m.name, "object": "model", "created": created, "owned_by": "pdcluster",
+                                            "max_model_len": m.max_model_len} for m in config.models]}
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -12,19 +12,29 @@ from engine.environment import is_loopback
 from security.credentials import ClusterCredentials
 
 
+class ServedModel(BaseModel):
+    """One model the router serves, each with its own instances."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(min_length=1)
+    """The model name clients send (the engines' served model name)."""
+    max_model_len: int = Field(ge=1)
+    tokenizer: Path | None = None
+    """Model folder whose tokenizer the router hashes prompts with; None routes on load only."""
+
+
 class RouterConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     host: str = "127.0.0.1"
     """Address the HTTP endpoint binds to."""
     port: int = Field(8000, ge=0, le=65535)
-    served_model_name: str
-    """The model name clients must send."""
-    max_model_len: int = Field(ge=1)
+    models: tuple[ServedModel, ...] = Field(min_length=1)
+    """The models clients may ask for (/v1/models lists them); a request goes only to instances
+    of its model."""
     policy: str = "kv_aware"
     """Routing policy: a name in router.policies.POLICIES, or module:Class."""
-    tokenizer: Path | None = None
-    """Model folder whose tokenizer the router hashes prompts with; None routes on load only."""
     kv_hashing: KVHashing = KVHashing()
     """The engines' (their block size, seed and hash algorithm: the router's hashes are theirs)."""
     kv_events_endpoint: str | None = None
@@ -95,6 +105,13 @@ class RouterConfig(BaseModel):
     salts from it."""
 
     @model_validator(mode="after")
+    def _distinct_models(self) -> RouterConfig:
+        names = [m.name for m in self.models]
+        if len(set(names)) != len(names):
+            raise ValueError(f"model names must be distinct: {names}")
+        return self
+
+    @model_validator(mode="after")
     def _loopback_unless_allowed(self) -> RouterConfig:
         if not self.allow_remote and not is_loopback(self.host):
             raise ValueError(f"host {self.host} is not loopback; set allow_remote to bind it")
@@ -102,6 +119,10 @@ class RouterConfig(BaseModel):
             raise ValueError(f"the router would serve anyone who reaches {self.host}: give it API keys "
                              "(--api-keys-file) to bind beyond loopback")
         return self
+
+    def served(self, name: str) -> ServedModel | None:
+        """The served model clients call `name`, if any."""
+        return next((m for m in self.models if m.name == name), None)
 
     @property
     def block_size(self) -> int:

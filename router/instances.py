@@ -41,6 +41,8 @@ class Instance:
     """Remote prefills in a row that failed or timed out (P/D)."""
     prefill_open_until: float = 0.0
     """Monotonic time until which no remote prefill is sent here (the circuit is open)."""
+    model: str = dataclasses.field(kw_only=True)
+    """The served model name: only requests for it come here."""
 
 
 class PendingPrefill:
@@ -86,9 +88,10 @@ class InstanceRegistry:
     def all(self) -> list[Instance]:
         return list(self._instances.values())
 
-    def ready(self, where: Callable[[RoleSpec], bool] = lambda role: True) -> list[Instance]:
-        """The ready instances whose role `where` accepts."""
-        return [i for i in self._instances.values() if i.state == InstanceState.READY and where(i.role)]
+    def ready(self, where: Callable[[RoleSpec], bool] = lambda role: True, model: str | None = None) -> list[Instance]:
+        """The ready instances whose role `where` accepts (of `model` only, if given)."""
+        return [i for i in self._instances.values()
+                if i.state == InstanceState.READY and where(i.role) and model in (None, i.model)]
 
     def mark_failed(self, instance: Instance, reason: str) -> None:
         if instance.state == InstanceState.READY:
@@ -183,15 +186,19 @@ class CapacityQueue:
         self.timeout_s = timeout_s
         self.poll_s = poll_s
         self.waiting = 0
+        self.waiting_for: collections.Counter[str] = collections.Counter()
+        """Waiting requests by model: each model's pools grow on their own."""
 
-    async def wait(self, candidates: Callable[[], list[Instance]]) -> list[Instance]:
-        """The candidates once there are any; raises NoInstance when full or timed out."""
+    async def wait(self, candidates: Callable[[], list[Instance]], model: str) -> list[Instance]:
+        """The candidates (instances of `model`) once there are any; raises NoInstance when full
+        or timed out."""
         found = candidates()
         if found:
             return found
         if self.waiting >= self.max_waiting or self.timeout_s == 0:
             raise NoInstance("no ready instance and the wait queue is full; retry shortly", retry_after_s=2)
         self.waiting += 1
+        self.waiting_for[model] += 1
         metrics.QUEUED.set(self.waiting)
         started = time.monotonic()
         try:
@@ -202,6 +209,7 @@ class CapacityQueue:
                     return found
         finally:
             self.waiting -= 1
+            self.waiting_for[model] -= 1
             metrics.QUEUED.set(self.waiting)
             metrics.QUEUE_WAIT.observe(time.monotonic() - started)
         raise NoInstance(

@@ -107,7 +107,7 @@ class Forwarder:
                 trace.attempt = attempt
             # Only a request no instance has failed yet waits for capacity.
             with trace.stage("pdcluster.queue_wait") if trace and not tried else NO_SPAN:
-                ready = await self.queue.wait(untried) if not tried else untried()
+                ready = await self.queue.wait(untried, body["model"]) if not tried else untried()
             if not ready:
                 break
             if attempt:
@@ -130,7 +130,7 @@ class Forwarder:
         serving instance (with the prefill's KV handoff if it succeeded) and the prompt tokens
         the serving instance will compute itself."""
         now = time.monotonic()
-        prefillers = [i for i in self.registry.ready(lambda role: role.takes_remote_prefills)
+        prefillers = [i for i in self.registry.ready(lambda role: role.takes_remote_prefills, body["model"])
                       if self.prefills.circuit_closed(i, now)]
         with trace.stage("pdcluster.placement") if trace else NO_SPAN as span:
             placement = self.placer.place(request, servers, prefillers)
@@ -175,7 +175,7 @@ class Forwarder:
         others: Callable[[], list[Instance]], trace: RequestTrace | None = None,
     ) -> Response:
         call = trace.engine_call("pdcluster.decode_stream", instance) if trace else None
-        ledger = (StreamLedger.start(endpoint, body, self.config.max_model_len)
+        ledger = (StreamLedger.start(endpoint, body, self.config.served(body["model"]).max_model_len)
                   if self.config.max_migrations and migratable(endpoint, body) else None)
         body = ledger.engine_body if ledger else body
         self._enter(instance)

@@ -132,10 +132,10 @@ def hit_rates() -> HitRates:
 
 
 def _pools(registry: InstanceRegistry) -> list[PoolStatus]:
-    by_role: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+    by_pool: dict[tuple[str, str], collections.Counter[str]] = collections.defaultdict(collections.Counter)
     for instance in registry.all():
-        by_role[instance.role.name][instance.state.value] += 1
-    return [PoolStatus(role=role, states=dict(states)) for role, states in sorted(by_role.items())]
+        by_pool[instance.model, instance.role.name][instance.state.value] += 1
+    return [PoolStatus(model=model, role=role, states=dict(states)) for (model, role), states in sorted(by_pool.items())]
 
 
 async def cluster_status(app: FastAPI, store_endpoints: tuple[str, ...], store_keys: CurveKeys) -> ClusterStatus:
@@ -144,7 +144,7 @@ async def cluster_status(app: FastAPI, store_endpoints: tuple[str, ...], store_k
     state = app.state
     registry, index = state.registry, state.index
     instances = [
-        InstanceStatus(instance_id=i.instance_id, role=i.role.name, state=i.state.value, url=i.url,
+        InstanceStatus(instance_id=i.instance_id, model=i.model, role=i.role.name, state=i.state.value, url=i.url,
                        inflight=i.inflight, pending_prefill_tokens=i.pending_prefill_tokens,
                        index_blocks=index.num_blocks(i.instance_id))
         for i in registry.all()
@@ -154,7 +154,7 @@ async def cluster_status(app: FastAPI, store_endpoints: tuple[str, ...], store_k
     ready, standby = serving_counts(registry)
     inflight = sum(i.inflight for i in instances if i.role != "prefill")  # a P/D request counts once
     return ClusterStatus(
-        generated_at=time.time(), model=state.config.served_model_name,
+        generated_at=time.time(), models=[m.name for m in state.config.models],
         health="ok" if ready or standby else "unavailable",
         requests=RequestCounts(served=metrics.requests_answered() + state.errors.total, inflight=inflight,
                                queued=state.queue.waiting),

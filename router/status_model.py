@@ -9,6 +9,7 @@ from pydantic import BaseModel, Field, computed_field
 
 class InstanceStatus(BaseModel):
     instance_id: str
+    model: str
     role: str
     """prefill, decode or colocated."""
     state: str
@@ -22,9 +23,10 @@ class InstanceStatus(BaseModel):
 
 
 class PoolStatus(BaseModel):
+    model: str
     role: str
     states: dict[str, int]
-    """Instances of this role by state (only states with at least one instance)."""
+    """Instances of this model and role by state (only states with at least one instance)."""
 
 
 class StartRecord(BaseModel):
@@ -89,7 +91,8 @@ class RequestCounts(BaseModel):
 
 class ClusterStatus(BaseModel):
     generated_at: float
-    model: str
+    models: list[str]
+    """The served model names, as /v1/models lists them."""
     health: str
     """ok or unavailable, as GET /health says."""
     requests: RequestCounts

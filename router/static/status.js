@@ -63,7 +63,8 @@ function emptyRow(columns, text) {
 }
 
 function drawHeader(status) {
-  document.getElementById("model").textContent = `model ${status.model}`;
+  document.getElementById("model").textContent =
+    `${status.models.length > 1 ? "models" : "model"} ${status.models.join(", ")}`;
   const health = document.getElementById("health");
   health.replaceWith(Object.assign(badge(status.health), { id: "health" }));
   const r = status.requests;
@@ -75,7 +76,7 @@ function drawHeader(status) {
 function drawPools(pools) {
   const cards = pools.map((pool) => {
     const card = el("div", "pool");
-    card.append(el("div", "role", pool.role));
+    card.append(el("div", "role", `${pool.model} · ${pool.role}`));
     for (const [state, count] of Object.entries(pool.states)) {
       card.append(badge(state), el("span", "muted", `${count} `));
     }

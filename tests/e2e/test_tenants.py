@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 from engine.roles import COLOCATED
 from loadtest.scrape import scrape
 from router.app import build_app
-from router.config import RouterConfig
+from router.config import RouterConfig, ServedModel
 from router.instances import Instance, InstanceRegistry
 from security.credentials import ClusterCredentials
 
@@ -23,8 +23,8 @@ HITS = "vllm:prefix_cache_hits_total"
 def test_one_tenant_never_hits_anothers_cached_prompt(served, tiny_model):
     (engine,) = served.instances()
     registry = InstanceRegistry()
-    registry.add(Instance(engine["instance_id"], COLOCATED, engine["url"]))
-    config = RouterConfig(served_model_name="tiny", max_model_len=4096, tokenizer=tiny_model, health_interval_s=60,
+    registry.add(Instance(engine["instance_id"], COLOCATED, engine["url"], model="tiny"))
+    config = RouterConfig(models=(ServedModel(name="tiny", max_model_len=4096, tokenizer=tiny_model),), health_interval_s=60,
                           api_keys={"key-a": "tenant-a", "key-b": "tenant-b"},
                           cluster_secret=ClusterCredentials.load().secret.hex())
     prompt = f"A private prompt {uuid.uuid4()} " + "with a long shared body. " * 60

@@ -8,7 +8,7 @@ from fastapi.testclient import TestClient
 from deploy.serve import parse_api_keys
 from router.admission import Admission
 from router.app import build_app
-from router.config import RouterConfig
+from router.config import RouterConfig, ServedModel
 from router.errors import RateLimited, Unauthorized
 from router.instances import InstanceRegistry
 from security.credentials import ClusterCredentials
@@ -17,7 +17,7 @@ BODY = {"model": "m", "prompt": "x"}
 
 
 def client(**config) -> TestClient:
-    settings = RouterConfig(served_model_name="m", max_model_len=64, health_interval_s=60,
+    settings = RouterConfig(models=(ServedModel(name="m", max_model_len=64),), health_interval_s=60,
                             queue_timeout_s=0, **config)
     return TestClient(build_app(settings, InstanceRegistry()))
 

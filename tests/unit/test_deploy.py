@@ -59,11 +59,11 @@ def test_pools_are_placed_by_role_resources():
 
 
 def test_topology_from_flags():
-    assert Topology.from_args(2, 0, 0).roles() == [
+    assert Topology.from_args(2, 0, 0).roles("model") == [
         ("colocated-0", COLOCATED),
         ("colocated-1", COLOCATED),
     ]
-    assert [r for _, r in Topology.from_args(1, 1, 2).roles()] == [PREFILL, DECODE, DECODE]
+    assert [r for _, r in Topology.from_args(1, 1, 2).roles("model")] == [PREFILL, DECODE, DECODE]
     with pytest.raises(ValueError, match="prefill"):
         Topology.from_args(1, 1, 0)
     assert Topology.from_args(2, 0, 0, colocated=True) == Topology.from_args(2, 0, 0)
@@ -83,14 +83,14 @@ def test_topology_pools_scale_to_zero_only_with_a_standby():
     ]
     assert pd.ray_resources() == {"prefill": 2.0, "decode": 2.0}  # ready at most + standby, per pool
     with pytest.raises(ValueError, match="max_ready"):
-        PoolSpec(role=DECODE, min_ready=3, max_ready=2)
+        PoolSpec(model="m", role=DECODE, min_ready=3, max_ready=2)
 
 
 def test_a_restarted_launcher_starts_only_what_adoption_did_not_cover():
-    wanted = Topology.from_args(0, prefill=2, decode=1).roles()
+    wanted = Topology.from_args(0, prefill=2, decode=1).roles("model")
     assert roles_to_start(wanted, []) == wanted
-    adopted = [Instance("prefill-1", PREFILL, "http://127.0.0.1:1"),
-               Instance("decode-1700000000-0", DECODE, "http://127.0.0.1:2")]
+    adopted = [Instance("prefill-1", PREFILL, "http://127.0.0.1:1", model="m"),
+               Instance("decode-1700000000-0", DECODE, "http://127.0.0.1:2", model="m")]
     assert roles_to_start(wanted, adopted) == [("prefill-0", PREFILL)]
 
 
@@ -115,7 +115,7 @@ def test_the_ttft_target_goes_to_the_pool_that_prefills():
     ],
 )
 def test_when_a_pool_grows(ready, inflight, queued, growing, ttft_p90, grow):
-    spec = PoolSpec(role=COLOCATED, min_ready=1, max_ready=4, target_inflight=8, target_ttft_s=0.5)
+    spec = PoolSpec(model="m", role=COLOCATED, min_ready=1, max_ready=4, target_inflight=8, target_ttft_s=0.5)
     assert wants_more(spec, ready, inflight, queued, growing, ttft_p90) is grow
     untargeted = spec.model_copy(update={"target_ttft_s": None})
     assert wants_more(untargeted, 1, 1, 0, 0, ttft_p90=9.0) is False  # no target, no TTFT trigger
@@ -137,7 +137,7 @@ async def test_an_instance_leaving_its_pool_takes_no_new_request_and_finishes_wh
     from router.instances import InstanceRegistry
 
     registry = InstanceRegistry()
-    leaving = Instance("colocated-0", COLOCATED, "http://127.0.0.1:1")
+    leaving = Instance("colocated-0", COLOCATED, "http://127.0.0.1:1", model="m")
     leaving.state, leaving.inflight = InstanceState.READY, 1
     registry.add(leaving)
     launcher = bare_launcher(registry)
@@ -156,7 +156,7 @@ async def test_a_drain_ends_at_its_deadline():
     from router.instances import InstanceRegistry
 
     registry = InstanceRegistry()
-    stuck = Instance("colocated-0", COLOCATED, "http://127.0.0.1:1")
+    stuck = Instance("colocated-0", COLOCATED, "http://127.0.0.1:1", model="m")
     stuck.inflight = 1
     registry.add(stuck)
     launcher = bare_launcher(registry)
@@ -177,37 +177,84 @@ def test_sleeping_standbys_are_for_colocated_pools_with_standbys():
 
 class RecordingLauncher:
     """Stands in for the launcher (no Ray, no engine): records the standbys asked for and the
-    instances activated, as the pool controller decides them."""
+    instances activated, put to sleep or stopped, as the pool controller decides them."""
 
     def __init__(self) -> None:
-        self.standby_configs, self.activated = [], []
+        self.standby_configs, self.activated, self.slept, self.stopped, self.peers_asked = [], [], [], [], []
 
     async def start_standby(self, instance_id, config):
         self.standby_configs.append(config)
 
-    async def peer_weights(self):
+    async def peer_weights(self, model):
+        self.peers_asked.append(model)
         return None
 
     async def activate(self, instance_id, peer):
         self.activated.append(instance_id)
         return {"total_s": 0.0}
 
+    async def sleep_instance(self, instance_id, drain_s):
+        self.slept.append(instance_id)
+
+    async def stop_instance(self, instance_id, drain_s):
+        self.stopped.append(instance_id)
+
+
+def engine_configs(folder, *names):
+    from engine.config import EngineConfig
+
+    (folder / "config.json").write_text("{}")  # a model folder as EngineConfig checks it; never loaded
+    return [EngineConfig(model=folder, served_model_name=name) for name in names]
+
 
 async def test_a_pool_starts_sleeping_standbys_and_activates_an_awake_one_first(tmp_path):
     from deploy.pool import PoolController
-    from engine.config import EngineConfig
     from engine.lifecycle import InstanceState
     from router.instances import CapacityQueue, InstanceRegistry
 
-    (tmp_path / "config.json").write_text("{}")  # a model folder as EngineConfig checks it; never loaded
     registry, launcher = InstanceRegistry(), RecordingLauncher()
-    spec = PoolSpec(role=COLOCATED, min_ready=0, max_ready=1, standby=1, standby_sleeps=True)
-    controller = PoolController(launcher, registry, CapacityQueue(1, 1.0), [spec],
-                                EngineConfig(model=tmp_path, served_model_name="m"))
+    spec = PoolSpec(model="m", role=COLOCATED, min_ready=0, max_ready=1, standby=1, standby_sleeps=True)
+    controller = PoolController(launcher, registry, CapacityQueue(1, 1.0), [spec], engine_configs(tmp_path, "m"))
     await controller._add_standby(spec)
     assert [c.sleep_mode for c in launcher.standby_configs] == [True]
-    registry.add(Instance("asleep", COLOCATED, "http://127.0.0.1:1", InstanceState.SLEEPING))
-    registry.add(Instance("awake", COLOCATED, "http://127.0.0.1:2", InstanceState.STANDBY))
-    controller._growing[COLOCATED] += 1
+    registry.add(Instance("asleep", COLOCATED, "http://127.0.0.1:1", InstanceState.SLEEPING, model="m"))
+    registry.add(Instance("awake", COLOCATED, "http://127.0.0.1:2", InstanceState.STANDBY, model="m"))
+    controller._growing[spec.key] += 1
     await controller._grow(spec)
     assert launcher.activated == ["awake"]  # no wake-up to wait for
+
+
+def test_several_models_get_pools_of_their_own_and_ids_that_name_them():
+    topology = Topology.from_args(1, 0, 0, sleep_when_idle=True, models=("a", "b"))
+    assert [(p.model, p.role, p.min_ready, p.idle_sleeps) for p in topology.pools()] == [
+        ("a", COLOCATED, 0, True), ("b", COLOCATED, 0, True)]  # a model nobody asks for may sleep entirely
+    assert topology.roles("b") == [("b-colocated-0", COLOCATED)]
+    assert Topology.from_args(1, 0, 0).roles("a") == [("colocated-0", COLOCATED)]  # one model: ids as before
+    with pytest.raises(ValueError, match="colocated"):
+        Topology.from_args(0, 1, 1, models=("a", "b"))
+    with pytest.raises(ValueError, match="--sleep-when-idle"):
+        Topology.from_args(0, 1, 1, sleep_when_idle=True)
+
+
+async def test_an_idle_model_sleeps_and_a_request_for_a_sleeping_one_wakes_only_its_own(tmp_path):
+    import asyncio
+
+    from deploy.pool import PoolController
+    from engine.lifecycle import InstanceState
+    from router.instances import CapacityQueue, InstanceRegistry
+
+    registry, launcher, queue = InstanceRegistry(), RecordingLauncher(), CapacityQueue(4, 5.0)
+    specs = [PoolSpec(model=m, role=COLOCATED, min_ready=0, max_ready=1, idle_sleeps=True, idle_s=0.01)
+             for m in ("a", "b")]
+    controller = PoolController(launcher, registry, queue, specs, engine_configs(tmp_path, "a", "b"))
+    registry.add(Instance("a-colocated-0", COLOCATED, "http://127.0.0.1:1", model="a"))
+    registry.add(Instance("b-colocated-0", COLOCATED, "http://127.0.0.1:2", InstanceState.SLEEPING, model="b"))
+    waiting = asyncio.create_task(queue.wait(lambda: registry.ready(model="b"), "b"))  # a request for b
+    await asyncio.sleep(0.05)  # it waits; a has been idle past idle_s
+    for spec in specs:
+        controller._step(spec)
+    await asyncio.sleep(0.05)  # the spawned sleep and activation
+    assert launcher.slept == ["a-colocated-0"] and launcher.stopped == []
+    assert launcher.activated == ["b-colocated-0"] and launcher.peers_asked == ["b"]
+    waiting.cancel()
+    await controller.stop()

@@ -14,7 +14,7 @@ BLOCK = 32
 
 
 def instances(n: int, pending: tuple[float, ...] = ()) -> list[Instance]:
-    out = [Instance(f"i{k}", COLOCATED, "http://127.0.0.1:1") for k in range(n)]
+    out = [Instance(f"i{k}", COLOCATED, "http://127.0.0.1:1", model="m") for k in range(n)]
     for instance, tokens in zip(out, pending, strict=False):
         instance.pending_prefill_tokens = tokens
     return out

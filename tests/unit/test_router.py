@@ -15,7 +15,7 @@ from engine.lifecycle import InstanceState
 from engine.roles import COLOCATED, RoleSpec
 from prefill.role import PREFILL
 from router.app import build_app
-from router.config import RouterConfig
+from router.config import RouterConfig, ServedModel
 from router.errors import NoInstance
 from router.instances import CapacityQueue, Instance, InstanceRegistry, LatencyWindow, PendingPrefill
 from router.placement import PlacementSettings, Placer
@@ -28,7 +28,7 @@ def make_client(instances: list[Instance]) -> TestClient:
     for instance in instances:
         registry.add(instance)
     config = RouterConfig(
-        served_model_name="m", max_model_len=128, health_interval_s=60, policy="round_robin",
+        models=(ServedModel(name="m", max_model_len=128),), health_interval_s=60, policy="round_robin",
         queue_timeout_s=0,
     )
     return TestClient(build_app(config, registry))
@@ -36,7 +36,7 @@ def make_client(instances: list[Instance]) -> TestClient:
 
 def dead_instance(instance_id: str = "dead-0", role: RoleSpec = COLOCATED) -> Instance:
     """An instance whose port nothing listens on: a real refused connection."""
-    return Instance(instance_id, role, f"http://127.0.0.1:{free_port('127.0.0.1')}")
+    return Instance(instance_id, role, f"http://127.0.0.1:{free_port('127.0.0.1')}", model="m")
 
 
 def test_no_instance_is_a_503_with_retry_after():
@@ -96,7 +96,7 @@ def test_models_lists_the_served_model():
 
 
 def test_round_robin_cycles_and_least_loaded_prefers_idle():
-    instances = [Instance(f"i{n}", COLOCATED, "http://127.0.0.1:1") for n in range(3)]
+    instances = [Instance(f"i{n}", COLOCATED, "http://127.0.0.1:1", model="m") for n in range(3)]
     request = RoutingRequest((), 10, 32)
     rr = make_policy("round_robin")
     picks = [rr.choose(instances, request).instance.instance_id for _ in range(6)]
@@ -110,20 +110,20 @@ def test_round_robin_cycles_and_least_loaded_prefers_idle():
 
 def test_registry_serves_only_ready_instances_of_serving_roles():
     registry = InstanceRegistry()
-    registry.add(Instance("a", COLOCATED, "u", InstanceState.READY))
-    registry.add(Instance("b", COLOCATED, "u", InstanceState.LOADING))
-    registry.add(Instance("c", PREFILL, "u", InstanceState.READY))
+    registry.add(Instance("a", COLOCATED, "u", InstanceState.READY, model="m"))
+    registry.add(Instance("b", COLOCATED, "u", InstanceState.LOADING, model="m"))
+    registry.add(Instance("c", PREFILL, "u", InstanceState.READY, model="m"))
     assert [i.instance_id for i in registry.ready(lambda role: role.serves_clients)] == ["a"]
     with pytest.raises(ValueError):
-        registry.add(Instance("a", COLOCATED, "u"))
+        registry.add(Instance("a", COLOCATED, "u", model="m"))
 
 
 def test_router_refuses_a_non_loopback_bind_unless_allowed():
     with pytest.raises(ValueError, match="not loopback"):
-        RouterConfig(host="0.0.0.0", served_model_name="m", max_model_len=1)
+        RouterConfig(host="0.0.0.0", models=(ServedModel(name="m", max_model_len=1),))
     with pytest.raises(ValueError, match="API keys"):  # beyond loopback, only with keys
-        RouterConfig(host="0.0.0.0", served_model_name="m", max_model_len=1, allow_remote=True)
-    assert RouterConfig(host="0.0.0.0", served_model_name="m", max_model_len=1, allow_remote=True,
+        RouterConfig(host="0.0.0.0", models=(ServedModel(name="m", max_model_len=1),), allow_remote=True)
+    assert RouterConfig(host="0.0.0.0", models=(ServedModel(name="m", max_model_len=1),), allow_remote=True,
                         api_keys={"k": "t"})
 
 
@@ -135,7 +135,7 @@ async def test_capacity_queue_hands_over_the_instance_that_becomes_ready():
         await asyncio.sleep(0.2)
         ready.append(dead_instance("new-0"))
 
-    waiter = asyncio.create_task(queue.wait(lambda: list(ready)))
+    waiter = asyncio.create_task(queue.wait(lambda: list(ready), "m"))
     await asyncio.sleep(0.05)
     assert queue.waiting == 1  # the pool controller's scale-up signal
     await scale_up()
@@ -145,10 +145,10 @@ async def test_capacity_queue_hands_over_the_instance_that_becomes_ready():
 
 async def test_capacity_queue_is_bounded_in_size_and_time():
     queue = CapacityQueue(max_waiting=1, timeout_s=0.3, poll_s=0.01)
-    first = asyncio.create_task(queue.wait(list))
+    first = asyncio.create_task(queue.wait(list, "m"))
     await asyncio.sleep(0.05)
     with pytest.raises(NoInstance, match="queue is full"):
-        await queue.wait(list)
+        await queue.wait(list, "m")
     started = time.monotonic()
     with pytest.raises(NoInstance, match="within 0.3 s") as raised:
         await first
@@ -158,7 +158,7 @@ async def test_capacity_queue_is_bounded_in_size_and_time():
 
 def test_a_request_waits_in_the_queue_then_gets_a_clean_503():
     registry = InstanceRegistry()
-    config = RouterConfig(served_model_name="m", max_model_len=128, queue_timeout_s=0.5)
+    config = RouterConfig(models=(ServedModel(name="m", max_model_len=128),), queue_timeout_s=0.5)
     with TestClient(build_app(config, registry)) as client:
         started = time.monotonic()
         response = client.post("/v1/completions", json={"model": "m", "prompt": "x"})
@@ -183,10 +183,10 @@ def test_latency_window_quantile_counts_only_recent_samples_after_since():
 def pd_forwarder(prefill: Instance, **config) -> tuple[Forwarder, Instance]:
     """A P/D router's forwarder with one prefill and one decode instance (the decode unreached)."""
     registry = InstanceRegistry()
-    decode = Instance("decode-0", DECODE, "http://127.0.0.1:1")
+    decode = Instance("decode-0", DECODE, "http://127.0.0.1:1", model="m")
     registry.add(prefill)
     registry.add(decode)
-    settings = RouterConfig(served_model_name="m", max_model_len=4096, remote_prefill_min_tokens=0, **config)
+    settings = RouterConfig(models=(ServedModel(name="m", max_model_len=4096),), remote_prefill_min_tokens=0, **config)
     placer = Placer(PlacementSettings(0, settings.remote_prefill_max_queued_tokens), make_policy("least_loaded"),
                     make_policy("least_loaded"))
     return Forwarder(settings, registry, placer, CapacityQueue(0, 0), {}), decode
@@ -198,7 +198,7 @@ async def test_a_prefill_instance_with_too_much_queued_leaves_the_prefill_to_dec
 
     prefill = dead_instance("prefill-0", PREFILL)
     forwarder, decode = pd_forwarder(prefill, remote_prefill_max_queued_tokens=1000, prefill_timeout_s=5)
-    body, request = {"prompt": "p"}, RoutingRequest((), 600, 32)
+    body, request = {"model": "m", "prompt": "p"}, RoutingRequest((), 600, 32)
     try:
         queued = PendingPrefill(prefill, 1200)  # another request's prompt, not yet prefilled
         busy = prefilled("local_busy")
@@ -217,8 +217,8 @@ async def test_a_prefill_instance_with_too_much_queued_leaves_the_prefill_to_dec
 def test_placement_is_one_pure_step():
     """Colocated instances prefill themselves; a decode instance gets a remote prefill unless the
     uncached prompt is short, no prefill instance is ready, or the chosen one is too busy."""
-    prefill, decode, colocated = (Instance("p", PREFILL, "u"), Instance("d", DECODE, "u"),
-                                  Instance("c", COLOCATED, "u"))
+    prefill, decode, colocated = (Instance("p", PREFILL, "u", model="m"), Instance("d", DECODE, "u", model="m"),
+                                  Instance("c", COLOCATED, "u", model="m"))
     placer = Placer(PlacementSettings(256, 1000), make_policy("least_loaded"), make_policy("least_loaded"))
     long, short = RoutingRequest((), 600, 32), RoutingRequest((), 100, 32)
     assert placer.place(long, [colocated], [prefill]).reason == "colocated"
@@ -272,7 +272,7 @@ class StandInEngine:
 def test_a_request_that_broke_an_engine_is_not_retried_on_another():
     engines = [StandInEngine("crash") for _ in range(2)]
     try:
-        with make_client([Instance(f"e{k}", COLOCATED, e.url) for k, e in enumerate(engines)]) as client:
+        with make_client([Instance(f"e{k}", COLOCATED, e.url, model="m") for k, e in enumerate(engines)]) as client:
             response = client.post("/v1/completions", json={"model": "m", "prompt": "x"})
         assert response.status_code == 502
         assert sorted(e.requests for e in engines) == [0, 1]  # it reached one engine, and only one
@@ -283,10 +283,10 @@ def test_a_request_that_broke_an_engine_is_not_retried_on_another():
 
 async def test_a_hanging_prefill_instance_costs_timeouts_until_its_circuit_opens():
     hung = StandInEngine("hang")
-    prefill = Instance("prefill-0", PREFILL, hung.url)
+    prefill = Instance("prefill-0", PREFILL, hung.url, model="m")
     forwarder, decode = pd_forwarder(prefill, prefill_timeout_s=0.5, prefill_circuit_failures=2,
                                      prefill_circuit_s=60)
-    body, request = {"prompt": "p"}, RoutingRequest((), 600, 32)
+    body, request = {"model": "m", "prompt": "p"}, RoutingRequest((), 600, 32)
     try:
         reasons = [(await forwarder.prepare("/v1/completions", body, request, [decode]))[0].reason for _ in range(4)]
         assert reasons == ["remote", "remote", "no_prefill", "no_prefill"]

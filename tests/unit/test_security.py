@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 from engine.http_auth import MAX_RPC_BODY_BYTES, EngineAuthMiddleware
 from engine.roles import COLOCATED
 from router.app import build_app
-from router.config import RouterConfig
+from router.config import RouterConfig, ServedModel
 from router.instances import Instance, InstanceRegistry
 from security.credentials import SECRET_ENV, ClusterCredentials, CredentialsError, EngineKeys, runtime_dir
 
@@ -21,7 +21,7 @@ CREDENTIALS = ClusterCredentials.load()  # the session's (tests/conftest.py)
 
 
 def router(**config) -> TestClient:
-    settings = RouterConfig(served_model_name="m", max_model_len=64, health_interval_s=60, queue_timeout_s=0,
+    settings = RouterConfig(models=(ServedModel(name="m", max_model_len=64),), health_interval_s=60, queue_timeout_s=0,
                             cluster_secret=CREDENTIALS.secret.hex(), **config)
     return TestClient(build_app(settings, InstanceRegistry()), raise_server_exceptions=False)
 
@@ -149,7 +149,7 @@ def test_the_router_sends_the_engine_token_to_engines_and_clients_cannot_skip_it
 async def test_the_router_presents_the_engine_token():
     from router.proxy import Forwarder
 
-    config = RouterConfig(served_model_name="m", max_model_len=64, cluster_secret=CREDENTIALS.secret.hex())
+    config = RouterConfig(models=(ServedModel(name="m", max_model_len=64),), cluster_secret=CREDENTIALS.secret.hex())
     forwarder = Forwarder(config, InstanceRegistry(), None, None, config.credentials().engine_headers())
     try:
         assert forwarder.session.headers["Authorization"] == f"Bearer {CREDENTIALS.engine_token}"
@@ -159,9 +159,9 @@ async def test_the_router_presents_the_engine_token():
 
 def test_leaving_instances_are_forgotten_by_the_index():
     registry = InstanceRegistry()
-    config = RouterConfig(served_model_name="m", max_model_len=64, health_interval_s=60)
+    config = RouterConfig(models=(ServedModel(name="m", max_model_len=64),), health_interval_s=60)
     app = build_app(config, registry)
-    registry.add(Instance("gone-0", COLOCATED, "http://127.0.0.1:9"))
+    registry.add(Instance("gone-0", COLOCATED, "http://127.0.0.1:9", model="m"))
     app.state.index.stored("gone-0", [1, 2, 3])
     registry.remove("gone-0")
     assert app.state.index.match([1, 2, 3]) == {}

@@ -11,7 +11,7 @@ from engine.environment import free_port
 from engine.lifecycle import InstanceState
 from engine.roles import COLOCATED
 from router.app import build_app
-from router.config import RouterConfig
+from router.config import RouterConfig, ServedModel
 from router.instances import Instance, InstanceRegistry
 from router.kv_index import KVIndex
 from router.placement import PlacementSettings, Placer, PromptHits
@@ -28,7 +28,7 @@ def test_placement_counts_blocks_held_by_the_chosen_instance_then_the_store():
     index.stored("store", hashes[:4])
     placer = Placer(PlacementSettings(0), make_policy("least_loaded"), make_policy("least_loaded"),
                     index=index, store_holders=frozenset({"store"}))
-    decode = Instance("d", DECODE, "u")
+    decode = Instance("d", DECODE, "u", model="m")
     placement = placer.place(RoutingRequest(hashes, 80, 16), [decode], [])
     assert placement.hits == PromptHits(blocks=5, instance=2, store=2)
     other = placer.place(RoutingRequest((9, 8), 32, 16), [decode], [])
@@ -37,13 +37,13 @@ def test_placement_counts_blocks_held_by_the_chosen_instance_then_the_store():
 
 def test_admin_status_shows_pools_starts_errors_and_is_closed_to_others():
     registry = InstanceRegistry()
-    registry.add(Instance("c-0", COLOCATED, "http://127.0.0.1:1"))
-    registry.add(Instance("c-1", COLOCATED, "http://127.0.0.1:2", InstanceState.STANDBY))
+    registry.add(Instance("c-0", COLOCATED, "http://127.0.0.1:1", model="m"))
+    registry.add(Instance("c-1", COLOCATED, "http://127.0.0.1:2", InstanceState.STANDBY, model="m"))
     starts = StartLog()
     starts.record(StartRecord(instance_id="c-0", role="colocated", path="disk", started_at=1.0, total_s=3.0,
                               stages_s={"spawn": 1.0, "weights": 2.0}))
     credentials = ClusterCredentials.load()  # the session's (tests/conftest.py)
-    config = RouterConfig(served_model_name="m", max_model_len=128, health_interval_s=60, queue_timeout_s=0,
+    config = RouterConfig(models=(ServedModel(name="m", max_model_len=128),), health_interval_s=60, queue_timeout_s=0,
                           cluster_secret=credentials.secret.hex())
     admin = credentials.admin_headers()
     not_found = {"kind": "NotFoundError", "status": "404"}
@@ -55,7 +55,7 @@ def test_admin_status_shows_pools_starts_errors_and_is_closed_to_others():
         response = client.get("/admin/status", headers=admin)
     assert response.status_code == 200
     status = ClusterStatus.model_validate(response.json())
-    assert status.health == "ok" and status.model == "m"
+    assert status.health == "ok" and status.models == ["m"]
     assert [(p.role, p.states) for p in status.pools] == [("colocated", {"ready": 1, "standby": 1})]
     assert {i.instance_id: i.state for i in status.instances} == {"c-0": "ready", "c-1": "standby"}
     assert [s.stages_s for s in status.starts] == [{"spawn": 1.0, "weights": 2.0}]
@@ -68,10 +68,10 @@ def test_admin_status_shows_pools_starts_errors_and_is_closed_to_others():
 
 def test_engine_metrics_discovery_lists_running_engines_and_the_relay_takes_only_their_ids():
     registry = InstanceRegistry()
-    registry.add(Instance("d-0", DECODE, f"http://127.0.0.1:{free_port('127.0.0.1')}"))  # nothing listens
-    registry.add(Instance("c-1", COLOCATED, "http://127.0.0.1:2", InstanceState.STANDBY))  # no vLLM server yet
+    registry.add(Instance("d-0", DECODE, f"http://127.0.0.1:{free_port('127.0.0.1')}", model="m"))  # nothing listens
+    registry.add(Instance("c-1", COLOCATED, "http://127.0.0.1:2", InstanceState.STANDBY, model="m"))  # no vLLM server yet
     credentials = ClusterCredentials.load()
-    config = RouterConfig(served_model_name="m", max_model_len=128, health_interval_s=60, queue_timeout_s=0,
+    config = RouterConfig(models=(ServedModel(name="m", max_model_len=128),), health_interval_s=60, queue_timeout_s=0,
                           cluster_secret=credentials.secret.hex())
     admin = credentials.admin_headers()
     with TestClient(build_app(config, registry), base_url="http://router.example:9000") as client:

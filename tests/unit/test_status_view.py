@@ -11,7 +11,7 @@ from rich.console import Console
 
 from deploy.status_view import StatusSource, render_status, watch
 from router.app import build_app
-from router.config import RouterConfig
+from router.config import RouterConfig, ServedModel
 from router.instances import InstanceRegistry
 from router.status_model import ClusterStatus, HitRates
 from security.credentials import ClusterCredentials
@@ -22,14 +22,14 @@ CREDENTIALS = ClusterCredentials.load()  # the session's (tests/conftest.py)
 def cluster_status() -> ClusterStatus:
     """A snapshot as the views get it: GET /admin/status's JSON."""
     return ClusterStatus.model_validate({
-        "generated_at": 1_790_000_000.0, "model": "tiny", "health": "ok",
+        "generated_at": 1_790_000_000.0, "models": ["tiny"], "health": "ok",
         "requests": {"served": 42, "inflight": 3, "queued": 1},
-        "pools": [{"role": "prefill", "states": {"ready": 1}},
-                  {"role": "decode", "states": {"ready": 1, "standby": 2}}],
+        "pools": [{"model": "tiny", "role": "prefill", "states": {"ready": 1}},
+                  {"model": "tiny", "role": "decode", "states": {"ready": 1, "standby": 2}}],
         "instances": [
-            {"instance_id": "prefill-0", "role": "prefill", "state": "ready", "url": "http://127.0.0.1:9001",
+            {"instance_id": "prefill-0", "model": "tiny", "role": "prefill", "state": "ready", "url": "http://127.0.0.1:9001",
              "inflight": 2, "pending_prefill_tokens": 512.0, "index_blocks": 17},
-            {"instance_id": "decode-7", "role": "decode", "state": "standby", "url": "http://127.0.0.1:9002",
+            {"instance_id": "decode-7", "model": "tiny", "role": "decode", "state": "standby", "url": "http://127.0.0.1:9002",
              "inflight": 0, "pending_prefill_tokens": 0.0, "index_blocks": 0},
         ],
         "starts": [{"instance_id": "decode-7", "role": "decode", "path": "peer", "started_at": 1_789_999_990.0,
@@ -93,7 +93,7 @@ def test_top_redraws_the_given_number_of_times_and_survives_a_failed_fetch(monke
 
 
 def router() -> TestClient:
-    settings = RouterConfig(served_model_name="m", max_model_len=64, health_interval_s=60, queue_timeout_s=0,
+    settings = RouterConfig(models=(ServedModel(name="m", max_model_len=64),), health_interval_s=60, queue_timeout_s=0,
                             cluster_secret=CREDENTIALS.secret.hex())
     return TestClient(build_app(settings, InstanceRegistry()), raise_server_exceptions=False)
 

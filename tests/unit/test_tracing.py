@@ -18,7 +18,7 @@ from engine.environment import free_port
 from engine.roles import COLOCATED
 from loadtest.otlp_receiver import OTLPReceiver
 from router.app import build_app
-from router.config import RouterConfig
+from router.config import RouterConfig, ServedModel
 from router.instances import Instance, InstanceRegistry
 from router.tracing import REQUEST_SPAN
 
@@ -67,8 +67,8 @@ class StandInEngine:
 
 def router(engine: StandInEngine, endpoint: str | None) -> TestClient:
     registry = InstanceRegistry()
-    registry.add(Instance("colocated-0", COLOCATED, engine.url))
-    config = RouterConfig(served_model_name="m", max_model_len=128, health_interval_s=60, otlp_traces_endpoint=endpoint)
+    registry.add(Instance("colocated-0", COLOCATED, engine.url, model="m"))
+    config = RouterConfig(models=(ServedModel(name="m", max_model_len=128),), health_interval_s=60, otlp_traces_endpoint=endpoint)
     return TestClient(build_app(config, registry))
 
 
@@ -124,4 +124,4 @@ def test_off_sets_nothing_up_and_sends_no_trace_context():
                                       "http://user:token@127.0.0.1:4317", "http://127.0.0.1:4317?key=k"])
 def test_an_endpoint_is_a_plain_url_with_no_credentials(endpoint):
     with pytest.raises(ValidationError):
-        RouterConfig(served_model_name="m", max_model_len=128, otlp_traces_endpoint=endpoint)
+        RouterConfig(models=(ServedModel(name="m", max_model_len=128),), otlp_traces_endpoint=endpoint)
