@@ -68,6 +68,21 @@ def _add_serve_parser(subparsers, name: str = "serve", help: str = "serve a mode
         "when its model is asked for again",
     )
     parser.add_argument(
+        "--max-awake",
+        type=int,
+        help="with --sleep-when-idle: instances awake at most, across models (one GPU's worth); a request for a "
+        "sleeping model puts an idle one of another model to sleep and wakes its own (a swap, well under a second)",
+    )
+    parser.add_argument(
+        "--engines-per-gpu",
+        type=int,
+        default=1,
+        help="engines Ray places on one GPU (several models' engines sharing it; set --gpu-memory-utilization "
+        "to what one awake engine may take)",
+    )
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                        help="share of its GPU's memory one engine may take while awake (CUDA)")
+    parser.add_argument(
         "--max-instances",
         type=int,
         default=0,

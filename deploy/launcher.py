@@ -31,6 +31,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from deploy.placement import placement_options
 from deploy.store_shards import STORE_SHARD_PREFIX, StoreShards
 from deploy.topology import ROLES
 from engine.config import EngineConfig
@@ -76,32 +77,6 @@ def start_ray(address: str | None, resources: dict[str, float] | None = None) ->
         runtime_env={"env_vars": {**RAY_LOOPBACK_ENV, **UCX_LOOPBACK_ENV}},  # auth: inherited
     )
     return True
-
-
-def cpu_core_sets(engines: int, cores: int) -> list[str]:
-    """Disjoint core sets for `engines` CPU engines on one machine, keeping core 0 for the
-    router and Ray when there are cores to spare."""
-    if engines <= 0:
-        return []
-    spare = cores - 1
-    if spare < engines:
-        return [str(i % cores) for i in range(engines)]
-    per_engine = spare // engines
-    sets = []
-    for i in range(engines):
-        first = 1 + i * per_engine
-        last = first + per_engine - 1
-        sets.append(str(first) if first == last else f"{first}-{last}")
-    return sets
-
-
-def placement_options(role: RoleSpec, gpus: int) -> dict:
-    """Where Ray may place an engine actor of `role`: role resources pin the pools to the nodes a
-    cluster YAML gives that role (and make the autoscaler add such nodes when none is free)."""
-    options: dict = {"num_cpus": 0, "num_gpus": gpus}
-    if role.ray_resource:
-        options["resources"] = {role.ray_resource: 1}
-    return options
 
 
 @dataclass
@@ -213,7 +188,7 @@ class Launcher:
         return proven
 
     def _create_actor(self, config: EngineConfig, instance_id: str) -> ray.actor.ActorHandle:
-        options = placement_options(config.role, gpus=0 if is_cpu_build() else 1)
+        options = placement_options(config.role, gpus=0 if is_cpu_build() else config.gpu_share)
         actor = EngineActor.options(
             name=instance_id, lifetime="detached", max_concurrency=64, **options
         ).remote(config, instance_id)

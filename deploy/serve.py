@@ -81,7 +81,9 @@ def serve(args: argparse.Namespace) -> int:
         models = resolve_models(args.model, args.served_model_name)
         topology = Topology.from_args(args.instances, args.prefill, args.decode, args.standby, args.max_instances,
                                       args.target_ttft, args.colocated, args.sleeping_standbys,
-                                      args.sleep_when_idle, tuple(name for _, name in models))
+                                      args.sleep_when_idle, tuple(name for _, name in models), args.max_awake)
+        if args.engines_per_gpu < 1:
+            raise ValueError("--engines-per-gpu must be at least 1")
         if (topology.sleeping_standbys or topology.sleep_when_idle) and args.address is None and is_cpu_build():
             raise ValueError("--sleeping-standbys and --sleep-when-idle need CUDA engines: vLLM's CPU build has "
                              "no sleep mode")
@@ -95,6 +97,8 @@ def serve(args: argparse.Namespace) -> int:
             kv_cache_gib=args.kv_cache_gib,
             enforce_eager=not args.no_eager,
             dtype=args.dtype,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            gpu_share=1 / args.engines_per_gpu,
             sleep_mode=topology.sleep_when_idle,
             start_timeout_s=args.start_timeout,
             cluster_secret=secret,
@@ -159,7 +163,7 @@ async def _start_fleet(launcher, registry, engine_configs, router_config, topolo
                        placement_timeout_s: float, store_bytes: int):
     """Adopt what a previous launcher left, start the store and the missing engines, build the
     router's app and the pool controller (started); returns both."""
-    from deploy.launcher import cpu_core_sets
+    from deploy.placement import cpu_core_sets
     from deploy.pool import PoolController
     from engine.environment import free_port
     from engine.process import node_address
@@ -190,15 +194,28 @@ async def _start_fleet(launcher, registry, engine_configs, router_config, topolo
     cores = cpu_core_sets(topology.engines_at_most(), os.cpu_count() or 1) if is_cpu_build() and not address else []
     configs = [(instance_id, config.model_copy(update={"role": role, "cpu_cores": cores[k] if cores else None}))
                for k, (instance_id, role, config) in enumerate(roles)]
-    await launcher.start_instances(configs, placement_timeout_s)
+    await _start_initial(launcher, configs, placement_timeout_s, topology.max_awake)
     app = build_app(router_config, registry, store_endpoints=shards, starts=starts)
     launcher.store.on_restart.append(lambda: app.state.index.clear(STORE_HOLDER))
     # Instances the controller adds get the core sets the initial ones left (all, if none).
     controller = PoolController(launcher, registry, app.state.queue, topology.pools(), engine_configs,
                                 core_sets=cores[len(roles):] or cores or None, first_tokens=app.state.first_tokens,
-                                id_prefix=topology.id_prefix)
+                                id_prefix=topology.id_prefix, max_awake=topology.max_awake)
     controller.start()
     return app, controller
+
+
+async def _start_initial(launcher, configs: list, placement_timeout_s: float, max_awake: int | None) -> None:
+    """The initial engines, together; under `max_awake` one after another instead, all but the
+    last `max_awake` put to sleep right after their start (a starting engine needs its share of the
+    GPU free: vLLM checks)."""
+    if max_awake is None:
+        await launcher.start_instances(configs, placement_timeout_s)
+        return
+    for k, (instance_id, config) in enumerate(configs):
+        await launcher.start_instances([(instance_id, config)], placement_timeout_s)
+        if k < len(configs) - max_awake:
+            await launcher.sleep_instance(instance_id, drain_s=0.0)
 
 
 async def _serve_router(app, router_config) -> None:

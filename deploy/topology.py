@@ -35,12 +35,15 @@ class Topology:
     all of a pool's if its model gets no requests: a sleeping one wakes in well under a second."""
     models: tuple[str, ...] = ("model",)
     """The served model names; each gets these pools."""
+    max_awake: int | None = None
+    """With sleep_when_idle: instances awake at most, across models (one GPU's worth): to wake
+    one more, the pool controller first puts an idle one of another model to sleep."""
 
     @classmethod
     def from_args(cls, instances: int, prefill: int, decode: int, standby: int = 0, max_instances: int = 0,
                   target_ttft_s: float | None = None, colocated: bool = False,
                   sleeping_standbys: bool = False, sleep_when_idle: bool = False,
-                  models: tuple[str, ...] = ("model",)) -> Topology:
+                  models: tuple[str, ...] = ("model",), max_awake: int | None = None) -> Topology:
         if colocated and (prefill or decode):
             raise ValueError("--colocated and --prefill/--decode exclude each other")
         # A P/D engine's KV connector registers its KV cache's memory, which sleep would unmap.
@@ -53,6 +56,8 @@ class Topology:
             raise ValueError("several models need a colocated topology")
         if len(set(models)) != len(models):
             raise ValueError(f"model names must be distinct: {list(models)}")
+        if max_awake is not None and (max_awake < 1 or not sleep_when_idle):
+            raise ValueError("--max-awake needs --sleep-when-idle and is at least 1")
         if standby < 0 or max_instances < 0:
             raise ValueError("--standby and --max-instances cannot be negative")
         if target_ttft_s is not None and target_ttft_s <= 0:
@@ -65,7 +70,7 @@ class Topology:
         if instances < least:
             raise ValueError("--instances must be at least 1 (or 0 with --standby)")
         return cls(instances, 0, 0, standby, max_instances, target_ttft_s, sleeping_standbys, sleep_when_idle,
-                   models)
+                   models, max_awake)
 
     def _counts(self) -> list[tuple[RoleSpec, int]]:
         if self.colocated or not (self.prefill or self.decode):

@@ -64,6 +64,9 @@ class EngineConfig(BaseModel):
     """Host memory for the KV cache on the CPU build (VLLM_CPU_KVCACHE_SPACE)."""
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     """Share of GPU memory vLLM may take on a CUDA build."""
+    gpu_share: float = Field(1.0, gt=0, le=1)
+    """Share of a GPU Ray reserves for this engine: 1/K lets K engines (of several models) share one
+    GPU; their memory is then gpu_memory_utilization's business, and sleep's."""
     sleep_mode: bool = False
     """CUDA only: the engine can sleep (vLLM's sleep mode, level 2: weights' and KV cache's memory
     given back): a standby sleeps once started, a ready engine when its pool puts it to sleep

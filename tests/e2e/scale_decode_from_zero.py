@@ -58,7 +58,8 @@ def main() -> int:
         import ray
 
         from decode.role import DECODE
-        from deploy.launcher import Launcher, placement_options
+        from deploy.launcher import Launcher
+        from deploy.placement import placement_options
         from kvstore.sharded_store import ShardedStore
         from router.instances import InstanceRegistry
         from security.credentials import ClusterCredentials

@@ -10,7 +10,7 @@ import yaml
 
 from decode.role import DECODE
 from deploy.cluster import ClusterConfigError, validate_cluster_yaml
-from deploy.launcher import placement_options
+from deploy.placement import placement_options
 from deploy.pool import PoolSpec, wants_more
 from deploy.topology import Topology, roles_to_start
 from engine.roles import COLOCATED
@@ -179,7 +179,9 @@ class RecordingLauncher:
     """Stands in for the launcher (no Ray, no engine): records the standbys asked for and the
     instances activated, put to sleep or stopped, as the pool controller decides them."""
 
-    def __init__(self) -> None:
+    def __init__(self, registry=None) -> None:
+        self.registry = registry
+        """Where it marks the instances it puts to sleep, as the launcher does (None: nowhere)."""
         self.standby_configs, self.activated, self.slept, self.stopped, self.peers_asked = [], [], [], [], []
 
     async def start_standby(self, instance_id, config):
@@ -194,7 +196,11 @@ class RecordingLauncher:
         return {"total_s": 0.0}
 
     async def sleep_instance(self, instance_id, drain_s):
+        from engine.lifecycle import InstanceState
+
         self.slept.append(instance_id)
+        if self.registry is not None:
+            self.registry.get(instance_id).state = InstanceState.SLEEPING
 
     async def stop_instance(self, instance_id, drain_s):
         self.stopped.append(instance_id)
@@ -258,3 +264,28 @@ async def test_an_idle_model_sleeps_and_a_request_for_a_sleeping_one_wakes_only_
     assert launcher.activated == ["b-colocated-0"] and launcher.peers_asked == ["b"]
     waiting.cancel()
     await controller.stop()
+
+
+async def test_under_max_awake_a_sleeping_model_wakes_only_after_an_idle_other_sleeps(tmp_path):
+    from deploy.pool import PoolController
+    from engine.lifecycle import InstanceState
+    from router.instances import CapacityQueue, InstanceRegistry
+
+    registry = InstanceRegistry()
+    launcher = RecordingLauncher(registry)
+    specs = {m: PoolSpec(model=m, role=COLOCATED, min_ready=0, max_ready=1, idle_sleeps=True) for m in ("a", "b")}
+    controller = PoolController(launcher, registry, CapacityQueue(4, 5.0), list(specs.values()),
+                                engine_configs(tmp_path, "a", "b"), max_awake=1, room_timeout_s=0.3)
+    awake = Instance("a-colocated-0", COLOCATED, "http://127.0.0.1:1", model="a")
+    registry.add(awake)
+    registry.add(Instance("b-colocated-0", COLOCATED, "http://127.0.0.1:2", InstanceState.SLEEPING, model="b"))
+
+    awake.inflight = 1  # a is busy: b waits for room, then gives up; a keeps serving
+    controller._growing[specs["b"].key] += 1
+    await controller._grow(specs["b"])
+    assert launcher.slept == [] and launcher.activated == [] and awake.state == InstanceState.READY
+
+    awake.inflight = 0  # a is idle: it sleeps first, then b wakes
+    controller._growing[specs["b"].key] += 1
+    await controller._grow(specs["b"])
+    assert launcher.slept == ["a-colocated-0"] and launcher.activated == ["b-colocated-0"]

@@ -1,0 +1,32 @@
+"""Where engines run: the Ray placement options of a role's engine actor, and disjoint CPU core
+sets for CPU engines sharing one machine."""
+
+from __future__ import annotations
+
+from engine.roles import RoleSpec
+
+
+def cpu_core_sets(engines: int, cores: int) -> list[str]:
+    """Disjoint core sets for `engines` CPU engines on one machine, keeping core 0 for the
+    router and Ray when there are cores to spare."""
+    if engines <= 0:
+        return []
+    spare = cores - 1
+    if spare < engines:
+        return [str(i % cores) for i in range(engines)]
+    per_engine = spare // engines
+    sets = []
+    for i in range(engines):
+        first = 1 + i * per_engine
+        last = first + per_engine - 1
+        sets.append(str(first) if first == last else f"{first}-{last}")
+    return sets
+
+
+def placement_options(role: RoleSpec, gpus: float) -> dict:
+    """Where Ray may place an engine actor of `role`: role resources pin the pools to the nodes a
+    cluster YAML gives that role (and make the autoscaler add such nodes when none is free)."""
+    options: dict = {"num_cpus": 0, "num_gpus": gpus}
+    if role.ray_resource:
+        options["resources"] = {role.ray_resource: 1}
+    return options
