@@ -103,6 +103,7 @@ def plot(result: dict, models: list[str], path: Path) -> None:
         bottom.step(times, [sum(m == model and st == "ready" for m, st in s["instances"]) for s in result["samples"]],
                     where="post", color=f"C{k}", label=f"{model} awake")
     bottom.set_ylabel("ready engines")
+    bottom.yaxis.set_major_locator(plt.MaxNLocator(integer=True))
     if any(s["gpu_bytes"] is not None for s in result["samples"]):
         memory = bottom.twinx()
         memory.plot(times, [(s["gpu_bytes"] or 0) / 2**30 for s in result["samples"]], color="gray", lw=1)
