@@ -39,6 +39,10 @@ KV_HASH_SEED = "0"
 # The vLLM general plugin (pyproject.toml) that puts our KV event publisher in vLLM's place
 # (engine/kv_events.py); engines name it alone in VLLM_PLUGINS.
 KV_EVENTS_PLUGIN = "pdcluster_kv_events"
+GRAMMAR_LOGITS_PROCESSOR = "engine.grammar_continuation:GrammarContinuation"
+"""Loaded by every engine (`--logits-processors`): structured output continued from sent tokens."""
+GRAMMAR_ARG = "pdc_grammar"
+"""The `vllm_xargs` key under which the router sends a migrated stream's grammar to that processor."""
 
 
 def is_cpu_build() -> bool:

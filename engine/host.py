@@ -29,7 +29,13 @@ import time
 import httpx
 
 from engine.config import EngineConfig
-from engine.environment import KV_EVENTS_PLUGIN, engine_process_env, free_port, is_cpu_build
+from engine.environment import (
+    GRAMMAR_LOGITS_PROCESSOR,
+    KV_EVENTS_PLUGIN,
+    engine_process_env,
+    free_port,
+    is_cpu_build,
+)
 from engine.lifecycle import InstanceState, StartTimeline
 from engine.process import GROUP_GUARD, die_with_parent, local_client, node_address
 from engine.weights import new_weights_file
@@ -121,6 +127,7 @@ class EngineHost:
             "--load-format", "dummy",
             "--worker-extension-cls", "engine.worker_extension.WeightPlaneExtension",
             "--middleware", "engine.http_auth.EngineAuthMiddleware",
+            "--logits-processors", GRAMMAR_LOGITS_PROCESSOR,
         ]
         if c.enforce_eager:
             command.append("--enforce-eager")

@@ -10,8 +10,8 @@ An engine that serves streams (decode, colocated) is killed only once at least h
 has sent tokens and it holds some of them (none within 60 s: the run is an error); the row says
 how many it held and each open stream's tokens so far, and how many streams' texts equal the
 same burst's without a fault (sent first; the streams the victim held go on elsewhere,
-router/migration.py), except in `structured-stream-killed`, whose streams carry a regex that
-the router does not migrate (they must end with an error event, the others complete);
+router/migration.py; in `structured-stream-killed` they carry a regex, whose grammar goes on
+from the sent tokens: engine/grammar_continuation.py);
 P/D scenarios also report what the store still holds in flight afterwards (leases, reserved
 bytes: both must be back at 0). Every request is classified:
 completed (all its tokens), failed clean (an OpenAI-style HTTP error or an error event closing
@@ -58,8 +58,8 @@ class Scenario:
     prompt_words: int
     max_tokens: int
     regex: str | None = None
-    """Structured output (vLLM's `structured_outputs`), which the router does not migrate: a
-    killed engine's streams must end with an error event."""
+    """Structured output (vLLM's `structured_outputs`): a killed engine's streams go on in the
+    grammar's state (engine/grammar_continuation.py)."""
 
     def body(self, prompt: str) -> dict:
         body = {"model": "tiny", "prompt": prompt, "max_tokens": self.max_tokens, "temperature": 0,

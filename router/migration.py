@@ -15,11 +15,20 @@ agree (tests/e2e/test_migration.py); in bfloat16 a near-tie after the break can 
 vLLM seeds a request's generator once, at its start, so the tokens after the fault differ from a
 fault-free run's. A stop string that would span the break is not seen. Tokens whose text the
 engine still held back (an unfinished UTF-8 character) are generated again, not counted as sent.
+
+Structured output (a JSON schema or object, as `response_format` or `structured_outputs`, or a
+regex) goes on in the grammar state the sent tokens put it in: the continuation carries the
+grammar and those tokens in `vllm_xargs` instead of `structured_outputs`, and every engine's
+logits processor (engine/grammar_continuation.py) compiles it with vLLM's xgrammar backend and
+advances it over them first, so the continuation's masks are the ones vLLM's structured output
+would have applied. A grammar vLLM's xgrammar check refuses (vLLM would have used another
+backend) fails the continuation, and the stream ends with an error event.
+
 Not migrated (the stream ends with an error event, as before): several choices (`n` > 1, a list
-of prompts), logprobs, `echo`, tools and structured output (the continuation cannot carry the
-grammar's state), stop strings (vLLM holds back characters, not tokens, that could start one),
-presence and frequency penalties (they count output tokens only: the sent ones would escape
-them), and an engine that hides token ids (a reasoning parser).
+of prompts), logprobs, `echo`, tools, other structured outputs (a choice, a grammar, a structural
+tag, or options beside the grammar), stop strings (vLLM holds back characters, not tokens, that
+could start one), presence and frequency penalties (they count output tokens only: the sent ones
+would escape them), and an engine that hides token ids (a reasoning parser).
 """
 
 from __future__ import annotations
@@ -29,10 +38,13 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
+from engine.environment import GRAMMAR_ARG
+
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 # Requests whose continuation could not be the same request: see the module docstring.
-_NOT_MIGRATABLE = ("logprobs", "top_logprobs", "prompt_logprobs", "echo", "suffix", "tools", "tool_choice",
-                   "response_format", "structured_outputs", "stop")
+_NOT_MIGRATABLE = ("logprobs", "top_logprobs", "prompt_logprobs", "echo", "suffix", "tools", "tool_choice", "stop")
+_STRUCTURED = ("response_format", "structured_outputs")
+_NO_GRAMMAR: dict[str, str] = {}
 # Penalties on output tokens only: the sent tokens, in the continuation's prompt, would escape them.
 _OUTPUT_PENALTIES = ("presence_penalty", "frequency_penalty")
 # A chat's fields that a completion does not take.
@@ -49,10 +61,35 @@ def migratable(endpoint: str, body: dict[str, Any]) -> bool:
         return False
     if any(_is_set(body.get(name)) for name in _NOT_MIGRATABLE):
         return False
-    if any(body.get(name) for name in _OUTPUT_PENALTIES):
+    if any(body.get(name) for name in _OUTPUT_PENALTIES) or continued_grammar(body) is None:
         return False
     prompt = body.get("prompt")
     return endpoint == CHAT or isinstance(prompt, str) or (isinstance(prompt, list) and isinstance(prompt[0], int))
+
+
+def continued_grammar(body: dict[str, Any]) -> dict[str, str] | None:
+    """The request's structured output as a continuation carries it ({kind, spec}: see
+    engine/grammar_continuation.py); empty without one; None for one it cannot carry."""
+    response_format, structured = body.get("response_format"), body.get("structured_outputs")
+    if _is_set(response_format) and _is_set(structured):
+        return None  # vLLM merges the two: not ours to redo
+    if _is_set(response_format):
+        kind = response_format.get("type") if isinstance(response_format, dict) else None
+        schema = (response_format.get("json_schema") or {}).get("schema") if kind == "json_schema" else None
+        if kind == "json_schema" and isinstance(schema, dict):
+            return {"kind": "json", "spec": json.dumps(schema)}  # as vLLM serializes it (request.py)
+        return {"kind": "json_object", "spec": ""} if kind == "json_object" else _NO_GRAMMAR if kind == "text" else None
+    if _is_set(structured):
+        if not isinstance(structured, dict):
+            return None
+        given = {name for name, value in structured.items() if _is_set(value)}
+        if given == {"json"}:
+            spec = structured["json"]
+            return {"kind": "json", "spec": spec if isinstance(spec, str) else json.dumps(spec)}
+        if given == {"regex"} and isinstance(structured["regex"], str):
+            return {"kind": "regex", "spec": structured["regex"]}
+        return {"kind": "json_object", "spec": ""} if given == {"json_object"} else None
+    return _NO_GRAMMAR
 
 
 def _is_set(value: Any) -> bool:
@@ -143,7 +180,10 @@ class StreamLedger:
     def continuation(self) -> dict[str, Any]:
         """The completion that goes on from what the client has."""
         body = {k: v for k, v in self.engine_body.items()
-                if k not in _CHAT_ONLY and k not in ("kv_transfer_params", "truncate_prompt_tokens")}
+                if k not in (*_CHAT_ONLY, *_STRUCTURED, "kv_transfer_params", "truncate_prompt_tokens")}
+        grammar = continued_grammar(self.engine_body)
+        if grammar:  # its state after the sent tokens: engine/grammar_continuation.py
+            body["vllm_xargs"] = {GRAMMAR_ARG: json.dumps({**grammar, "sent": self.sent_token_ids})}
         body["prompt"] = [*self.prompt_token_ids, *self.sent_token_ids]
         body["max_tokens"] = self._limit() - len(self.sent_token_ids)
         if "min_tokens" in body:

@@ -1,5 +1,6 @@
 """A stream whose engine dies goes on on another instance: the client sees one stream, with the
-same greedy tokens and usage as a run without the fault (router/migration.py).
+same greedy tokens and usage as a run without the fault (router/migration.py), structured output
+included (its grammar goes on from the sent tokens: engine/grammar_continuation.py).
 
 SmolLM2 in float32: the continuation recomputes the sent tokens' KV in one prefill, where the
 first engine computed it step by step. In bfloat16 the two differ enough to flip a near-tie later
@@ -22,6 +23,9 @@ pytestmark = pytest.mark.slow
 MODEL, MAX_TOKENS = "smollm2", 96
 PROMPTS = ["The history of the river Thames begins", "Explain in detail how a bicycle works.",
            "Dear committee, I am writing to apply for", "Tell me a long story about a lighthouse keeper."]
+SCHEMA = {"type": "object", "required": ["title", "year", "themes"],
+          "properties": {"title": {"type": "string"}, "year": {"type": "integer"},
+                         "themes": {"type": "array", "items": {"type": "string"}}}}
 
 
 @pytest.fixture(scope="module")
@@ -37,22 +41,27 @@ def served_two(model_dir, artifacts):
         server.stop()
 
 
-def body(k: int) -> tuple[str, dict]:
-    """Completions and chats, alternately: greedy, every token owed, usage at the end."""
+def body(k: int, structured: bool = False) -> tuple[str, dict]:
+    """Completions and chats, alternately: greedy, every token owed, usage at the end; if
+    `structured`, the chats answer in a JSON schema and the completions in a regex."""
     common = {"model": MODEL, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "stream": True,
               "stream_options": {"include_usage": True}}
     if k == 2:  # a client that asks for token ids gets them, continuation included
         common["return_token_ids"] = True
     if k % 2:
+        if structured:
+            common["response_format"] = {"type": "json_schema", "json_schema": {"name": "story", "schema": SCHEMA}}
         return "/v1/chat/completions", {**common, "messages": [{"role": "user", "content": PROMPTS[k]}]}
+    if structured:
+        common["structured_outputs"] = {"regex": "[A-Za-z ,.]+"}
     return "/v1/completions", {**common, "prompt": PROMPTS[k]}
 
 
 class Stream:
     """One streamed request, read on a thread: its text, usage, events so far, and errors."""
 
-    def __init__(self, url: str, k: int):
-        self.endpoint, self.body = body(k)
+    def __init__(self, url: str, k: int, structured: bool = False):
+        self.endpoint, self.body = body(k, structured)
         self.url, self.text, self.usage, self.events, self.errors, self.ids = url, "", None, 0, [], set()
         self.token_ids: list[int] = []
         self.thread = threading.Thread(target=self._read)
@@ -84,14 +93,16 @@ class Stream:
         return self.text, self.usage, self.errors, self.token_ids
 
 
-def test_a_killed_engine_costs_no_stream_and_no_token(served_two):
+@pytest.mark.parametrize("structured", [False, True], ids=["plain", "structured"])
+def test_a_killed_engine_costs_no_stream_and_no_token(served_two, structured):
     url = served_two.url
-    reference = [Stream(url, k) for k in range(len(PROMPTS))]
+    reference = [Stream(url, k, structured) for k in range(len(PROMPTS))]
     expected = [s.result() for s in reference]
     assert all(usage["completion_tokens"] == MAX_TOKENS and not errors for _, usage, errors, _ in expected)
     assert len(expected[2][3]) == MAX_TOKENS and not expected[0][3]  # token ids for who asked only
+    migrations_before = _migrations(served_two)
 
-    streams = [Stream(url, k) for k in range(len(PROMPTS))]
+    streams = [Stream(url, k, structured) for k in range(len(PROMPTS))]
     deadline = time.monotonic() + 60
     while min(s.events for s in streams) < 5:  # every stream has sent tokens
         assert time.monotonic() < deadline
@@ -108,14 +119,22 @@ def test_a_killed_engine_costs_no_stream_and_no_token(served_two):
     assert [r[1] for r in results] == [e[1] for e in expected]  # usage counted once
     assert [r[3] for r in results] == [e[3] for e in expected]
     assert all(len(s.ids) == 1 for s in streams)  # one stream, one id, as the client sees it
-    metrics = httpx.get(f"{url}/metrics", headers=served_two.credentials.admin_headers(), timeout=5).text
-    migrated = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
-                   if line.startswith("pdcluster_router_migrations_total"))
-    assert migrated >= victim["inflight"]
+    assert _migrations(served_two) - migrations_before >= victim["inflight"]
     deadline = time.monotonic() + 10  # the router's books: every stream left every instance it entered
     while any(i["inflight"] for i in served_two.instances()):
         assert time.monotonic() < deadline, served_two.instances()
         time.sleep(0.1)
+    # The pool controller brings the killed instance's capacity back before the next test.
+    deadline = time.monotonic() + 240
+    while sum(i["state"] == "ready" for i in served_two.instances()) < 2:
+        assert time.monotonic() < deadline, served_two.instances()
+        time.sleep(0.5)
+
+
+def _migrations(server) -> float:
+    metrics = httpx.get(f"{server.url}/metrics", headers=server.credentials.admin_headers(), timeout=5).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+               if line.startswith("pdcluster_router_migrations_total"))
 
 
 def test_sigterm_drains_the_streams_in_flight_before_the_engines_stop(served_two):

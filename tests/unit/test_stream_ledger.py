@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from engine.environment import GRAMMAR_ARG
 from router.migration import CHAT, COMPLETIONS, StreamLedger, migratable
 
 
@@ -115,7 +116,14 @@ def test_a_stream_that_broke_after_its_last_token_is_closed_with_its_usage():
     (COMPLETIONS, {"prompt": ["a", "b"], "stream": True}, False),  # two prompts
     (CHAT, {"messages": [], "stream": True, "n": 2}, False),
     (CHAT, {"messages": [], "stream": True, "logprobs": True}, False),
-    (CHAT, {"messages": [], "stream": True, "response_format": {"type": "json_object"}}, False),
+    (CHAT, {"messages": [], "stream": True, "response_format": {"type": "json_object"}}, True),  # the grammar goes on
+    (CHAT, {"messages": [], "stream": True, "response_format": {"type": "structural_tag"}}, False),
+    (COMPLETIONS, {"prompt": "a", "stream": True, "structured_outputs": {"regex": "[a-z]+"}}, True),
+    (COMPLETIONS, {"prompt": "a", "stream": True, "structured_outputs": {"choice": ["x", "y"]}}, False),
+    (COMPLETIONS, {"prompt": "a", "stream": True,  # an option the continuation would not keep
+                   "structured_outputs": {"json": {"type": "object"}, "disable_any_whitespace": True}}, False),
+    (CHAT, {"messages": [], "stream": True, "response_format": {"type": "json_object"},
+            "structured_outputs": {"regex": "a"}}, False),  # vLLM merges the two
     (COMPLETIONS, {"prompt": "a", "stream": True, "echo": True}, False),
     (COMPLETIONS, {"prompt": "a", "stream": True, "logprobs": 0}, False),  # the sampled token's own
     (COMPLETIONS, {"prompt": "a", "stream": True, "stop": ["\n\n"]}, False),  # held-back characters
@@ -125,3 +133,20 @@ def test_a_stream_that_broke_after_its_last_token_is_closed_with_its_usage():
 ])
 def test_what_can_be_migrated(endpoint, body, expected):
     assert migratable(endpoint, body) is expected
+
+
+def test_a_structured_continuation_carries_its_grammar_and_the_tokens_sent():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    for structure in ({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}},
+                      {"structured_outputs": {"json": schema}}):
+        body = {"model": "m", "prompt": "x", "stream": True, "max_tokens": 10, **structure}
+        ledger = StreamLedger.start(COMPLETIONS, body, 128)
+        list(ledger.feed(sse(completion_event("{", [90], prompt=[1, 2]), completion_event('"a', [91, 92]))))
+        continuation = ledger.continuation()
+        assert "response_format" not in continuation and "structured_outputs" not in continuation
+        assert json.loads(continuation["vllm_xargs"][GRAMMAR_ARG]) == {
+            "kind": "json", "spec": json.dumps(schema), "sent": [90, 91, 92]}
+        assert continuation["prompt"] == [1, 2, 90, 91, 92] and continuation["max_tokens"] == 7
+    plain = StreamLedger.start(COMPLETIONS, {"model": "m", "prompt": "x", "stream": True}, 128)
+    list(plain.feed(sse(completion_event("A", [10], prompt=[1]))))
+    assert "vllm_xargs" not in plain.continuation()  # nothing to carry
