@@ -36,7 +36,7 @@ from deploy.store_shards import STORE_SHARD_PREFIX, StoreShards
 from deploy.topology import ROLES
 from engine.config import EngineConfig
 from engine.environment import RAY_LOOPBACK_ENV, UCX_LOOPBACK_ENV, is_cpu_build
-from engine.host import EngineHost
+from engine.host import EngineHost, SleepRefused
 from engine.lifecycle import InstanceState
 from engine.roles import Role, RoleSpec
 from router.instances import Instance, InstanceRegistry
@@ -309,18 +309,22 @@ class Launcher:
     async def sleep_instance(self, instance_id: str, drain_s: float) -> None:
         """Take a ready instance out of rotation, let it finish what it holds, and put it to sleep
         (EngineHost.sleep): it waits as a SLEEPING standby that `activate()` wakes. One still busy
-        after `drain_s` goes back into rotation awake."""
+        after `drain_s`, or that could not keep a host copy of its weights (SleepRefused, raised),
+        goes back into rotation awake; one whose sleep failed otherwise is stopped."""
         instance, record = self.registry.get(instance_id), self.instances.get(instance_id)
         if instance is None or record is None or instance.state != InstanceState.READY:
             return
         if not await _drained(instance, drain_s):
-            instance.state = InstanceState.READY
+            _move(instance, InstanceState.DRAINING, InstanceState.READY)
             return
         self._descriptors.pop(instance_id, None)
         try:
             timeline = await record.actor.sleep.remote()
+        except SleepRefused:
+            _move(instance, InstanceState.DRAINING, InstanceState.READY)
+            raise
         except Exception:
-            instance.state = InstanceState.FAILED
+            await self.stop_instance(instance_id)  # half asleep, or gone: not to be served again
             raise
         instance.state = InstanceState.SLEEPING
         self.console.print(f"[green]{instance_id}[/] asleep in {timeline['total_s']:.2f} s "
@@ -378,6 +382,12 @@ class Launcher:
         if kept:
             log.warning("left %d adopted engine(s) and the store's shards serving: %s", len(kept), sorted(kept))
         await self.store.stop(keep_serving=bool(kept))
+
+
+def _move(instance: Instance, expected: InstanceState, to: InstanceState) -> None:
+    """`instance` to state `to` if it is still in `expected` (a health check may have moved it)."""
+    if instance.state == expected:
+        instance.state = to
 
 
 async def _drained(instance: Instance, drain_s: float) -> bool:

@@ -16,8 +16,10 @@ without traffic: the instance leaving drains first (no new requests, then it fin
 holds), then stops, or with `idle_sleeps` goes to sleep and waits as a standby that holds ~2 GiB
 of GPU memory. `min_ready=0` with a standby or `idle_sleeps` is scale-to-zero with a sub-second
 way back. With `max_awake` (several models sharing one GPU) an instance wakes or starts only once
-fewer than that many are awake: the longest idle one of another model is put to sleep first, so a
-request for a sleeping model waits one swap (~0.5 s for an 8B on an H200), not a cold start.
+fewer than that many are awake: the longest idle one of another model (none with requests in
+flight or waiting, idle for `swap_idle_s`) is put to sleep first, so a request for a sleeping model
+waits one swap (~0.5 s for an 8B on an H200), not a cold start; the first time an instance goes to
+sleep it also makes its host copy of the weights (7-9 s for an 8B), which that swap waits for.
 """
 
 from __future__ import annotations
@@ -120,6 +122,7 @@ class PoolController:
         id_prefix: Callable[[str], str] = lambda model: "",
         max_awake: int | None = None,
         room_timeout_s: float = 30.0,
+        swap_idle_s: float = 1.0,
     ) -> None:
         self.launcher = launcher
         self.registry = registry
@@ -133,6 +136,13 @@ class PoolController:
         """Instances awake at most, across pools (Topology.max_awake); None: no bound."""
         self.room_timeout_s = room_timeout_s
         """Longest a grow waits for an awake instance of another model to become idle."""
+        self.swap_idle_s = swap_idle_s
+        """An instance is put to sleep for another model's only after its model has had no request
+        in flight or waiting this long: no swap back and forth on every request."""
+        self._reserved = 0
+        """Grows under way that `_make_room` let through: awake soon, not registered yet."""
+        self._unsleepable: set[str] = set()
+        """Instances whose sleep was refused (no host copy of their weights): not asked again."""
         self.interval_s = interval_s
         self._cores = itertools.cycle(core_sets or [None])
         self._ids = itertools.count()
@@ -203,7 +213,7 @@ class PoolController:
             self._last_busy[key] = time.monotonic()
             leaving = min(reversed(ready), key=lambda i: i.inflight)
             if spec.idle_sleeps:
-                self._spawn(self.launcher.sleep_instance(leaving.instance_id, spec.drain_s), f"sleep-{spec.name}")
+                self._spawn(self._sleep(leaving.instance_id, spec.drain_s), f"sleep-{spec.name}")
             else:
                 self._spawn(self.launcher.stop_instance(leaving.instance_id, spec.drain_s), f"shrink-{spec.name}")
 
@@ -215,8 +225,9 @@ class PoolController:
 
     async def _grow(self, spec: PoolSpec) -> None:
         decided = time.monotonic()
+        reserved = False
         try:
-            await self._make_room(spec)
+            reserved = await self._make_room(spec)
             peer = await self.launcher.peer_weights(spec.model)
             standbys = self._standbys(spec)
             if standbys:
@@ -233,29 +244,45 @@ class PoolController:
             log.exception("growing the %s pool failed", spec.name)
         finally:
             self._growing[spec.key] -= 1
+            self._reserved -= reserved
             self._grown_at[spec.key] = time.monotonic()
+
+    async def _sleep(self, instance_id: str, drain_s: float) -> None:
+        try:
+            await self.launcher.sleep_instance(instance_id, drain_s)
+        except Exception:  # refused (it stays awake) or failed (it was stopped): the launcher says which
+            log.exception("%s could not sleep", instance_id)
+            self._unsleepable.add(instance_id)
 
     def _awake(self) -> list:
         """Instances holding their GPU memory: ready, coming up, or leaving."""
         holding = (InstanceState.READY, InstanceState.LOADING, InstanceState.WARMING, InstanceState.DRAINING)
         return [i for i in self.registry.all() if i.state in holding]
 
-    async def _make_room(self, spec: PoolSpec) -> None:
+    async def _make_room(self, spec: PoolSpec) -> bool:
         """Under `max_awake`, put idle instances of other models to sleep (the longest idle
-        first) until one more may be awake; raises after `room_timeout_s` of all being busy."""
+        first) until one more may be awake, and hold that room (True: the caller releases it);
+        raises after `room_timeout_s` with none idle."""
+        if self.max_awake is None:
+            return False
         deadline = time.monotonic() + self.room_timeout_s
-        while self.max_awake is not None and len(self._awake()) >= self.max_awake:
+        while len(self._awake()) + self._reserved >= self.max_awake:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{self.max_awake} instance(s) awake and none idle for {self.room_timeout_s:g} s")
+            now = time.monotonic()
             idle = [i for i in self.registry.ready() if i.model != spec.model and not i.inflight
+                    and i.instance_id not in self._unsleepable and self.queue.waiting_for[i.model] == 0
+                    and now - self._last_busy.get((i.model, i.role), 0.0) >= self.swap_idle_s
                     and self.specs.get((i.model, i.role), spec).idle_sleeps]
             if idle:
                 leaving = min(idle, key=lambda i: self._last_busy.get((i.model, i.role), 0.0))
                 log.info("%s pool: %s goes to sleep to make room", spec.name, leaving.instance_id)
-                await self.launcher.sleep_instance(leaving.instance_id, drain_s=0.0)
+                await self._sleep(leaving.instance_id, drain_s=0.0)
                 if leaving.state == InstanceState.SLEEPING:
                     continue
             await asyncio.sleep(self.interval_s)  # none idle, or it took a request meanwhile
+        self._reserved += 1  # no await since the check: no other grow took this room
+        return True
 
     async def _add_standby(self, spec: PoolSpec) -> None:
         key = spec.key

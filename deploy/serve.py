@@ -84,9 +84,16 @@ def serve(args: argparse.Namespace) -> int:
                                       args.sleep_when_idle, tuple(name for _, name in models), args.max_awake)
         if args.engines_per_gpu < 1:
             raise ValueError("--engines-per-gpu must be at least 1")
-        if (topology.sleeping_standbys or topology.sleep_when_idle) and args.address is None and is_cpu_build():
-            raise ValueError("--sleeping-standbys and --sleep-when-idle need CUDA engines: vLLM's CPU build has "
-                             "no sleep mode")
+        if args.max_awake is not None and args.engines_per_gpu < 2:
+            raise ValueError("--max-awake is for engines that share a GPU: give --engines-per-gpu K > 1")
+        if args.max_awake is None and args.engines_per_gpu * args.gpu_memory_utilization > 1:
+            raise ValueError(f"{args.engines_per_gpu} engines x --gpu-memory-utilization "
+                             f"{args.gpu_memory_utilization:g} exceed one GPU: lower it to 1/K at most, or let "
+                             "them take turns (--sleep-when-idle --max-awake N)")
+        gpu_only = topology.sleeping_standbys or topology.sleep_when_idle or args.engines_per_gpu > 1
+        if gpu_only and args.address is None and is_cpu_build():
+            raise ValueError("--sleeping-standbys, --sleep-when-idle and --engines-per-gpu need CUDA engines: "
+                             "vLLM's CPU build has no sleep mode and no GPU to share")
         # One machine makes its own secret; a cluster's head must be given one (README, cluster steps).
         credentials = ClusterCredentials.load(args.secret_file, create=args.address is None)
         secret = credentials.secret.hex()
@@ -188,13 +195,15 @@ async def _start_fleet(launcher, registry, engine_configs, router_config, topolo
         launcher.watch_store()
     engine_configs = [c.model_copy(update={"kv_events_endpoint": events_endpoint, "kv_store_endpoints": shards})
                       for c in engine_configs]
+    taken = {i.instance_id for i in registry.all()}
     roles = [(instance_id, role, config) for config in engine_configs
              for instance_id, role in roles_to_start(topology.roles(config.served_model_name),
-                                                     registry.ready(model=config.served_model_name))]
+                                                     _serving(registry, config.served_model_name), taken)]
     cores = cpu_core_sets(topology.engines_at_most(), os.cpu_count() or 1) if is_cpu_build() and not address else []
     configs = [(instance_id, config.model_copy(update={"role": role, "cpu_cores": cores[k] if cores else None}))
                for k, (instance_id, role, config) in enumerate(roles)]
-    await _start_initial(launcher, configs, placement_timeout_s, topology.max_awake)
+    await _start_initial(launcher, configs, placement_timeout_s, topology.max_awake,
+                         one_by_one=any(c.gpu_share < 1 for c in engine_configs))
     app = build_app(router_config, registry, store_endpoints=shards, starts=starts)
     launcher.store.on_restart.append(lambda: app.state.index.clear(STORE_HOLDER))
     # Instances the controller adds get the core sets the initial ones left (all, if none).
@@ -205,16 +214,25 @@ async def _start_fleet(launcher, registry, engine_configs, router_config, topolo
     return app, controller
 
 
-async def _start_initial(launcher, configs: list, placement_timeout_s: float, max_awake: int | None) -> None:
-    """The initial engines, together; under `max_awake` one after another instead, all but the
-    last `max_awake` put to sleep right after their start (a starting engine needs its share of the
-    GPU free: vLLM checks)."""
-    if max_awake is None:
+def _serving(registry, model: str) -> list:
+    """`model`'s instances that count as started: ready, or standing by (asleep or not)."""
+    from engine.lifecycle import InstanceState
+
+    return [i for i in registry.all() if i.model == model and (i.state == InstanceState.READY or i.state.is_standby)]
+
+
+async def _start_initial(launcher, configs: list, placement_timeout_s: float, max_awake: int | None,
+                         one_by_one: bool) -> None:
+    """The initial engines, together; `one_by_one` (engines sharing a GPU: concurrent starts
+    mis-size their KV caches) one after another, and under `max_awake` all but the last
+    `max_awake` put to sleep right after their start (a starting engine needs its share of the GPU
+    free: vLLM checks)."""
+    if not one_by_one:
         await launcher.start_instances(configs, placement_timeout_s)
         return
     for k, (instance_id, config) in enumerate(configs):
         await launcher.start_instances([(instance_id, config)], placement_timeout_s)
-        if k < len(configs) - max_awake:
+        if max_awake is not None and k < len(configs) - max_awake:
             await launcher.sleep_instance(instance_id, drain_s=0.0)
 
 

@@ -58,6 +58,8 @@ class Topology:
             raise ValueError(f"model names must be distinct: {list(models)}")
         if max_awake is not None and (max_awake < 1 or not sleep_when_idle):
             raise ValueError("--max-awake needs --sleep-when-idle and is at least 1")
+        if max_awake is not None and standby:
+            raise ValueError("--max-awake and --standby do not combine: the sleeping engines are the standbys")
         if standby < 0 or max_instances < 0:
             raise ValueError("--standby and --max-instances cannot be negative")
         if target_ttft_s is not None and target_ttft_s <= 0:
@@ -109,10 +111,12 @@ class Topology:
         return dict(resources)
 
 
-def roles_to_start(wanted: list[tuple[str, RoleSpec]], present: list) -> list[tuple[str, RoleSpec]]:
-    """The initial instances (id, role) still to start when `present` (adopted, ready) instances
-    already serve: per role that many fewer, skipping ids in use."""
-    taken = {i.instance_id for i in present}
+def roles_to_start(wanted: list[tuple[str, RoleSpec]], present: list, taken: set[str] = frozenset()
+                   ) -> list[tuple[str, RoleSpec]]:
+    """The initial instances (id, role) still to start when `present` instances (adopted, ready
+    or standing by) already serve: per role that many fewer, skipping ids in use (`taken`, and
+    those of `present`)."""
+    taken = set(taken) | {i.instance_id for i in present}
     missing = collections.Counter(role for _, role in wanted)
     missing.subtract(i.role for i in present)
     chosen = []

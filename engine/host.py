@@ -59,6 +59,10 @@ class EngineStartError(RuntimeError):
     """The engine did not become ready; the message carries the tail of its log."""
 
 
+class SleepRefused(RuntimeError):
+    """The engine could not keep a host copy of its weights: it stays awake and ready."""
+
+
 class EngineHost:
     """One vLLM server process. Methods are async so a Ray actor serves them concurrently."""
 
@@ -241,8 +245,12 @@ class EngineHost:
 
     async def sleep(self) -> dict:
         """Put a READY engine to sleep (vLLM's sleep mode, level 2; the caller drained it first):
-        it keeps a pinned host copy of its weights (made once), gives back all GPU memory but
-        ~2 GiB, and `activate()` wakes it with a peer's weights or that copy. Returns the timeline."""
+        it keeps a pinned host copy of its weights (made at its first sleep: 7-9 s for 16 GB on an
+        H200, since the pinned allocation is slow; the copy is made on the engine's step loop, so
+        not while it serves), gives back all GPU memory but ~2 GiB, and `activate()` wakes it with
+        a peer's weights or that copy. Raises SleepRefused, the engine still awake and ready, if
+        the host copy fails; any other failure stops the engine (it may be half asleep). Returns
+        the timeline."""
         if self.state != InstanceState.READY or not self.config.sleep_mode:
             raise EngineStartError(f"{self.instance_id} is {self.state.value} (sleep mode: "
                                    f"{self.config.sleep_mode}); only a ready engine in sleep mode sleeps")
@@ -250,12 +258,17 @@ class EngineHost:
         self.state = InstanceState.DRAINING  # no health check calls it ready halfway
         try:
             record = await self._worker_call("pdc_keep_host_copy", {}, timeout_s=self.config.start_timeout_s)
-            timeline.mark("host_copy")
+        except Exception as exc:
+            self.state = InstanceState.READY
+            raise SleepRefused(f"{self.instance_id} keeps no host copy of its weights: {exc}") from None
+        timeline.mark("host_copy")
+        try:
             await self._engine_post("/sleep", {"level": "2"})
-            timeline.mark("sleep")
         except Exception:
             self.state = InstanceState.FAILED
+            await asyncio.to_thread(self._terminate, 5)
             raise
+        timeline.mark("sleep")
         self.state = InstanceState.SLEEPING
         timeline.details.update(host_copy_bytes=record["bytes"], host_copy_made=str(record["copied"]))
         return timeline.as_record()

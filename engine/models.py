@@ -166,7 +166,10 @@ def derive_checkpoints(base: Path, count: int) -> list[Path]:
     from safetensors.torch import load_file, save_file
 
     index = base / "model.safetensors.index.json"
-    head_file = json.loads(index.read_text())["weight_map"]["lm_head.weight"] if index.exists() else "model.safetensors"
+    weight_map = json.loads(index.read_text())["weight_map"] if index.exists() else {"lm_head.weight": "model.safetensors"}
+    if "lm_head.weight" not in weight_map:
+        raise ValueError(f"{base} has no output head of its own (tied embeddings?): nothing to re-draw")
+    head_file = weight_map["lm_head.weight"]
     derived = [base]
     for k in range(1, count):
         target = base.parent / f"{base.name}-v{k}"
@@ -175,7 +178,7 @@ def derive_checkpoints(base: Path, count: int) -> list[Path]:
             continue
         target.mkdir(parents=True, exist_ok=True)
         for item in base.iterdir():
-            if item.name not in (head_file, COMPLETE_MARKER):
+            if item.is_file() and item.name not in (head_file, COMPLETE_MARKER):
                 (target / item.name).unlink(missing_ok=True)
                 os.link(item, target / item.name)
         tensors = load_file(base / head_file)

@@ -94,9 +94,11 @@ class InstanceRegistry:
                 if i.state == InstanceState.READY and where(i.role) and model in (None, i.model)]
 
     def mark_failed(self, instance: Instance, reason: str) -> None:
+        """Out of rotation, if it is in rotation (an instance draining, asleep or starting is
+        its launcher's to move)."""
         if instance.state == InstanceState.READY:
             log.warning("instance %s out of rotation: %s", instance.instance_id, reason)
-        instance.state = InstanceState.FAILED
+            instance.state = InstanceState.FAILED
 
 
 class HealthMonitor:
@@ -144,10 +146,10 @@ class HealthMonitor:
         except httpx.HTTPError:
             healthy = False
         if healthy:
-            if instance.state == InstanceState.FAILED:
-                log.info("instance %s back in rotation", instance.instance_id)
             instance.failed_checks = 0
-            instance.state = InstanceState.READY
+            if instance.state == InstanceState.FAILED:  # only what it failed itself: others moved meanwhile
+                log.info("instance %s back in rotation", instance.instance_id)
+                instance.state = InstanceState.READY
             return
         instance.failed_checks += 1
         if instance.failed_checks >= self.failure_threshold:

@@ -183,6 +183,7 @@ class RecordingLauncher:
         self.registry = registry
         """Where it marks the instances it puts to sleep, as the launcher does (None: nowhere)."""
         self.standby_configs, self.activated, self.slept, self.stopped, self.peers_asked = [], [], [], [], []
+        self.most_awake = 0
 
     async def start_standby(self, instance_id, config):
         self.standby_configs.append(config)
@@ -192,7 +193,17 @@ class RecordingLauncher:
         return None
 
     async def activate(self, instance_id, peer):
+        import asyncio
+
+        from engine.lifecycle import InstanceState
+
         self.activated.append(instance_id)
+        if self.registry is not None:  # waking takes a moment, as it does
+            instance = self.registry.get(instance_id)
+            instance.state = InstanceState.LOADING
+            self.most_awake = max(self.most_awake, awake_count(self.registry))
+            await asyncio.sleep(0.05)
+            instance.state = InstanceState.READY
         return {"total_s": 0.0}
 
     async def sleep_instance(self, instance_id, drain_s):
@@ -204,6 +215,12 @@ class RecordingLauncher:
 
     async def stop_instance(self, instance_id, drain_s):
         self.stopped.append(instance_id)
+
+
+def awake_count(registry) -> int:
+    from engine.lifecycle import InstanceState
+
+    return sum(i.state in (InstanceState.READY, InstanceState.LOADING) for i in registry.all())
 
 
 def engine_configs(folder, *names):
@@ -254,6 +271,7 @@ async def test_an_idle_model_sleeps_and_a_request_for_a_sleeping_one_wakes_only_
              for m in ("a", "b")]
     controller = PoolController(launcher, registry, queue, specs, engine_configs(tmp_path, "a", "b"))
     registry.add(Instance("a-colocated-0", COLOCATED, "http://127.0.0.1:1", model="a"))
+    registry.add(Instance("a-colocated-1", COLOCATED, "http://127.0.0.1:3", InstanceState.SLEEPING, model="a"))
     registry.add(Instance("b-colocated-0", COLOCATED, "http://127.0.0.1:2", InstanceState.SLEEPING, model="b"))
     waiting = asyncio.create_task(queue.wait(lambda: registry.ready(model="b"), "b"))  # a request for b
     await asyncio.sleep(0.05)  # it waits; a has been idle past idle_s
@@ -275,7 +293,7 @@ async def test_under_max_awake_a_sleeping_model_wakes_only_after_an_idle_other_s
     launcher = RecordingLauncher(registry)
     specs = {m: PoolSpec(model=m, role=COLOCATED, min_ready=0, max_ready=1, idle_sleeps=True) for m in ("a", "b")}
     controller = PoolController(launcher, registry, CapacityQueue(4, 5.0), list(specs.values()),
-                                engine_configs(tmp_path, "a", "b"), max_awake=1, room_timeout_s=0.3)
+                                engine_configs(tmp_path, "a", "b"), max_awake=1, room_timeout_s=0.3, swap_idle_s=0)
     awake = Instance("a-colocated-0", COLOCATED, "http://127.0.0.1:1", model="a")
     registry.add(awake)
     registry.add(Instance("b-colocated-0", COLOCATED, "http://127.0.0.1:2", InstanceState.SLEEPING, model="b"))
@@ -289,3 +307,73 @@ async def test_under_max_awake_a_sleeping_model_wakes_only_after_an_idle_other_s
     controller._growing[specs["b"].key] += 1
     await controller._grow(specs["b"])
     assert launcher.slept == ["a-colocated-0"] and launcher.activated == ["b-colocated-0"]
+
+
+async def test_under_max_awake_grows_at_once_never_wake_more_than_allowed(tmp_path):
+    import asyncio
+
+    from deploy.pool import PoolController
+    from engine.lifecycle import InstanceState
+    from router.instances import CapacityQueue, InstanceRegistry
+
+    registry = InstanceRegistry()
+    launcher = RecordingLauncher(registry)
+    specs = {m: PoolSpec(model=m, role=COLOCATED, min_ready=0, max_ready=1, idle_sleeps=True) for m in "abc"}
+    controller = PoolController(launcher, registry, CapacityQueue(4, 5.0), list(specs.values()),
+                                engine_configs(tmp_path, *"abc"), max_awake=1, room_timeout_s=5, swap_idle_s=0)
+    registry.add(Instance("a-colocated-0", COLOCATED, "http://127.0.0.1:1", model="a"))
+    for m in "bc":
+        registry.add(Instance(f"{m}-colocated-0", COLOCATED, "http://127.0.0.1:2", InstanceState.SLEEPING, model=m))
+    for m in "bc":
+        controller._growing[specs[m].key] += 1
+    await asyncio.gather(controller._grow(specs["b"]), controller._grow(specs["c"]))
+    assert sorted(launcher.activated) == ["b-colocated-0", "c-colocated-0"]  # both got their turn...
+    assert launcher.most_awake == 1 and awake_count(registry) == 1  # ...one at a time
+
+
+class SleepyActor:
+    """Stands in for an engine actor's `sleep` (the only call made here): it answers as told."""
+
+    def __init__(self, error: Exception | None = None) -> None:
+        self.error, self.calls = error, 0
+        self.sleep = self
+
+    async def _answer(self):
+        self.calls += 1
+        if self.error:
+            raise self.error
+        return {"total_s": 0.1, "stages_s": {"host_copy": 0.05, "sleep": 0.05}}
+
+    def remote(self):
+        return self._answer()
+
+
+@pytest.mark.parametrize("case", ["busy", "refused", "broken", "asleep"])
+async def test_an_instance_put_to_sleep_ends_asleep_awake_or_stopped(case):
+    from rich.console import Console
+
+    from deploy.launcher import StartedInstance
+    from engine.host import SleepRefused
+    from engine.lifecycle import InstanceState
+    from router.instances import InstanceRegistry
+
+    registry = InstanceRegistry()
+    instance = Instance("c-0", COLOCATED, "http://127.0.0.1:1", model="m")
+    instance.inflight = 1 if case == "busy" else 0
+    registry.add(instance)
+    launcher = bare_launcher(registry)
+    launcher.console = Console(quiet=True)
+    error = {"refused": SleepRefused("no pinned memory"), "broken": RuntimeError("sleep timed out")}.get(case)
+    actor = SleepyActor(error)
+    launcher.instances["c-0"] = StartedInstance("c-0", actor, instance.url, COLOCATED, {})
+    if error:
+        with pytest.raises(type(error)):
+            await launcher.sleep_instance("c-0", drain_s=0.2)
+    else:
+        await launcher.sleep_instance("c-0", drain_s=0.2)
+    expected = {"busy": (InstanceState.READY, 0), "refused": (InstanceState.READY, 1),
+                "asleep": (InstanceState.SLEEPING, 1)}
+    if case == "broken":  # half asleep or gone: out of the registry, never served again
+        assert registry.get("c-0") is None and actor.calls == 1
+    else:
+        assert (instance.state, actor.calls) == expected[case]
