@@ -35,6 +35,7 @@ import httpx
 from engine.config import EngineConfig
 from engine.environment import engine_process_env, free_port
 from engine.host import EngineHost
+from loadtest.output import write_results
 
 PROMPT = "The first token after a cold start"
 PATHS = ("plain", "disk", "standby", "sleeping")
@@ -257,14 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarize(results)
     print_table(args.model.name, summary, args.runs)
     out = args.out or Path("results") / f"cold_start-{args.model.name}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"model": str(args.model), "eager": not args.no_eager, "runs": args.runs,
-                               "summary": summary, "records": results}, indent=2))
-    try:
-        plot(summary, f"cold start, {args.model.name}", out.with_suffix(".png"))
-    except ImportError:
-        print("matplotlib not installed: no PNG")
-    print(f"wrote {out}")
+    write_results(out, {"model": str(args.model), "eager": not args.no_eager, "runs": args.runs, "summary": summary,
+                        "records": results}, lambda png: plot(summary, f"cold start, {args.model.name}", png))
     return 0
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import subprocess
 import sys
@@ -29,6 +28,7 @@ from pathlib import Path
 from engine.config import EngineConfig
 from engine.host import EngineHost
 from loadtest.cold_start import first_token, gpu_memory_used
+from loadtest.output import write_results
 
 REFERENCE_PROMPT = "Which model answers this prompt"
 REFERENCE_TOKENS = 16
@@ -180,14 +180,8 @@ def main(argv: list[str] | None = None) -> int:
           "copy, first token)")
     for key, value in summary.items():
         print(f"  {key:22s} {value}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"models": [str(m) for m in models], "eager": not args.no_eager,
-                                    "summary": summary, **result}, indent=2))
-    try:
-        plot(result, summary, args.out.with_suffix(".png"))
-    except ImportError:
-        print("matplotlib not installed: no PNG")
-    print(f"wrote {args.out}")
+    write_results(args.out, {"models": [str(m) for m in models], "eager": not args.no_eager, "summary": summary,
+                             **result}, lambda png: plot(result, summary, png))
     return 0
 
 

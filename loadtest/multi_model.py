@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import time
 from pathlib import Path
@@ -28,6 +27,7 @@ import httpx
 from deploy.local import LocalServer
 from loadtest.client import stream_request
 from loadtest.cold_start import gpu_memory_used
+from loadtest.output import write_results
 
 PROMPT = "Write one sentence about the sea, request {k}:"
 
@@ -130,16 +130,11 @@ def main(argv: list[str] | None = None) -> int:
     with LocalServer(["--model", args.models, *flags], args.out.with_suffix(".serve.log")) as server:
         names = [m["id"] for m in httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"]]
         result = asyncio.run(run(server, names, args))
-    args.out.write_text(json.dumps({"models": names, "serve_flags": flags, **result}, indent=2))
     print(f"\n{'burst':>5s} {'model':12s} {'awake':>6s} {'TTFT p50':>9s} {'max':>7s} errors")
     for b in result["bursts"]:
         print(f"{b['burst']:5d} {b['model']:12s} {b['model_was_awake']!s:>6s} {b['ttft_p50_s'] or 0:9.3f} "
               f"{b['ttft_max_s'] or 0:7.3f} {b['errors']}")
-    try:
-        plot(result, names, args.out.with_suffix(".png"))
-    except ImportError:
-        print("matplotlib not installed: no PNG")
-    print(f"wrote {args.out}")
+    write_results(args.out, {"models": names, "serve_flags": flags, **result}, lambda png: plot(result, names, png))
     return 0
 
 
