@@ -22,22 +22,16 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 
 import httpx
 
 from engine.config import EngineConfig
-from engine.environment import (
-    GRAMMAR_LOGITS_PROCESSOR,
-    KV_EVENTS_PLUGIN,
-    engine_process_env,
-    free_port,
-    is_cpu_build,
-)
+from engine.environment import KV_EVENTS_PLUGIN, engine_process_env, free_port, is_cpu_build
 from engine.lifecycle import InstanceState, StartTimeline
 from engine.process import GROUP_GUARD, die_with_parent, local_client, node_address
+from engine.server_command import server_command
 from engine.weights import new_weights_file
 from engine.worker_extension import WEIGHTS_DIR_ENV, WEIGHTS_FILE_ENV
 from security.credentials import ClusterCredentials
@@ -115,58 +109,6 @@ class EngineHost:
             "elapsed_s": time.time() - self.timeline.started_at,
         }
 
-    def server_command(self) -> list[str]:
-        c = self.config
-        command = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(c.model),
-            "--served-model-name", c.served_model_name,
-            "--host", self.host,
-            "--port", str(self.port),
-            "--max-model-len", str(c.max_model_len),
-            "--block-size", str(c.block_size),
-            "--prefix-caching-hash-algo", c.kv_hashing.algorithm,
-            "--gpu-memory-utilization", str(c.gpu_memory_utilization),
-            "--disable-uvicorn-access-log",
-            "--load-format", "dummy",
-            "--worker-extension-cls", "engine.worker_extension.WeightPlaneExtension",
-            "--middleware", "engine.http_auth.EngineAuthMiddleware",
-            "--logits-processors", GRAMMAR_LOGITS_PROCESSOR,
-        ]
-        if c.enforce_eager:
-            command.append("--enforce-eager")
-        if c.sleep_mode:
-            command.append("--enable-sleep-mode")
-        if c.dtype != "auto":
-            command += ["--dtype", c.dtype]
-        if c.kv_events_endpoint:
-            events = {
-                "enable_kv_cache_events": True,
-                "publisher": "zmq",
-                "topic": self.instance_id,
-                "endpoint": c.kv_events_endpoint,
-                "replay_endpoint": self.kv_events_replay_endpoint,
-            }
-            command += ["--kv-events-config", json.dumps(events)]
-        if c.role.kv_transfer:
-            command += ["--kv-transfer-config", json.dumps(self.kv_transfer_config())]
-        if c.otlp_traces_endpoint:
-            command += ["--otlp-traces-endpoint", c.otlp_traces_endpoint]
-        return command + list(c.role.vllm_args) + list(c.extra_args)
-
-    def kv_transfer_config(self) -> dict:
-        """With a store: our StoreConnector (kvstore/), every instance saving the prompts it
-        computes and loading what the store holds. Without: vLLM's NixlConnector, the decode
-        instance reading the prefill's blocks one-sided over UCX. Either way a failed load is
-        recomputed, never an error."""
-        shared = {"kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
-        if self.config.kv_store_endpoints:
-            return {**shared, "kv_connector": "StoreConnector", "kv_connector_module_path": "kvstore.connector",
-                    "kv_connector_extra_config": {"endpoints": list(self.config.kv_store_endpoints),
-                                                  "timeout_s": self.config.kv_store_timeout_s}}
-        return {**shared, "kv_connector": "NixlConnector",
-                "kv_buffer_device": "cpu" if is_cpu_build() else "cuda"}
-
     async def start(self, standby: bool = False, peer: dict | None = None) -> dict:
         """Start the server and wait for /health. Then, unless `standby`, load the weights (from
         `peer`, a descriptor of `export_weights()`, else from disk) and send a warm-up request.
@@ -196,8 +138,9 @@ class EngineHost:
                                                 f"pdcluster.role={self.config.role.name}")
         if self.config.role.kv_transfer:
             env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port(self.host))
+        command = server_command(self.config, self.host, self.port, self.instance_id, self.kv_events_replay_endpoint)
         self._process = subprocess.Popen(
-            ["bash", "-c", GROUP_GUARD, "pdcluster-engine", str(os.getpid()), *self.server_command()],
+            ["bash", "-c", GROUP_GUARD, "pdcluster-engine", str(os.getpid()), *command],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
