@@ -62,6 +62,25 @@ def test_dead_instances_fail_fast_with_a_clean_error():
     assert elapsed < 10
 
 
+def test_a_request_is_tried_only_on_its_own_models_instances():
+    other = dead_instance("n-0")
+    other.model = "n"  # another model's instance: dead too, so a try there would mark it failed
+    registry = InstanceRegistry()
+    for instance in (dead_instance("m-0"), dead_instance("m-1"), other):
+        registry.add(instance)
+    config = RouterConfig(models=(ServedModel(name="m", max_model_len=128), ServedModel(name="n", max_model_len=64)),
+                          health_interval_s=60, policy="round_robin", queue_timeout_s=0)
+    with TestClient(build_app(config, registry)) as client:
+        listed = client.get("/v1/models").json()["data"]
+        failed = client.post("/v1/completions", json={"model": "m", "prompt": "x"})
+        too_long = client.post("/v1/completions", json={"model": "n", "prompt": "x", "max_tokens": 100})
+    assert [(c["id"], c["max_model_len"]) for c in listed] == [("m", 128), ("n", 64)]
+    assert failed.status_code == 502  # both of m's tried...
+    assert registry.get("m-0").state == registry.get("m-1").state == InstanceState.FAILED
+    assert other.state == InstanceState.READY  # ...and n's never
+    assert too_long.status_code == 400 and "64" in too_long.json()["error"]["message"]  # n's own limit
+
+
 @pytest.mark.parametrize(
     "body,param",
     [
