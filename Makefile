@@ -40,7 +40,7 @@ serve: install
 
 test: install system-packages
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/pytest -ra
+	$(VENV)/bin/pytest -ra --durations=25
 
 # Unit tests only: no engine, no Ray head (under a minute).
 test-fast: install

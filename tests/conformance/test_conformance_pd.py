@@ -1,6 +1,7 @@
-"""Prefill/decode disaggregation answers as plain vLLM does, with the KV really handed over:
-SmolLM2 through the LMCache-backed store, the tiny tied model directly prefill -> decode with
-vLLM's NixlConnector. (The tiny model through the store: tests/e2e/test_pd.py.)"""
+"""Prefill/decode disaggregation answers as plain vLLM does, with the KV really handed over, for
+every model both ways: through the LMCache-backed store, and directly prefill -> decode with
+vLLM's NixlConnector. (The tiny model through the store: tests/e2e/test_pd.py, beside the
+store's faults.)"""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ ENGINE = ClusterCredentials.load().engine_headers()  # the session's secret (tes
 HITS = "vllm:external_prefix_cache_hits_total"
 
 
-@pytest.mark.parametrize(("model", "transfer"), [("smollm2", "store"), ("tiny-tied", "direct")])
+@pytest.mark.parametrize(("model", "transfer"), [
+    ("smollm2", "store"), ("smollm2", "direct"), ("tiny-tied", "store"), ("tiny-tied", "direct"), ("tiny", "direct")])
 def test_pd_answers_as_plain_vllm(model, transfer, oracle, artifacts):
     want = oracle(model)
     args = ["--model", model, "--prefill", "1", "--decode", "1", "--kv-transfer", transfer,

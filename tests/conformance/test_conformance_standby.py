@@ -1,6 +1,11 @@
 """A standby engine (dummy weights) activated with a ready peer's weights answers as plain vLLM
-does: SmolLM2 (real, tied embeddings) over shared memory, the tiny tied model over NIXL; the peer
-itself, loaded from disk, too. (The untied tiny model over shared memory: tests/e2e/test_cold_start.py.)"""
+does, for every model (SmolLM2: real, tied embeddings; tiny: untied; tiny-tied) over both ways
+weights travel between peers: shared memory (a peer on the same node) and NIXL (a peer on
+another node: no shared-memory file offered). The peer itself, loaded from disk, too. A
+corrupted transfer is caught and the weights come from disk instead.
+
+One peer per model for the module; one standby at a time beside it (three engines at most with
+the session's served one)."""
 
 from __future__ import annotations
 
@@ -14,29 +19,92 @@ from engine.host import EngineHost
 from engine.lifecycle import InstanceState
 
 pytestmark = pytest.mark.slow
+MODELS = ("smollm2", "tiny", "tiny-tied")
 
 
-@pytest.mark.parametrize(("model", "transport"), [("smollm2", "shm"), ("tiny-tied", "nixl")])
-def test_standby_activated_from_a_peer_answers_as_plain_vllm(model, transport, oracle, model_dir, artifacts):
-    want = oracle(model)
-    config = EngineConfig(model=model_dir(model), served_model_name=model, cpu_cores="1",
-                          log_dir=artifacts / "conformance-standby")
+@pytest.fixture(scope="module", params=MODELS)
+def model(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def config(model, model_dir, artifacts) -> EngineConfig:
+    return EngineConfig(model=model_dir(model), served_model_name=model, cpu_cores="1",
+                        log_dir=artifacts / "conformance-standby")
+
+
+@pytest.fixture(scope="module")
+def engines(config, model, oracle):
+    """A ready engine loaded from disk (the peer), checked against plain vLLM before it lends its
+    weights, and a spare standby started beside it (a start costs seconds; two at once, less)."""
     peer = EngineHost(config, f"peer-{model}", host="127.0.0.1")
-    standby = EngineHost(config, f"standby-{model}", host="127.0.0.1")
+    spare = EngineHost(config, f"standby-{model}-0", host="127.0.0.1")
+    started = {"peer": peer, "spares": [spare], "all": [peer, spare]}
 
     async def start_both() -> None:
-        await asyncio.gather(peer.start(), standby.start(standby=True))
+        await asyncio.gather(peer.start(), spare.start(standby=True))
 
     try:
         asyncio.run(start_both())
-        assert_conforms(peer.url, model, want, peer.auth_headers)  # the disk path
-        assert standby.state == InstanceState.STANDBY
-        assert differences(ask_all(standby.url, model, headers=standby.auth_headers), want)  # dummy weights: the check can fail
-        # Over NIXL as for a peer on another node: no shared-memory file offered.
-        descriptor = asyncio.run(peer.export_weights(use_nixl=transport == "nixl", offer_file=transport == "shm"))
-        asyncio.run(standby.activate(descriptor))
-        assert (standby.weights_record["source"], standby.weights_record["transport"]) == ("peer", transport)
-        assert_conforms(standby.url, model, want, standby.auth_headers)
+        assert_conforms(peer.url, model, oracle(model), peer.auth_headers)  # the disk path
+        yield started
     finally:
-        asyncio.run(standby.stop())
-        asyncio.run(peer.stop())
+        for host in started["all"]:
+            asyncio.run(host.stop())
+
+
+@pytest.fixture(scope="module")
+def peer(engines) -> EngineHost:
+    return engines["peer"]
+
+
+@pytest.fixture
+def standby(engines, config, model, oracle):
+    """A standby: the spare started beside the peer, else a new one (stopped after the test)."""
+    if engines["spares"]:
+        host = engines["spares"].pop()
+    else:
+        host = EngineHost(config, f"standby-{model}-{len(engines['all']) - 1}", host="127.0.0.1")
+        engines["all"].append(host)
+        asyncio.run(host.start(standby=True))
+    try:
+        assert host.state == InstanceState.STANDBY
+        # Dummy weights until activated: it answers, but not as vLLM does (the check can fail).
+        assert differences(ask_all(host.url, model, headers=host.auth_headers), oracle(model))
+        yield host
+    finally:
+        asyncio.run(host.stop())
+
+
+@pytest.mark.parametrize("transport", ["shm", "nixl"])
+def test_standby_activated_from_a_peer_answers_as_plain_vllm(model, transport, peer, standby, oracle):
+    descriptor = asyncio.run(peer.export_weights(use_nixl=transport == "nixl", offer_file=transport == "shm"))
+    timeline = asyncio.run(standby.activate(descriptor))
+    assert standby.state == InstanceState.READY
+    assert (standby.weights_record["source"], standby.weights_record["transport"]) == ("peer", transport)
+    assert timeline["details"]["weights_source"] == f"peer/{transport}"
+    assert_conforms(standby.url, model, oracle(model), standby.auth_headers)
+
+
+@pytest.fixture
+def tiny_only(model) -> None:
+    """Skips before a standby starts: the fallback is the same for every model, checked on the
+    cheapest."""
+    if model != "tiny":
+        pytest.skip("checked on the tiny model")
+
+
+def test_a_corrupted_transfer_is_detected_and_the_weights_come_from_disk(tiny_only, model, peer, standby, oracle):
+    descriptor = asyncio.run(peer.export_weights(use_nixl=False))
+    shm = standby.config.weights_dir / descriptor["shm_name"]
+    original = shm.read_bytes()
+    corrupted = bytearray(original)
+    corrupted[len(corrupted) // 2] ^= 0xFF  # the peer's host copy, behind its manifest's back
+    shm.write_bytes(corrupted)
+    try:
+        asyncio.run(standby.activate(descriptor))
+    finally:
+        shm.write_bytes(original)
+    record = standby.weights_record
+    assert record["source"] == "disk" and "digest" in record["fallback_reason"]
+    assert_conforms(standby.url, model, oracle(model), standby.auth_headers)

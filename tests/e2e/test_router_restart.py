@@ -1,8 +1,8 @@
 """The router killed and started again on a running Ray cluster (as on a `ray up` head): the new
-router adopts the engine the dead one left, rebuilds its KV index from the engine's event buffer
-before any new request, and the same warm engine answers with the same tokens from its prefix
-cache, as plain vLLM would. (The fault suite, `python -m loadtest.faults --scenario router-restarted`, does it under
-load.)"""
+router adopts the engines the dead one left (one per model: SmolLM2, tiny, tiny-tied), rebuilds
+its KV index from the engines' event buffers before any new request, and the same warm engines
+answer with their prefix caches, as plain vLLM would. (The fault suite, `python -m
+loadtest.faults --scenario router-restarted`, does it under load.)"""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from security.credentials import ClusterCredentials
 pytestmark = pytest.mark.slow
 ENGINE = ClusterCredentials.load().engine_headers()  # the session's secret (tests/conftest.py)
 HITS = "vllm:prefix_cache_hits_total"
+MODELS = ("tiny", "tiny-tied", "smollm2")  # three engines: every model adopted, each checked
 PROMPT = " ".join(
     f"Item {k}: the router must survive its own restart without a cold engine." for k in range(30)
 )
@@ -41,35 +42,37 @@ def wait_for(read, done, timeout_s: float):
 
 
 @pytest.mark.timeout(900)
-def test_a_restarted_router_adopts_the_engine_and_rebuilds_its_index(tiny_model, artifacts, oracle):
-    args = ["--model", "tiny", "--instances", "1", "--kv-cache-gib", "1"]
+def test_a_restarted_router_adopts_the_engines_and_rebuilds_its_index(artifacts, model_dir, oracle):
+    wanted = {model: oracle(model) for model in MODELS}
+    for model in MODELS:
+        model_dir(model)
+    args = ["--model", ",".join(MODELS), "--instances", "1", "--kv-cache-gib", "1"]
     with RayHead() as head:
         server = LocalServer(["--address", head.address, *args], artifacts / "serve-restart-1.log")
         try:
             server.start()
             first = complete(server.url)
-            (before,) = server.instances()
-            assert before["index_blocks"] >= len(PROMPT.split()) // 32  # the index knows the prompt
-            engine_url = before["url"]
+            before = {i["instance_id"]: i for i in server.instances()}
+            tiny = before["tiny-colocated-0"]
+            assert tiny["index_blocks"] >= len(PROMPT.split()) // 32  # the index knows the prompt
             server.kill()
             server.log_path = artifacts / "serve-restart-2.log"
             restarted_at = time.monotonic()
             server.start()
             restart_s = time.monotonic() - restarted_at
-            # Before any new request, the index holds what the engine holds.
-            (after,) = wait_for(
-                server.instances, lambda i: i[0]["index_blocks"] == before["index_blocks"], 10
-            )
-            assert (after["instance_id"], after["url"], after["state"]) == (
-                before["instance_id"],
-                engine_url,
-                "ready",
-            )
-            hits = scrape(engine_url, (HITS,), headers=ENGINE)[HITS]
+            # Before any new request, the index holds what the engines hold.
+            after = wait_for(lambda: {i["instance_id"]: i for i in server.instances()},
+                             lambda now: now.keys() == before.keys() and all(
+                                 now[k]["index_blocks"] == before[k]["index_blocks"] for k in now), 10)
+            assert {k: (i["url"], i["state"]) for k, i in after.items()} == {
+                k: (i["url"], "ready") for k, i in before.items()}
+            hits = scrape(tiny["url"], (HITS,), headers=ENGINE)[HITS]
             assert complete(server.url) == first
-            assert scrape(engine_url, (HITS,), headers=ENGINE)[HITS] - hits >= before["index_blocks"] * 32 - 32  # warm cache
-            assert "adopted 1 engine(s)" in server.log_path.read_text()
-            assert_conforms(server.url, "tiny", oracle("tiny"))  # the adopted engine answers right
-            print(f"router restart: {restart_s:.1f} s to /health 200, {after['index_blocks']} blocks rebuilt")
+            warm = scrape(tiny["url"], (HITS,), headers=ENGINE)[HITS] - hits
+            assert warm >= tiny["index_blocks"] * 32 - 32  # its prefix cache came through the restart
+            assert f"adopted {len(MODELS)} engine(s)" in server.log_path.read_text()
+            for model in MODELS:  # every adopted engine answers right
+                assert_conforms(server.url, model, wanted[model])
+            print(f"router restart: {restart_s:.1f} s to /health 200, {tiny['index_blocks']} blocks rebuilt")
         finally:
             server.stop()
