@@ -33,6 +33,18 @@ def _add_model_parser(subparsers) -> None:
 
 def _add_serve_parser(subparsers, name: str = "serve", help: str = "serve a model through the OpenAI API"):
     parser = subparsers.add_parser(name, help=help)
+    _add_topology_flags(parser)
+    _add_engine_flags(parser)
+    _add_cold_start_flags(parser)
+    _add_admission_flags(parser)
+    _add_routing_flags(parser)
+    _add_observability_flags(parser)
+    parser.set_defaults(func=_cmd_serve)
+    return parser
+
+
+def _add_topology_flags(parser: argparse.ArgumentParser) -> None:
+    """Which models, in which pools, on which Ray cluster."""
     parser.add_argument(
         "--model",
         default=_env("MODEL", "smollm2"),
@@ -49,6 +61,31 @@ def _add_serve_parser(subparsers, name: str = "serve", help: str = "serve a mode
     )
     parser.add_argument("--prefill", type=int, default=0, help="prefill instances (P/D topology)")
     parser.add_argument("--decode", type=int, default=0, help="decode instances (P/D topology)")
+    parser.add_argument(
+        "--address",
+        default=os.environ.get("RAY_ADDRESS"),
+        help="join this Ray cluster instead of starting a head on loopback",
+    )
+
+
+def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """What each engine is given, and how long its start may take."""
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--kv-cache-gib", type=float, default=1.0)
+    parser.add_argument("--no-eager", action="store_true", help="allow compilation / CUDA graphs")
+    parser.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "float32"), default="auto",
+                        help="the engines' weights and activations (auto: the checkpoint's)")
+    parser.add_argument("--start-timeout", type=float, default=300.0, help="per engine, once placed")
+    parser.add_argument(
+        "--placement-timeout",
+        type=float,
+        default=900.0,
+        help="longest wait for Ray to place the engines (autoscaling included)",
+    )
+
+
+def _add_cold_start_flags(parser: argparse.ArgumentParser) -> None:
+    """Standbys, sleeping engines, engines sharing a GPU, and when the pools grow."""
     parser.add_argument(
         "--standby",
         type=int,
@@ -96,12 +133,12 @@ def _add_serve_parser(subparsers, name: str = "serve", help: str = "serve a mode
         help="grow the pool that prefills (prefill, else colocated) while the p90 time to first "
         "token of streamed requests over the last 30 s is above this (s)",
     )
-    parser.add_argument(
-        "--queue-timeout",
-        type=float,
-        default=30.0,
-        help="longest a request waits for an instance to become ready (s)",
-    )
+
+
+def _add_admission_flags(parser: argparse.ArgumentParser) -> None:
+    """Where the router listens, who may send it requests, and how many."""
+    parser.add_argument("--host", default=_env("HOST", "127.0.0.1"))
+    parser.add_argument("--port", type=int, default=int(_env("PORT", "8000")))
     parser.add_argument(
         "--secret-file",
         type=Path,
@@ -109,23 +146,29 @@ def _add_serve_parser(subparsers, name: str = "serve", help: str = "serve a mode
         "made by `pdcluster serve` when missing); every credential is derived from it",
     )
     parser.add_argument(
-        "--start-log",
+        "--api-keys-file",
         type=Path,
-        default=Path(_env("START_LOG", "results/starts.jsonl")),
-        help="one JSON line per engine start, stage by stage (env PDCLUSTER_START_LOG)",
+        help="a file of KEY:TENANT lines (or env PDCLUSTER_API_KEYS=KEY:TENANT,...); none: an open "
+        "endpoint, on loopback only. Keys never go on the command line (`ps` shows it)",
     )
+    parser.add_argument("--rate-limit", type=float, help="requests/s per API key")
+    parser.add_argument("--max-concurrency-per-key", type=int, help="requests in flight per API key")
+    parser.add_argument(
+        "--queue-timeout",
+        type=float,
+        default=30.0,
+        help="longest a request waits for an instance to become ready (s)",
+    )
+
+
+def _add_routing_flags(parser: argparse.ArgumentParser) -> None:
+    """Where requests run: the policy, remote or local prefill, the KV handoff, migrations."""
+    parser.add_argument("--policy", default="kv_aware", help="routing policy (router.policies.POLICIES)")
     parser.add_argument(
         "--remote-prefill-min-tokens",
         type=int,
         default=256,
         help="below this many uncached prompt tokens, decode prefills locally",
-    )
-    parser.add_argument(
-        "--max-migrations",
-        type=int,
-        default=1,
-        help="times a stream whose engine died goes on from its sent tokens on another instance "
-        "(0: it ends with an error event)",
     )
     parser.add_argument(
         "--remote-prefill-max-queued-tokens",
@@ -143,27 +186,23 @@ def _add_serve_parser(subparsers, name: str = "serve", help: str = "serve a mode
     parser.add_argument(
         "--store-gib", type=float, default=2.0, help="host memory of each node's KV store shard"
     )
-    parser.add_argument("--host", default=_env("HOST", "127.0.0.1"))
-    parser.add_argument("--port", type=int, default=int(_env("PORT", "8000")))
     parser.add_argument(
-        "--address",
-        default=os.environ.get("RAY_ADDRESS"),
-        help="join this Ray cluster instead of starting a head on loopback",
+        "--max-migrations",
+        type=int,
+        default=1,
+        help="times a stream whose engine died goes on from its sent tokens on another instance "
+        "(0: it ends with an error event)",
     )
-    parser.add_argument("--policy", default="kv_aware", help="routing policy (router.policies.POLICIES)")
+
+
+def _add_observability_flags(parser: argparse.ArgumentParser) -> None:
+    """What a start, a request and an engine leave behind to look at."""
     parser.add_argument(
-        "--api-keys-file",
+        "--start-log",
         type=Path,
-        help="a file of KEY:TENANT lines (or env PDCLUSTER_API_KEYS=KEY:TENANT,...); none: an open "
-        "endpoint, on loopback only. Keys never go on the command line (`ps` shows it)",
+        default=Path(_env("START_LOG", "results/starts.jsonl")),
+        help="one JSON line per engine start, stage by stage (env PDCLUSTER_START_LOG)",
     )
-    parser.add_argument("--rate-limit", type=float, help="requests/s per API key")
-    parser.add_argument("--max-concurrency-per-key", type=int, help="requests in flight per API key")
-    parser.add_argument("--max-model-len", type=int, default=4096)
-    parser.add_argument("--kv-cache-gib", type=float, default=1.0)
-    parser.add_argument("--no-eager", action="store_true", help="allow compilation / CUDA graphs")
-    parser.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "float32"), default="auto",
-                        help="the engines' weights and activations (auto: the checkpoint's)")
     parser.add_argument(
         "--otlp-traces-endpoint",
         help="export one OpenTelemetry trace per request (the router's spans and the engines' vLLM "
@@ -174,15 +213,6 @@ def _add_serve_parser(subparsers, name: str = "serve", help: str = "serve a mode
         type=Path,
         help="write each engine's whole vLLM output to DIR/<instance id>.log on its node",
     )
-    parser.add_argument("--start-timeout", type=float, default=300.0, help="per engine, once placed")
-    parser.add_argument(
-        "--placement-timeout",
-        type=float,
-        default=900.0,
-        help="longest wait for Ray to place the engines (autoscaling included)",
-    )
-    parser.set_defaults(func=_cmd_serve)
-    return parser
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:

@@ -1,8 +1,9 @@
-"""Starting pdcluster on Ray: the Ray connection, the engine actors, the router.
+"""Starting pdcluster's engines on Ray (joined or started by deploy/ray_head.py): the engine
+actors, their starts, their registration with the router.
 
-`Launcher` owns every actor it creates and stops them all on `shutdown()`; a Ray head it
-started itself it also stops. Every start is timed stage by stage: a Prometheus histogram per
-path and stage, and one JSON line per start in `start_log`.
+`Launcher` owns every actor it creates and stops them all on `shutdown()`. Every start is timed
+stage by stage: a Prometheus histogram per path and stage, and one JSON line per start in
+`start_log`.
 
 Engines and store shards (deploy/store_shards.py) are detached, named actors in the `pdcluster`
 namespace: a launcher that dies without `shutdown()` (the router process killed, OOM) leaves them
@@ -18,7 +19,6 @@ import contextlib
 import hmac
 import json
 import logging
-import os
 import secrets
 import time
 from collections.abc import Callable
@@ -35,7 +35,7 @@ from deploy.placement import placement_options
 from deploy.store_shards import STORE_SHARD_PREFIX, StoreShards
 from deploy.topology import ROLES
 from engine.config import EngineConfig
-from engine.environment import RAY_LOOPBACK_ENV, UCX_LOOPBACK_ENV, is_cpu_build
+from engine.environment import is_cpu_build
 from engine.host import EngineHost, SleepRefused
 from engine.lifecycle import InstanceState
 from engine.roles import Role, RoleSpec
@@ -44,7 +44,6 @@ from router.status_model import StartRecord
 from security.credentials import ClusterCredentials
 
 log = logging.getLogger(__name__)
-RAY_NAMESPACE = "pdcluster"
 EngineActor = ray.remote(EngineHost)
 START_SECONDS = Histogram(
     "pdcluster_engine_start_stage_seconds",
@@ -52,31 +51,6 @@ START_SECONDS = Histogram(
     ["path", "stage"],
     buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 40, 80, 160, 320),
 )
-
-
-def start_ray(address: str | None, resources: dict[str, float] | None = None) -> bool:
-    """Join the Ray cluster at `address`, or start a one-node head on loopback (the caller ran
-    `engine.environment.use_ray()` before importing this module: token auth, loopback).
-
-    Returns True when this call started the head (and so should stop it).
-    """
-    if ray.is_initialized():
-        return False
-    if address:
-        ray.init(address=address, namespace=RAY_NAMESPACE, log_to_driver=False)
-        return False
-    ray.init(
-        address="local",  # a head of its own, never another Ray found on this machine
-        _node_ip_address="127.0.0.1",
-        namespace=RAY_NAMESPACE,
-        include_dashboard=False,
-        num_cpus=max(4, os.cpu_count() or 1),
-        resources=resources or {},
-        object_store_memory=256 * 1024**2,
-        log_to_driver=False,
-        runtime_env={"env_vars": {**RAY_LOOPBACK_ENV, **UCX_LOOPBACK_ENV}},  # auth: inherited
-    )
-    return True
 
 
 @dataclass
@@ -141,7 +115,7 @@ class Launcher:
         handles = {name: ray.get_actor(name) for name in ray.util.list_named_actors()}
         if not handles:
             return Adopted()
-        ours = await self._proven(handles, timeout_s)
+        ours = await proven_actors(self.credentials, handles, timeout_s)
         shards = {n: h for n, h in ours.items() if n.startswith(STORE_SHARD_PREFIX)}
         engines = {n: h for n, h in ours.items() if n not in shards}
         answers = dict(zip(engines, await asyncio.gather(
@@ -157,11 +131,7 @@ class Launcher:
                 continue
             self._actors[name] = actor
             self._adopted.add(name)
-            role = ROLES[Role(info["role"])]
-            self.instances[name] = StartedInstance(name, actor, info["url"], role, {})
-            self.registry.add(Instance(name, role, info["url"], InstanceState(info["state"]),
-                                       kv_events_replay_endpoint=info["kv_events_replay_endpoint"],
-                                       model=info["served_model_name"]))
+            self._register(name, actor, info, {})
             events_endpoints.add(info["kv_events_endpoint"])
             adopted.append(name)
         await _end_engines(ended)
@@ -172,20 +142,15 @@ class Launcher:
                            f"in {time.monotonic() - started:.2f} s; stopped {len(ended)} engine(s) that did not fit")
         return Adopted(tuple(adopted), next(iter(events_endpoints), None))
 
-    async def _proven(self, handles: dict[str, ray.actor.ActorHandle], timeout_s: float) -> dict:
-        """The actors among `handles` that answer a fresh challenge with the cluster's proof."""
-        nonce = secrets.token_hex(16)
-        kinds = {name: "store-shard" if name.startswith(STORE_SHARD_PREFIX) else "engine" for name in handles}
-        answers = await asyncio.gather(*(asyncio.wait_for(h.prove.remote(nonce), timeout_s) for h in handles.values()),
-                                       return_exceptions=True)
-        proven = {}
-        for (name, handle), answer in zip(handles.items(), answers, strict=True):
-            expected = self.credentials.prove(f"{kinds[name]}:{nonce}")
-            if isinstance(answer, str) and hmac.compare_digest(answer, expected):
-                proven[name] = handle
-            else:
-                log.warning("named actor %s does not hold the cluster's secret: not adopted, left alone", name)
-        return proven
+    def _register(self, instance_id: str, actor: ray.actor.ActorHandle, info: dict,
+                  timeline: dict) -> StartedInstance:
+        """Keep a started or adopted engine (`info`: its `describe()`); register it with the router."""
+        record = StartedInstance(instance_id, actor, info["url"], ROLES[Role(info["role"])], timeline)
+        self.instances[instance_id] = record
+        self.registry.add(Instance(instance_id, record.role, record.url, InstanceState(info["state"]),
+                                   kv_events_replay_endpoint=info["kv_events_replay_endpoint"],
+                                   model=info["served_model_name"]))
+        return record
 
     def _create_actor(self, config: EngineConfig, instance_id: str) -> ray.actor.ActorHandle:
         options = placement_options(config.role, gpus=0 if is_cpu_build() else config.gpu_share)
@@ -238,15 +203,7 @@ class Launcher:
         for instance_id, task in starts.items():
             timeline = task.result()
             info = await actors[instance_id].describe.remote()
-            record = StartedInstance(
-                instance_id, actors[instance_id], info["url"], ROLES[Role(info["role"])], timeline
-            )
-            self.instances[instance_id] = record
-            self.registry.add(
-                Instance(instance_id, record.role, record.url, InstanceState(info["state"]),
-                         kv_events_replay_endpoint=info["kv_events_replay_endpoint"], model=info["served_model_name"])
-            )
-            started.append(record)
+            started.append(self._register(instance_id, actors[instance_id], info, timeline))
             path = "standby_start" if standby else timeline["details"].get("weights_source", "disk")
             self._record(instance_id, path.split("/")[0], timeline)
         return started
@@ -388,6 +345,23 @@ def _move(instance: Instance, expected: InstanceState, to: InstanceState) -> Non
     """`instance` to state `to` if it is still in `expected` (a health check may have moved it)."""
     if instance.state == expected:
         instance.state = to
+
+
+async def proven_actors(credentials: ClusterCredentials, handles: dict[str, ray.actor.ActorHandle],
+                        timeout_s: float) -> dict[str, ray.actor.ActorHandle]:
+    """The actors among `handles` (by name) that answer a fresh challenge with the cluster's proof."""
+    nonce = secrets.token_hex(16)
+    kinds = {name: "store-shard" if name.startswith(STORE_SHARD_PREFIX) else "engine" for name in handles}
+    answers = await asyncio.gather(*(asyncio.wait_for(h.prove.remote(nonce), timeout_s) for h in handles.values()),
+                                   return_exceptions=True)
+    proven = {}
+    for (name, handle), answer in zip(handles.items(), answers, strict=True):
+        expected = credentials.prove(f"{kinds[name]}:{nonce}")
+        if isinstance(answer, str) and hmac.compare_digest(answer, expected):
+            proven[name] = handle
+        else:
+            log.warning("named actor %s does not hold the cluster's secret: not adopted, left alone", name)
+    return proven
 
 
 async def _drained(instance: Instance, drain_s: float) -> bool:

@@ -4,7 +4,6 @@ one machine."""
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import signal
@@ -18,7 +17,8 @@ from pathlib import Path
 
 import httpx
 
-from engine.environment import RAY_LOOPBACK_ENV, UCX_LOOPBACK_ENV, free_port
+from deploy.ray_head import LoopbackHead
+from engine.environment import free_port
 from security.credentials import ClusterCredentials
 
 
@@ -130,11 +130,10 @@ class RayHead:
 
     def start(self) -> RayHead:
         ray = str(Path(sys.executable).with_name("ray"))
-        command = [ray, "start", "--head", "--block", "--node-ip-address=127.0.0.1", "--include-dashboard=false",
-                   f"--num-cpus={self.num_cpus}", f"--resources={json.dumps(self.resources)}",
-                   "--object-store-memory=268435456", f"--temp-dir={self._temp_dir}",
+        head = LoopbackHead(self.num_cpus, self.resources)  # the head `pdcluster serve` starts itself
+        command = [ray, "start", "--head", "--block", *head.start_flags(), f"--temp-dir={self._temp_dir}",
                    *(f"{flag}={port}" for flag, port in self.ports.items())]
-        env = {**os.environ, **RAY_LOOPBACK_ENV, **UCX_LOOPBACK_ENV, **ClusterCredentials.load().ray_auth_env()}
+        env = {**os.environ, **head.env, **ClusterCredentials.load().ray_auth_env()}
         log = (self._temp_dir / "ray-start.log").open("w")
         self._process = subprocess.Popen(
             command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True

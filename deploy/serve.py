@@ -18,8 +18,10 @@ from pydantic import ValidationError
 from rich.console import Console
 
 from deploy.topology import Topology, roles_to_start
+from engine.config import EngineConfig
 from engine.environment import is_cpu_build, is_loopback, use_ray
 from engine.models import BUILDERS, COMPLETE_MARKER, default_model_root
+from router.config import RouterConfig, ServedModel
 
 log = logging.getLogger(__name__)
 console = Console(stderr=True)
@@ -73,8 +75,6 @@ def parse_api_keys(spec: str) -> dict[str, str]:
 
 def serve(args: argparse.Namespace) -> int:
     """`pdcluster serve` and `pdcluster launch`."""
-    from engine.config import EngineConfig
-    from router.config import RouterConfig, ServedModel
     from security.credentials import ClusterCredentials, CredentialsError
 
     try:
@@ -82,48 +82,12 @@ def serve(args: argparse.Namespace) -> int:
         topology = Topology.from_args(args.instances, args.prefill, args.decode, args.standby, args.max_instances,
                                       args.target_ttft, args.colocated, args.sleeping_standbys,
                                       args.sleep_when_idle, tuple(name for _, name in models), args.max_awake)
-        if args.engines_per_gpu < 1:
-            raise ValueError("--engines-per-gpu must be at least 1")
-        if args.max_awake is not None and args.engines_per_gpu < 2:
-            raise ValueError("--max-awake is for engines that share a GPU: give --engines-per-gpu K > 1")
-        if args.max_awake is None and args.engines_per_gpu * args.gpu_memory_utilization > 1:
-            raise ValueError(f"{args.engines_per_gpu} engines x --gpu-memory-utilization "
-                             f"{args.gpu_memory_utilization:g} exceed one GPU: lower it to 1/K at most, or let "
-                             "them take turns (--sleep-when-idle --max-awake N)")
-        gpu_only = topology.sleeping_standbys or topology.sleep_when_idle or args.engines_per_gpu > 1
-        if gpu_only and args.address is None and is_cpu_build():
-            raise ValueError("--sleeping-standbys, --sleep-when-idle and --engines-per-gpu need CUDA engines: "
-                             "vLLM's CPU build has no sleep mode and no GPU to share")
+        _check_gpu_sharing(args, topology)
         # One machine makes its own secret; a cluster's head must be given one (README, cluster steps).
         credentials = ClusterCredentials.load(args.secret_file, create=args.address is None)
         secret = credentials.secret.hex()
-        engine_configs = [EngineConfig(
-            model=path,
-            served_model_name=name,
-            max_model_len=args.max_model_len,
-            kv_cache_gib=args.kv_cache_gib,
-            enforce_eager=not args.no_eager,
-            dtype=args.dtype,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            gpu_share=1 / args.engines_per_gpu,
-            sleep_mode=topology.sleep_when_idle,
-            start_timeout_s=args.start_timeout,
-            cluster_secret=secret,
-            log_dir=args.engine_log_dir.resolve() if args.engine_log_dir else None,
-            otlp_traces_endpoint=args.otlp_traces_endpoint,
-        ) for path, name in models]
-        router_config = RouterConfig(
-            host=args.host, port=args.port, policy=args.policy,
-            models=tuple(ServedModel(name=name, max_model_len=args.max_model_len, tokenizer=path)
-                         for path, name in models),
-            kv_hashing=engine_configs[0].kv_hashing, allow_remote=args.address is not None,
-            remote_prefill_min_tokens=args.remote_prefill_min_tokens,
-            remote_prefill_max_queued_tokens=args.remote_prefill_max_queued_tokens,
-            api_keys=load_api_keys(args.api_keys_file), rate_limit_per_s=args.rate_limit, cluster_secret=secret,
-            max_concurrency_per_key=args.max_concurrency_per_key,
-            queue_timeout_s=args.queue_timeout, max_migrations=args.max_migrations,
-            otlp_traces_endpoint=args.otlp_traces_endpoint,
-        )
+        engine_configs = _engine_configs(args, models, topology, secret)
+        router_config = _router_config(args, models, engine_configs, secret)
     except (ValidationError, ValueError, OSError, CredentialsError) as exc:
         console.print(f"[red]invalid configuration:[/] {exc}")
         return 2
@@ -135,9 +99,63 @@ def serve(args: argparse.Namespace) -> int:
                               args.start_log, store_bytes))
 
 
+def _check_gpu_sharing(args: argparse.Namespace, topology: Topology) -> None:
+    """Engines that share a GPU or sleep: flags that fit together, and a build that has GPUs."""
+    if args.engines_per_gpu < 1:
+        raise ValueError("--engines-per-gpu must be at least 1")
+    if args.max_awake is not None and args.engines_per_gpu < 2:
+        raise ValueError("--max-awake is for engines that share a GPU: give --engines-per-gpu K > 1")
+    if args.max_awake is None and args.engines_per_gpu * args.gpu_memory_utilization > 1:
+        raise ValueError(f"{args.engines_per_gpu} engines x --gpu-memory-utilization "
+                         f"{args.gpu_memory_utilization:g} exceed one GPU: lower it to 1/K at most, or let "
+                         "them take turns (--sleep-when-idle --max-awake N)")
+    gpu_only = topology.sleeping_standbys or topology.sleep_when_idle or args.engines_per_gpu > 1
+    if gpu_only and args.address is None and is_cpu_build():
+        raise ValueError("--sleeping-standbys, --sleep-when-idle and --engines-per-gpu need CUDA engines: "
+                         "vLLM's CPU build has no sleep mode and no GPU to share")
+
+
+def _engine_configs(args: argparse.Namespace, models: list[tuple[Path, str]], topology: Topology,
+                    secret: str) -> list[EngineConfig]:
+    """One engine config per model: the engines of its pools all start from it."""
+    return [EngineConfig(
+        model=path,
+        served_model_name=name,
+        max_model_len=args.max_model_len,
+        kv_cache_gib=args.kv_cache_gib,
+        enforce_eager=not args.no_eager,
+        dtype=args.dtype,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        gpu_share=1 / args.engines_per_gpu,
+        sleep_mode=topology.sleep_when_idle,
+        start_timeout_s=args.start_timeout,
+        cluster_secret=secret,
+        log_dir=args.engine_log_dir.resolve() if args.engine_log_dir else None,
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
+    ) for path, name in models]
+
+
+def _router_config(args: argparse.Namespace, models: list[tuple[Path, str]], engine_configs: list[EngineConfig],
+                   secret: str) -> RouterConfig:
+    """The router's config, serving every model of `models` (hashing prompts as their engines do)."""
+    return RouterConfig(
+        host=args.host, port=args.port, policy=args.policy,
+        models=tuple(ServedModel(name=name, max_model_len=args.max_model_len, tokenizer=path)
+                     for path, name in models),
+        kv_hashing=engine_configs[0].kv_hashing, allow_remote=args.address is not None,
+        remote_prefill_min_tokens=args.remote_prefill_min_tokens,
+        remote_prefill_max_queued_tokens=args.remote_prefill_max_queued_tokens,
+        api_keys=load_api_keys(args.api_keys_file), rate_limit_per_s=args.rate_limit, cluster_secret=secret,
+        max_concurrency_per_key=args.max_concurrency_per_key,
+        queue_timeout_s=args.queue_timeout, max_migrations=args.max_migrations,
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
+    )
+
+
 async def _serve(engine_configs, router_config, topology, address: str | None, placement_timeout_s: float,
                  start_log: Path, store_bytes: int = 0) -> int:
-    from deploy.launcher import Launcher, start_ray
+    from deploy.launcher import Launcher
+    from deploy.ray_head import start_ray
     from router.instances import InstanceRegistry
 
     started_head = start_ray(address, resources=topology.ray_resources())

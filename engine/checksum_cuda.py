@@ -1,4 +1,4 @@
-"""`device_weights.region_checksum` as one Triton kernel: a single read of the region's bytes
+"""`engine.device_checksum.region_checksum` as one Triton kernel: a single read of the region's bytes
 (the torch version makes three passes and writes an intermediate), so verifying a transfer costs
 a few milliseconds of HBM bandwidth instead of a third of the transfer. Imported only for CUDA
 tensors where Triton is installed; the result is bit-equal to the torch version (integer sums
@@ -26,7 +26,7 @@ def _partial_sums(words, n, plain_out, weighted_out, BLOCK: tl.constexpr, CHUNK:
 
 
 def checksum(words: torch.Tensor, chunk_words: int, modulus: int) -> tuple[int, int]:
-    """(plain, weighted) of an int32 CUDA tensor, as `device_weights._checksum_torch` defines them."""
+    """(plain, weighted) of an int32 CUDA tensor, as `device_checksum.checksum_torch` defines them."""
     assert chunk_words % _BLOCK_WORDS == 0 and chunk_words & (chunk_words - 1) == 0
     blocks = max(1, -(-words.numel() // _BLOCK_WORDS))
     partials = torch.empty((2, blocks), dtype=torch.int64, device=words.device)

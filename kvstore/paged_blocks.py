@@ -3,13 +3,14 @@ KV blocks between vLLM's per-layer cache tensors and LMCache memory objects.
 
 Per-token copies must know how each attention backend lays a block out, and these layouts keep
 changing: on the CPU build a block of one layer is `[kv_heads, block_size, 2 * head_dim]` read as
-a K region then a V region; vLLM 0.26 on CUDA packs K and V per head (`[block_size, kv_heads,
-2 * head_dim]`), which LMCache 0.5.6's own connector moves only half of (LMCache#4463). Whole
-blocks need no layout: a chunk holds its blocks' bytes as they are, so it can only be loaded by
-an engine with the same layout, which the store key's layout tag ensures
-(kvstore/lmcache_engine.py). The KV connector only stores and loads whole blocks. On CUDA the
-copies are plain blocking tensor copies on vLLM's current stream: ordered after the forward pass
-that wrote the blocks, and done before LMCache reuses the memory object.
+a K region then a V region; vLLM on CUDA (0.26, what the lent GPU machine ran; the pinned build is
+0.32) packs K and V per head (`[block_size, kv_heads, 2 * head_dim]`), which LMCache 0.5.6's own
+connector moves only half of (LMCache#4463). Whole blocks need no layout: a chunk holds its
+blocks' bytes as they are, so it can only be loaded by an engine with the same layout, which the
+store key's layout tag ensures (kvstore/lmcache_engine.py). The KV connector only stores and
+loads whole blocks. On CUDA the copies are plain blocking tensor copies on vLLM's current stream:
+ordered after the forward pass that wrote the blocks, and done before LMCache reuses the memory
+object.
 """
 
 from __future__ import annotations

@@ -30,10 +30,11 @@ class StoreWorker:
         caches = list(kv_caches.values())
         layout = self.spec.layout  # the scheduler's lookups must use the same keys
         # Our whole-block copier on CUDA too, not LMCache's vLLM GPU connector: for vLLM's fused
-        # K/V layout ([blocks, block, heads, 2 * head_dim], vLLM 0.26) LMCache 0.5.6 moves only
-        # half of every token (LMCache#4463, open; the H200 run saw decode answer from stale
-        # KV). Whole blocks need no layout knowledge, and the copies run on vLLM's own stream,
-        # after the forward pass that wrote them (tests/e2e/test_pd_cuda.py passes on the H200).
+        # K/V layout ([blocks, block, heads, 2 * head_dim]; vLLM 0.26, what the lent GPU machine
+        # ran, the pinned build being 0.32) LMCache 0.5.6 moves only half of every token
+        # (LMCache#4463, open; the H200 run saw decode answer from stale KV). Whole blocks need no
+        # layout knowledge, and the copies run on vLLM's own stream, after the forward pass that
+        # wrote them (tests/e2e/test_pd_cuda.py passes on the H200).
         if caches[0][0].numel() != math.prod(layout.block_shape):
             raise ValueError(f"KV cache blocks of shape {tuple(caches[0].shape[1:])} do not hold "
                              f"{layout.block_shape} elements: the block copier cannot move them")

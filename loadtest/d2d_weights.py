@@ -4,7 +4,7 @@
 
 In one run, for a model-sized set of bf16 tensors (shapes like a Llama's layers):
   link_copy     - a plain `tensor.to('cuda:1')` of one flat buffer of the same size (the ceiling);
-  ours_nccl     - engine.device_weights: GPU 0's process sends its per-dtype regions to GPU 1's
+  ours_nccl     - loadtest.device_transfer: GPU 0's process sends its per-dtype regions to GPU 1's
                   process over NCCL; the receiver verifies checksums on the device;
   ours_ipc      - the same node's fast path: GPU 1's process opens GPU 0's regions by CUDA IPC
                   and copies them peer to peer, then verifies;
@@ -14,7 +14,7 @@ In one run, for a model-sized set of bf16 tensors (shapes like a Llama's layers)
   ipc_same_gpu  - the same-GPU hand-over: another process copies GPU 0's regions by CUDA IPC
                   into new memory on GPU 0, then verifies (a standby taking a warm peer's weights);
   pinned_h2d    - the bytes from pinned host memory to GPU 1 (one copy, the host path's ceiling);
-  disk_to_gpu   - engine.weights.read_from_disk of the same tensors saved as safetensors (page
+  disk_to_gpu   - engine.checkpoint.read_from_disk of the same tensors saved as safetensors (page
                   cache warm), then host-to-device.
 Medians of `--runs`; prints a table, writes JSON. The receiver's tensors are compared bit for bit
 with the sender's (sender computes a reference checksum per tensor, receiver the same).
@@ -108,70 +108,82 @@ def worker(rank: int, world: int, port: int, args, queue) -> None:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
                             rank=rank, world_size=world)
-    object_device = device if cuda else None
     shapes = model_like_shapes(int(args.gib * 1024**3), args.tensors)
     if rank == 0:
-        layout, regions = pack(make_tensors(shapes, device))
-        reference = {n: region_checksum(t.contiguous()) for n, t in unpack(layout, regions).items()}
-        dist.send_object_list([reference], dst=1, device=object_device)
-        for _ in range(args.runs + 1):  # one unmeasured warm-up transfer
-            send_weights(layout, regions, dst=1)
-        if cuda:  # same node: the receiver copies straight from our regions over NVLink
-            dist.send_object_list(
-                [layout, ipc_handles(regions), checksums(regions)], dst=1, device=object_device
-            )
-        dist.barrier()  # the receiver has let go of our regions
-        del regions
-        if cuda:
-            torch.cuda.synchronize(device)
-            torch.cuda.ipc_collect()
+        _send_side(shapes, device, cuda, args.runs)
     else:
-        holder: list = [None]
-        dist.recv_object_list(holder, src=0, device=object_device)
-        reference = holder[0]
-        received = {}
-
-        def receive() -> None:
-            layout, regions = recv_weights(src=0, device=device)
-            received.update(layout=layout, regions=regions)
-
-        receive()
-        result = {"ours_nccl_s": timed(receive, device, args.runs)}
-        result["verify_s"] = timed(lambda: checksums(received["regions"]), device, args.runs)
-        words = {d: r.view(torch.int32) for d, r in received["regions"].items()}
-        result["verify_torch_s"] = timed(
-            lambda: [checksum_torch(w) for w in words.values()], device, args.runs
-        )
-        checksum_agrees = checksums(received["regions"]) == {d: checksum_torch(w) for d, w in words.items()}
-        del words
-        tensors = unpack(received["layout"], received["regions"])
-        identical = all(region_checksum(t.contiguous()) == reference[n] for n, t in tensors.items())
-        if cuda:
-            shared: list = [None, None, None]
-            dist.recv_object_list(shared, src=0, device=object_device)
-            layout, handles, expected = shared
-            fetch_ipc(handles, expected, device)  # warm-up: opens the handles
-            result["ours_ipc_s"] = timed(lambda: fetch_ipc(handles, expected, device), device, args.runs)
-            copied = fetch_ipc(handles, expected, device)
-            identical = identical and all(
-                region_checksum(t.contiguous()) == reference[n] for n, t in unpack(layout, copied).items()
-            )
-            del copied
-            peer_gpu = torch.device("cuda:0")
-            fetch_ipc(handles, expected, peer_gpu)
-            result["ipc_same_gpu_s"] = timed(
-                lambda: fetch_ipc(handles, expected, peer_gpu), peer_gpu, args.runs
-            )
-            del handles
-            torch.cuda.synchronize(device)
-            torch.cuda.ipc_collect()
-        queue.put({**result, "bytes": received["layout"].nbytes, "tensors": len(tensors),
-                   "bit_identical": identical, "checksum_agrees": checksum_agrees})
+        queue.put(_receive_side(device, cuda, args.runs))
         dist.barrier()
     dist.destroy_process_group()
     if cuda:  # skip interpreter teardown: freeing IPC-shared blocks then aborts with "driver shutting down"
         torch.cuda.synchronize(device)
         os._exit(0)
+
+
+def _send_side(shapes, device: torch.device, cuda: bool, runs: int) -> None:
+    """GPU 0's process: the reference checksums, `runs` + 1 NCCL sends, then (on CUDA) IPC handles
+    to its regions, held until the receiver has let go of them."""
+    object_device = device if cuda else None
+    layout, regions = pack(make_tensors(shapes, device))
+    reference = {n: region_checksum(t.contiguous()) for n, t in unpack(layout, regions).items()}
+    dist.send_object_list([reference], dst=1, device=object_device)
+    for _ in range(runs + 1):  # one unmeasured warm-up transfer
+        send_weights(layout, regions, dst=1)
+    if cuda:  # same node: the receiver copies straight from our regions over NVLink
+        dist.send_object_list(
+            [layout, ipc_handles(regions), checksums(regions)], dst=1, device=object_device
+        )
+    dist.barrier()  # the receiver has let go of our regions
+    del regions
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.ipc_collect()
+
+
+def _receive_side(device: torch.device, cuda: bool, runs: int) -> dict:
+    """GPU 1's process: the timed receives, checksum passes and (on CUDA) IPC copies, and whether
+    what arrived is bit-identical to the sender's tensors."""
+    object_device = device if cuda else None
+    holder: list = [None]
+    dist.recv_object_list(holder, src=0, device=object_device)
+    reference = holder[0]
+    received = {}
+
+    def receive() -> None:
+        layout, regions = recv_weights(src=0, device=device)
+        received.update(layout=layout, regions=regions)
+
+    receive()
+    result = {"ours_nccl_s": timed(receive, device, runs)}
+    result["verify_s"] = timed(lambda: checksums(received["regions"]), device, runs)
+    words = {d: r.view(torch.int32) for d, r in received["regions"].items()}
+    result["verify_torch_s"] = timed(
+        lambda: [checksum_torch(w) for w in words.values()], device, runs
+    )
+    checksum_agrees = checksums(received["regions"]) == {d: checksum_torch(w) for d, w in words.items()}
+    tensors = unpack(received["layout"], received["regions"])
+    identical = all(region_checksum(t.contiguous()) == reference[n] for n, t in tensors.items())
+    if cuda:
+        shared: list = [None, None, None]
+        dist.recv_object_list(shared, src=0, device=object_device)
+        layout, handles, expected = shared
+        fetch_ipc(handles, expected, device)  # warm-up: opens the handles
+        result["ours_ipc_s"] = timed(lambda: fetch_ipc(handles, expected, device), device, runs)
+        copied = fetch_ipc(handles, expected, device)
+        identical = identical and all(
+            region_checksum(t.contiguous()) == reference[n] for n, t in unpack(layout, copied).items()
+        )
+        del copied
+        peer_gpu = torch.device("cuda:0")
+        fetch_ipc(handles, expected, peer_gpu)
+        result["ipc_same_gpu_s"] = timed(
+            lambda: fetch_ipc(handles, expected, peer_gpu), peer_gpu, runs
+        )
+        del handles
+        torch.cuda.synchronize(device)
+        torch.cuda.ipc_collect()
+    return {**result, "bytes": received["layout"].nbytes, "tensors": len(tensors),
+            "bit_identical": identical, "checksum_agrees": checksum_agrees}
 
 
 def single_process_paths(args, nbytes: int) -> dict:

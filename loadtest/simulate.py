@@ -154,11 +154,7 @@ def simulate(
     )
     placer = Placer(PlacementSettings(config.remote_prefill_min_tokens), make_policy(policy_name, context),
                     make_policy(policy_name, context))
-    serving_role = DECODE if config.prefill_instances else COLOCATED
-    sims = {f"sim-{i}": _SimInstance(Instance(f"sim-{i}", serving_role, "sim://", model="sim"), config)
-            for i in range(config.instances)}
-    sims |= {f"prefill-{i}": _SimInstance(Instance(f"prefill-{i}", PREFILL, "sim://", model="sim"), config)
-             for i in range(config.prefill_instances)}
+    sims = _fleet(config)
     servers = [s.instance for s in sims.values() if s.instance.role.serves_clients]
     prefillers = [s.instance for s in sims.values() if s.instance.role.takes_remote_prefills]
     ttfts, hit_tokens, prompt_tokens, remote = [], 0, 0, 0
@@ -200,6 +196,17 @@ def simulate(
         "remote_prefills": remote,
         "ttfts_s": ttft.tolist(),
     }
+
+
+def _fleet(config: SimConfig) -> dict[str, _SimInstance]:
+    """The simulated instances by id: `instances` that serve (decode ones when there are prefill
+    instances, else colocated), then the `prefill_instances`."""
+    serving_role = DECODE if config.prefill_instances else COLOCATED
+    sims = {f"sim-{i}": _SimInstance(Instance(f"sim-{i}", serving_role, "sim://", model="sim"), config)
+            for i in range(config.instances)}
+    sims |= {f"prefill-{i}": _SimInstance(Instance(f"prefill-{i}", PREFILL, "sim://", model="sim"), config)
+             for i in range(config.prefill_instances)}
+    return sims
 
 
 def _published(index: KVIndex, sim: _SimInstance, record: TraceRecord, store: LRUBlocks | None) -> None:

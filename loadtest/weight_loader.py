@@ -1,4 +1,4 @@
-"""The disk path of engine/ (`engine.weights.stream_to_device`) against the machine's limits, on
+"""The disk path of engine/ (`engine.checkpoint.stream_to_device`) against the machine's limits, on
 one GPU (issue 5's goals: >= 90% of the disk's cold read rate, >= 80% of pinned host-to-device
 bandwidth when the files are in the page cache).
 
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from engine import weights
+from engine import checkpoint
 from engine.checkpoint import _read_chunks, _safetensors_layout, stream_to_device
 from loadtest.d2d_weights import timed, write_checkpoint
 
@@ -105,7 +105,7 @@ def read_parallel(model_dir: Path, threads: int, pinned: bool = False) -> None:
 
     def land(chunk, read_into) -> None:
         if not hasattr(local, "buffer"):
-            size = max(weights.READ_CHUNK_BYTES, 32 * 1024**2)
+            size = max(checkpoint.READ_CHUNK_BYTES, 32 * 1024**2)
             raw = torch.empty(size, dtype=torch.uint8, pin_memory=True).numpy() if pinned else bytearray(size)
             local.buffer = memoryview(raw)
         read_into(local.buffer[: chunk.nbytes])
@@ -119,6 +119,16 @@ def pinned_h2d(nbytes: int, device: torch.device, runs: int) -> list[float]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = _arguments(argv)
+    if not torch.cuda.is_available():
+        print("weight_loader measures host-to-device paths: it needs a CUDA GPU")
+        return 0
+    device = torch.device("cuda:0")
+    _report(args, device, *_measure(args, device))
+    return 0
+
+
+def _arguments(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -128,15 +138,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--scratch", default=None, help="folder on the disk to measure")
     parser.add_argument("--warm-only", action="store_true", help="only the page-cache rows")
-    parser.add_argument("--chunk-mib", default=str(weights.READ_CHUNK_BYTES // 1024**2),
+    parser.add_argument("--chunk-mib", default=str(checkpoint.READ_CHUNK_BYTES // 1024**2),
                         help="read sizes to try in the page-cache rows (MiB, comma-separated)")
     parser.add_argument("--out", type=Path, default=Path("results/weight_loader.json"))
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("weight_loader measures host-to-device paths: it needs a CUDA GPU")
-        return 0
+    return parser.parse_args(argv)
+
+
+def _measure(args: argparse.Namespace, device: torch.device) -> tuple[int, int, dict, dict, float]:
+    """Every row's samples on a checkpoint written for the run; returns its bytes and files, the
+    seconds by row, what each cold row found resident at most, and what the warm rows found."""
     thread_counts = [int(t) for t in args.threads.split(",")]
-    device = torch.device("cuda:0")
     samples: dict[str, list[float]] = {}
     resident_before: dict[str, float] = {}
     with tempfile.TemporaryDirectory(dir=args.scratch) as folder:
@@ -157,10 +168,10 @@ def main(argv: list[str] | None = None) -> int:
                 cold(f"stream_cold_{n}", lambda n=n: stream_to_device(model_dir, device, n))
         samples["pinned_h2d"] = pinned_h2d(nbytes, device, args.runs)
         read_parallel(model_dir, thread_counts[-1])  # into the page cache
-        default_chunk = weights.READ_CHUNK_BYTES
+        default_chunk = checkpoint.READ_CHUNK_BYTES
         for mib in (int(m) for m in args.chunk_mib.split(",")):
-            weights.READ_CHUNK_BYTES = mib * 1024**2
-            suffix = "" if weights.READ_CHUNK_BYTES == default_chunk else f"_{mib}MiB"
+            checkpoint.READ_CHUNK_BYTES = mib * 1024**2
+            suffix = "" if checkpoint.READ_CHUNK_BYTES == default_chunk else f"_{mib}MiB"
             for n in thread_counts:
                 # the host half alone: page cache -> pinned slots, no device behind it
                 samples[f"pagecache_to_pinned_{n}{suffix}"] = timed(
@@ -169,28 +180,31 @@ def main(argv: list[str] | None = None) -> int:
                 samples[f"stream_warm_{n}{suffix}"] = timed(
                     lambda n=n: stream_to_device(model_dir, device, n), device, args.runs
                 )
-        weights.READ_CHUNK_BYTES = default_chunk
-        resident_warm = resident_fraction(paths)
+        checkpoint.READ_CHUNK_BYTES = default_chunk
+        return nbytes, len(paths), samples, resident_before, resident_fraction(paths)
 
+
+def _report(args: argparse.Namespace, device: torch.device, nbytes: int, files: int,
+            samples: dict[str, list[float]], resident_before: dict[str, float], resident_warm: float) -> None:
+    """Medians against each row's ceiling: a table, and JSON in `--out`."""
     gib = nbytes / 1024**3
     median = {name: statistics.median(v) for name, v in samples.items()}
     disk = min((v for k, v in median.items() if k.startswith("disk_cold")), default=float("nan"))
     ceiling = {k: ("disk" if "cold" in k else "pinned_h2d") for k in median}
     ratio = {k: (disk if ceiling[k] == "disk" else median["pinned_h2d"]) / v for k, v in median.items()}
     print(
-        f"\n{gib:.2f} GiB in {len(paths)} files, medians of {args.runs} runs; page cache resident "
+        f"\n{gib:.2f} GiB in {files} files, medians of {args.runs} runs; page cache resident "
         f"before cold rows <= {max(resident_before.values(), default=0):.1%}, before warm rows {resident_warm:.1%}"
     )
     print(f"{'path':24s} {'seconds':>8s} {'GiB/s':>7s} {'vs ceiling':>10s}  ceiling")
     for name, seconds in median.items():
         print(f"{name:24s} {seconds:8.3f} {gib / seconds:7.2f} {ratio[name]:10.2f}  {ceiling[name]}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"gib": gib, "files": len(paths), "runs": args.runs, "median_s": median,
+    args.out.write_text(json.dumps({"gib": gib, "files": files, "runs": args.runs, "median_s": median,
                                     "vs_ceiling": ratio, "ceiling": ceiling, "samples_s": samples,
                                     "resident_before_cold": resident_before, "resident_warm": resident_warm,
                                     "gpu": torch.cuda.get_device_name(device)}, indent=2))
     print(f"wrote {args.out}")
-    return 0
 
 
 if __name__ == "__main__":

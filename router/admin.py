@@ -28,7 +28,7 @@ from router.status import (
     scrape_metrics,
 )
 from router.status_model import ClusterStatus
-from security.credentials import ClusterCredentials
+from security.credentials import ClusterCredentials, CurveKeys
 from transport.zmq_curve import STORE_PLANE
 
 AdmitRequest = Callable[[Request, type[SamplingRequest]], Awaitable[Admitted]]
@@ -37,10 +37,17 @@ AdmitRequest = Callable[[Request, type[SamplingRequest]], Awaitable[Admitted]]
 def add_admin_routes(app: FastAPI, credentials: ClusterCredentials, analyzer: RequestAnalyzer,
                      admitted_request: AdmitRequest, store_endpoints: tuple[str, ...]) -> None:
     """Add /metrics and /admin/* to `app` (its state holds registry, index and listener)."""
-
     routes = APIRouter(dependencies=[Depends(require_admin(credentials))])  # Bearer, or Basic for reads
+    _add_cluster_routes(routes, app, store_endpoints, credentials.curve(STORE_PLANE))
+    _add_engine_routes(routes, app)
+    _add_explain_route(routes, app, analyzer, admitted_request)
+    app.include_router(routes)
+
+
+def _add_cluster_routes(routes: APIRouter, app: FastAPI, store_endpoints: tuple[str, ...],
+                        store_keys: CurveKeys) -> None:
+    """What the cluster holds and does: Prometheus' metrics, the instances, the store, the status."""
     registry, index = app.state.registry, app.state.index
-    store_keys = credentials.curve(STORE_PLANE)
 
     @routes.get("/metrics")
     async def prometheus_metrics() -> Response:
@@ -65,6 +72,17 @@ def add_admin_routes(app: FastAPI, credentials: ClusterCredentials, analyzer: Re
         """The KV store's shards and their memory (used, stored, in flight, leased)."""
         return {"shards": await read_shards(store_endpoints, store_keys)}
 
+    @routes.get("/admin/status")
+    async def status() -> ClusterStatus:
+        """The whole cluster in one typed snapshot (router/status_model.py): what the status
+        page, `pdcluster status` and `pdcluster top` draw."""
+        return await cluster_status(app, store_endpoints, store_keys)
+
+
+def _add_engine_routes(routes: APIRouter, app: FastAPI) -> None:
+    """Each engine's own metrics, relayed, and where Prometheus finds them."""
+    registry = app.state.registry
+
     @routes.get("/admin/engines/{instance_id}/metrics")
     async def engine_metrics_relay(instance_id: str) -> Response:
         """vLLM's own metrics of one engine of the registry (Prometheus holds no engine token)."""
@@ -82,11 +100,10 @@ def add_admin_routes(app: FastAPI, credentials: ClusterCredentials, analyzer: Re
         groups = engine_scrape_targets(registry, f"{config.host}:{config.port}", request.url.scheme)
         return JSONResponse([g.model_dump() for g in groups], headers={"Cache-Control": "no-store"})
 
-    @routes.get("/admin/status")
-    async def status() -> ClusterStatus:
-        """The whole cluster in one typed snapshot (router/status_model.py): what the status
-        page, `pdcluster status` and `pdcluster top` draw."""
-        return await cluster_status(app, store_endpoints, store_keys)
+
+def _add_explain_route(routes: APIRouter, app: FastAPI, analyzer: RequestAnalyzer,
+                       admitted_request: AdmitRequest) -> None:
+    index = app.state.index
 
     @routes.post("/admin/explain")
     async def explain(request: Request) -> dict:
@@ -103,5 +120,3 @@ def add_admin_routes(app: FastAPI, credentials: ClusterCredentials, analyzer: Re
             "matched_blocks": index.match(routing.block_hashes),
             "kv_event_batches": listener.batches_applied if listener else 0,
         }
-
-    app.include_router(routes)

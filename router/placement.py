@@ -29,11 +29,23 @@ the caller while the prefill runs, not here.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Sequence
 
 from router.instances import Instance
 from router.kv_index import KVIndex
 from router.policies import RoutingDecision, RoutingPolicy, RoutingRequest
+
+
+class PlacementReason(enum.StrEnum):
+    """Why a request runs where it does (the module's docstring says when each applies): the
+    placement span carries it, the router's prefills metric counts by it."""
+
+    COLOCATED = "colocated"
+    SHORT = "short"
+    NO_PREFILL = "no_prefill"
+    LOCAL_BUSY = "local_busy"
+    REMOTE = "remote"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +70,7 @@ class Placement:
     """The instance that streams the answer, and what the policy expects it to find cached."""
     prefill: Instance | None
     """Where the prompt is prefilled first; None: by the serving instance."""
-    reason: str
+    reason: PlacementReason
     uncached_tokens: int
     """Prompt tokens in neither the serving instance's cache nor the store: the prefill work."""
     hits: PromptHits = PromptHits()
@@ -91,17 +103,17 @@ class Placer:
         in_store = max((matched.get(holder, 0) for holder in self.store_holders), default=0)
         hits = PromptHits(len(request.block_hashes), held, max(in_store - held, 0))
 
-        def placed(prefill: Instance | None, reason: str) -> Placement:
+        def placed(prefill: Instance | None, reason: PlacementReason) -> Placement:
             return Placement(serve, prefill, reason, uncached, hits)
 
         if not serve.instance.role.kv_transfer:
-            return placed(None, "colocated")
+            return placed(None, PlacementReason.COLOCATED)
         if uncached < self.settings.remote_prefill_min_tokens:
-            return placed(None, "short")
+            return placed(None, PlacementReason.SHORT)
         if not prefillers:
-            return placed(None, "no_prefill")
+            return placed(None, PlacementReason.NO_PREFILL)
         prefill = self.prefill_policy.choose(prefillers, request).instance
         limit = self.settings.remote_prefill_max_queued_tokens
         if limit is not None and prefill.pending_prefill_tokens > limit:
-            return placed(None, "local_busy")
-        return placed(prefill, "remote")
+            return placed(None, PlacementReason.LOCAL_BUSY)
+        return placed(prefill, PlacementReason.REMOTE)

@@ -1,6 +1,6 @@
 """Forwarding a validated request to an engine and its answer back to the client: its placement
 (router/placement.py), the prefill half elsewhere when placed so (prefill/handoff.py), the
-request, and the stream back.
+request (carrying that prefill's KV handoff), and the stream back.
 
 The engine hop uses aiohttp: its C HTTP parser costs a fraction of httpx's pure-Python h11 per
 streamed chunk, which halved the router's added latency in `loadtest.router_overhead`.
@@ -32,13 +32,15 @@ from router.config import RouterConfig
 from router.errors import EngineFailed, error_body
 from router.instances import CapacityQueue, Instance, InstanceRegistry, LatencyWindow, PendingPrefill
 from router.migration import StreamLedger, migratable
-from router.placement import Placement, Placer
+from router.placement import Placement, PlacementReason, Placer
 from router.policies import RoutingRequest
 from router.tracing import NO_SPAN, EngineCall, RequestTrace, instance_attributes, placement_attributes
 
 log = logging.getLogger(__name__)
-# The router's prefills metric keeps its labels: "local" for a short prompt or no prefill pool.
-_PREFILL_LABELS = {"short": "local", "no_prefill": "local"}
+# The router's prefills metric label of a request its decode instance prefills itself, by why it
+# was so placed ("local" for a short prompt or no prefill pool).
+_LOCAL_PREFILL_LABELS = {PlacementReason.SHORT: "local", PlacementReason.NO_PREFILL: "local",
+                         PlacementReason.LOCAL_BUSY: "local_busy"}
 
 
 class _RetryableEngineError(Exception):
@@ -144,8 +146,8 @@ class Forwarder:
 
     async def _handed_over(self, endpoint: str, body: dict, request: RoutingRequest,
                            placement: Placement, trace: RequestTrace | None) -> tuple[dict, int]:
-        if placement.reason != "colocated" and placement.prefill is None:
-            metrics.PREFILLS.labels(_PREFILL_LABELS.get(placement.reason, placement.reason)).inc()
+        if placement.prefill is None and placement.reason in _LOCAL_PREFILL_LABELS:
+            metrics.PREFILLS.labels(_LOCAL_PREFILL_LABELS[placement.reason]).inc()
         if placement.prefill is None:
             return body, placement.served_prefill_tokens
         prefiller = placement.prefill
@@ -181,36 +183,9 @@ class Forwarder:
         self._enter(instance)
         handed_over = False
         try:
-            try:
-                upstream = await self.session.post(f"{instance.url}{endpoint}", json=body,
-                                                   headers=call.headers if call else None)
-            except aiohttp.ClientConnectorError as exc:  # never connected: the request went nowhere
-                self.registry.mark_failed(instance, f"unreachable: {exc!r}")
-                raise _RetryableEngineError(f"unreachable: {exc!r}") from None
-            except (aiohttp.ClientConnectionError, TimeoutError) as exc:
-                self.registry.mark_failed(instance, f"broke on a request: {exc!r}")
-                raise EngineFailed("the engine failed while serving this request") from None
-            if call:
-                call.status = upstream.status
-            if upstream.status >= 500:
-                text = (await upstream.read()).decode(errors="replace")[:500]
-                upstream.release()
-                if upstream.status != 503:  # the engine took the request and failed on it
-                    log.warning("instance %s answered %d: %s", instance.instance_id, upstream.status, text)
-                    raise EngineFailed(f"the engine failed while serving this request (HTTP {upstream.status})")
-                raise _RetryableEngineError(f"HTTP {upstream.status}: {text}")
+            upstream = await self._post(instance, endpoint, body, call)
             if not body.get("stream") or upstream.status != 200:
-                try:
-                    content = await upstream.read()
-                except (aiohttp.ClientError, TimeoutError) as exc:
-                    self.registry.mark_failed(instance, f"broke on a request: {exc!r}")
-                    raise EngineFailed("the engine's answer broke off") from None
-                finally:
-                    upstream.release()
-                self._observe(endpoint, upstream.status, started, first_byte=True)
-                if trace:  # not streamed: the whole answer is its first byte
-                    trace.first_byte(call)
-                return Response(content, upstream.status, media_type="application/json")
+                return await self._whole_answer(instance, endpoint, upstream, started, call, trace)
             chunks = upstream.content.iter_any()
             try:
                 first = await chunks.__anext__()
@@ -236,15 +211,49 @@ class Forwarder:
                 if call:  # an exception on its way out (a read that broke) is the engine's failure
                     call.end(502 if sys.exc_info()[0] is not None else None)
 
+    async def _post(self, instance: Instance, endpoint: str, body: dict,
+                    call: EngineCall | None) -> aiohttp.ClientResponse:
+        """`body` to `instance`, up to its answer's status line. A request that never connected, or
+        that the engine refused with a 503, may go to another instance (_RetryableEngineError);
+        one the engine took and broke on may not (EngineFailed)."""
+        try:
+            upstream = await self.session.post(f"{instance.url}{endpoint}", json=body,
+                                               headers=call.headers if call else None)
+        except aiohttp.ClientConnectorError as exc:  # never connected: the request went nowhere
+            self.registry.mark_failed(instance, f"unreachable: {exc!r}")
+            raise _RetryableEngineError(f"unreachable: {exc!r}") from None
+        except (aiohttp.ClientConnectionError, TimeoutError) as exc:
+            self.registry.mark_failed(instance, f"broke on a request: {exc!r}")
+            raise EngineFailed("the engine failed while serving this request") from None
+        if call:
+            call.status = upstream.status
+        if upstream.status >= 500:
+            text = (await upstream.read()).decode(errors="replace")[:500]
+            upstream.release()
+            if upstream.status != 503:  # the engine took the request and failed on it
+                log.warning("instance %s answered %d: %s", instance.instance_id, upstream.status, text)
+                raise EngineFailed(f"the engine failed while serving this request (HTTP {upstream.status})")
+            raise _RetryableEngineError(f"HTTP {upstream.status}: {text}")
+        return upstream
+
+    async def _whole_answer(self, instance: Instance, endpoint: str, upstream: aiohttp.ClientResponse,
+                            started: float, call: EngineCall | None, trace: RequestTrace | None) -> Response:
+        """A non-streamed answer (or an error status), read whole and passed on."""
+        try:
+            content = await upstream.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            self.registry.mark_failed(instance, f"broke on a request: {exc!r}")
+            raise EngineFailed("the engine's answer broke off") from None
+        finally:
+            upstream.release()
+        self._observe(endpoint, upstream.status, started, first_byte=True)
+        if trace:  # not streamed: the whole answer is its first byte
+            trace.first_byte(call)
+        return Response(content, upstream.status, media_type="application/json")
+
     async def _relay(
-        self,
-        instance: Instance,
-        endpoint: str,
-        upstream: aiohttp.ClientResponse,
-        first: bytes,
-        chunks: AsyncIterator[bytes],
-        started: float,
-        call: EngineCall | None = None,
+        self, instance: Instance, endpoint: str, upstream: aiohttp.ClientResponse, first: bytes,
+        chunks: AsyncIterator[bytes], started: float, call: EngineCall | None = None,
     ) -> AsyncIterator[bytes]:
         status, finished = 200, False
         try:
