@@ -31,6 +31,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from deploy.admission_ledger import LEDGER_NAME
 from deploy.placement import placement_options
 from deploy.store_shards import STORE_SHARD_PREFIX, StoreShards
 from deploy.topology import ROLES
@@ -78,7 +79,8 @@ class Launcher:
                  start_log: Path | None = None):
         self.registry = registry
         self.credentials = credentials
-        """The cluster's: shards get its secret; adopted actors must prove they hold it too."""
+        """The cluster's: engines and shards get keys derived from it; adopted actors must prove
+        they are the cluster's with theirs."""
         self.console = console or Console(stderr=True)
         self.start_log = start_log
         self.on_start: list[Callable[[StartRecord], None]] = []
@@ -112,7 +114,7 @@ class Launcher:
         that does not answer) is stopped. Only actors that prove they hold the cluster's secret
         are ours: a named actor anyone else put in the namespace is neither adopted nor used."""
         started = time.monotonic()
-        handles = {name: ray.get_actor(name) for name in ray.util.list_named_actors()}
+        handles = {name: ray.get_actor(name) for name in ray.util.list_named_actors() if name != LEDGER_NAME}
         if not handles:
             return Adopted()
         ours = await proven_actors(self.credentials, handles, timeout_s)
@@ -356,7 +358,7 @@ async def proven_actors(credentials: ClusterCredentials, handles: dict[str, ray.
                                    return_exceptions=True)
     proven = {}
     for (name, handle), answer in zip(handles.items(), answers, strict=True):
-        expected = credentials.prove(f"{kinds[name]}:{nonce}")
+        expected = credentials.prove(kinds[name], nonce)
         if isinstance(answer, str) and hmac.compare_digest(answer, expected):
             proven[name] = handle
         else:

@@ -22,6 +22,7 @@ from engine.config import EngineConfig
 from engine.environment import is_cpu_build, is_loopback, use_ray
 from engine.models import BUILDERS, COMPLETE_MARKER, default_model_root
 from router.config import RouterConfig, ServedModel
+from security.credentials import ClusterCredentials, CredentialsError
 
 log = logging.getLogger(__name__)
 console = Console(stderr=True)
@@ -75,7 +76,6 @@ def parse_api_keys(spec: str) -> dict[str, str]:
 
 def serve(args: argparse.Namespace) -> int:
     """`pdcluster serve` and `pdcluster launch`."""
-    from security.credentials import ClusterCredentials, CredentialsError
 
     try:
         models = resolve_models(args.model, args.served_model_name)
@@ -86,7 +86,7 @@ def serve(args: argparse.Namespace) -> int:
         # One machine makes its own secret; a cluster's head must be given one (README, cluster steps).
         credentials = ClusterCredentials.load(args.secret_file, create=args.address is None)
         secret = credentials.secret.hex()
-        engine_configs = _engine_configs(args, models, topology, secret)
+        engine_configs = _engine_configs(args, models, topology, credentials)
         router_config = _router_config(args, models, engine_configs, secret)
     except (ValidationError, ValueError, OSError, CredentialsError) as exc:
         console.print(f"[red]invalid configuration:[/] {exc}")
@@ -116,7 +116,7 @@ def _check_gpu_sharing(args: argparse.Namespace, topology: Topology) -> None:
 
 
 def _engine_configs(args: argparse.Namespace, models: list[tuple[Path, str]], topology: Topology,
-                    secret: str) -> list[EngineConfig]:
+                    credentials: ClusterCredentials) -> list[EngineConfig]:
     """One engine config per model: the engines of its pools all start from it."""
     return [EngineConfig(
         model=path,
@@ -129,7 +129,7 @@ def _engine_configs(args: argparse.Namespace, models: list[tuple[Path, str]], to
         gpu_share=1 / args.engines_per_gpu,
         sleep_mode=topology.sleep_when_idle,
         start_timeout_s=args.start_timeout,
-        cluster_secret=secret,
+        host_keys=credentials.engine_host_keys().to_json(),
         log_dir=args.engine_log_dir.resolve() if args.engine_log_dir else None,
         otlp_traces_endpoint=args.otlp_traces_endpoint,
     ) for path, name in models]

@@ -40,8 +40,9 @@ class StoreShards:
     async def start(self, capacity_bytes: int, fault_injection: bool = False, timeout_s: float = 120.0) -> tuple[str, ...]:
         """One shard on every node of the cluster (the engines are about to be placed); returns
         their endpoints. `watch()` then keeps one where engines run as nodes join and leave."""
+        # The shard's own keys, not the secret: Ray keeps an actor's arguments in its GCS.
         self._options = {"capacity_bytes": capacity_bytes, "fault_injection": fault_injection,
-                         "cluster_secret": self.credentials.secret.hex()}
+                         "keys": self.credentials.shard_keys()}
         endpoints = await self.reconcile(timeout_s, engine_nodes=set(_all_nodes()))
         if not endpoints:
             raise RuntimeError(f"no KV store shard answered within {timeout_s:g} s")

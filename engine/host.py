@@ -31,10 +31,10 @@ from engine.config import EngineConfig
 from engine.environment import KV_EVENTS_PLUGIN, engine_process_env, free_port, is_cpu_build
 from engine.lifecycle import InstanceState, StartTimeline
 from engine.process import GROUP_GUARD, die_with_parent, local_client, node_address
-from engine.server_command import server_command
+from engine.server_command import kv_events_plugin_installed, server_command
 from engine.weights import new_weights_file
 from engine.worker_extension import WEIGHTS_DIR_ENV, WEIGHTS_FILE_ENV
-from security.credentials import ClusterCredentials
+from security.credentials import EngineHostKeys
 
 # vLLM log lines that end a start-up stage, in the order they appear, with the seconds vLLM
 # itself reports where it does.
@@ -68,7 +68,7 @@ class EngineHost:
         self.kv_events_replay_endpoint = (
             f"tcp://{self.host}:{free_port(self.host)}" if config.kv_events_endpoint else None
         )
-        self.credentials = ClusterCredentials.from_hex(config.cluster_secret.get_secret_value())
+        self.keys = EngineHostKeys.from_json(config.host_keys.get_secret_value())
         self.weights_file = new_weights_file(config.weights_dir) if config.keep_host_weights else None
         """Where the engine keeps the host copy of its weights that its node's peers may map."""
         self.state = InstanceState.STOPPED
@@ -89,8 +89,8 @@ class EngineHost:
         return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
 
     def prove(self, nonce: str) -> str:
-        """That this actor holds the cluster's secret (a launcher adopts only engines that do)."""
-        return self.credentials.prove(f"engine:{nonce}")
+        """That this actor is the cluster's engine (a launcher adopts only engines that prove it)."""
+        return self.keys.prove(nonce)
 
     def describe(self) -> dict:
         """What the router needs to know about this instance."""
@@ -118,13 +118,16 @@ class EngineHost:
         if self.config.sleep_mode and (is_cpu_build() or self.config.role.kv_transfer):
             # P/D roles: their KV connector registers the KV cache's memory, which sleep unmaps.
             raise EngineStartError("sleep mode needs a CUDA GPU and a colocated role")
+        if self.config.kv_events_endpoint and not kv_events_plugin_installed():
+            raise EngineStartError(f"vLLM's plugin {KV_EVENTS_PLUGIN} is not installed (reinstall pdcluster): "
+                                   "vLLM's own KV event publisher would serve the engine's prompts to anyone")
         self.timeline = StartTimeline()
         self.state = InstanceState.LOADING
         env = engine_process_env(self.host, self.config.kv_cache_gib, self.config.cpu_cores,
                                  self.config.kv_hashing.seed)
         # /collective_rpc and /reset_prefix_cache, for weights; like every route, behind the token
         env["VLLM_SERVER_DEV_MODE"] = "1"
-        env.update(self.credentials.engine_keys().as_env())
+        env.update(self.keys.engine.as_env())
         env["VLLM_PLUGINS"] = KV_EVENTS_PLUGIN  # ours alone: KV events on the cluster's keys
         if self.config.gpu_ids is not None:
             env["CUDA_VISIBLE_DEVICES"] = self.config.gpu_ids
@@ -362,7 +365,7 @@ class EngineHost:
     @property
     def auth_headers(self) -> dict[str, str]:
         """What every request to this engine must carry (engine/http_auth.py)."""
-        return self.credentials.engine_headers()
+        return self.keys.engine_headers()
 
     def _client(self, timeout_s: float) -> httpx.AsyncClient:
         """A client for this instance's engine server, with the engine token."""

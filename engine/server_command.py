@@ -4,11 +4,24 @@ the role's KV connector."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import sys
 
 from engine.config import EngineConfig
-from engine.environment import GRAMMAR_LOGITS_PROCESSOR, is_cpu_build
+from engine.environment import GRAMMAR_LOGITS_PROCESSOR, KV_EVENTS_PLUGIN, is_cpu_build
+
+KV_EVENTS_PLUGIN_TARGET = "engine.kv_events:register"
+"""What the entry point KV_EVENTS_PLUGIN names (pyproject.toml)."""
+
+
+def kv_events_plugin_installed() -> bool:
+    """Whether vLLM will find our KV event publisher (engine/kv_events.py) in the engine's
+    processes. Without it vLLM falls back, silently, to its plain publisher, whose replay socket
+    sends every buffered batch, token ids included, to anyone who reaches it: an engine with KV
+    events must not start then."""
+    plugins = importlib.metadata.entry_points(group="vllm.general_plugins")
+    return any(p.name == KV_EVENTS_PLUGIN and p.value == KV_EVENTS_PLUGIN_TARGET for p in plugins)
 
 
 def server_command(config: EngineConfig, host: str, port: int, instance_id: str,

@@ -30,9 +30,9 @@ import numpy as np
 
 from kvstore import protocol
 from kvstore.chunk_store import PAGE_BYTES, ChunkStore, ShardStats
-from security.credentials import ClusterCredentials, CurveKeys, runtime_dir, write_private
+from security.credentials import CurveKeys, ShardKeys, runtime_dir, write_private
 from transport.nixl import Extent, new_agent
-from transport.zmq_curve import STORE_PLANE, Gate, serve_curve
+from transport.zmq_curve import Gate, serve_curve
 
 log = logging.getLogger(__name__)
 
@@ -208,19 +208,21 @@ class StoreShardActor:
     When Ray restarts the actor after its process died (the launcher asks for restarts), the new
     shard serves on the port the old one had, kept in a file on the node: clients know shards by
     endpoint, and theirs reconnect by themselves. The restarted shard is empty (its reads are
-    misses, recomputed) and has a new NIXL agent, which clients learn from its replies."""
+    misses, recomputed) and has a new NIXL agent, which clients learn from its replies.
 
-    def __init__(self, capacity_bytes: int, cluster_secret: str, ttl_s: float = 30.0,
-                 fault_injection: bool = False):
+    It gets the keys a shard needs (`ShardKeys`), not the cluster's secret: Ray keeps an actor's
+    arguments in its GCS."""
+
+    def __init__(self, capacity_bytes: int, keys: ShardKeys, ttl_s: float = 30.0, fault_injection: bool = False):
         import ray
 
         from engine.process import node_address
 
-        self._credentials = ClusterCredentials.from_hex(cluster_secret)
+        self._keys = keys
         name = ray.get_runtime_context().get_actor_name() or f"unnamed-{os.getpid()}"
         self._port_file = runtime_dir() / f"store-shard-{name}.port"
         port = _previous_port(self._port_file)
-        server = functools.partial(ShardServer, capacity_bytes, self._credentials.curve(STORE_PLANE), node_address(),
+        server = functools.partial(ShardServer, capacity_bytes, keys.store, node_address(),
                                    ttl_s, fault_injection=fault_injection, on_death=lambda: os._exit(1))
         try:
             self.server = server(port=port)
@@ -238,8 +240,8 @@ class StoreShardActor:
                 "members": list(self.server.members)}
 
     def prove(self, nonce: str) -> str:
-        """That this actor holds the cluster's secret (a launcher adopts only shards that do)."""
-        return self._credentials.prove(f"store-shard:{nonce}")
+        """That this actor holds the cluster's proof key (a launcher adopts only shards that do)."""
+        return self._keys.prove(nonce)
 
     def set_members(self, endpoints: list[str], epoch: int) -> None:
         self.server.set_members(endpoints, epoch)

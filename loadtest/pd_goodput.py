@@ -130,7 +130,7 @@ class Fleet:
             config = EngineConfig(
                 model=args.model, served_model_name="model", role=role, max_model_len=args.max_model_len,
                 enforce_eager=args.cpu, gpu_memory_utilization=0.85, kv_cache_gib=args.kv_cache_gib,
-                keep_host_weights=False, cluster_secret=self.credentials.secret.hex(), start_timeout_s=600,
+                keep_host_weights=False, host_keys=self.credentials.engine_host_keys().to_json(), start_timeout_s=600,
                 cpu_cores=str(index + 1) if args.cpu else None, gpu_ids=None if args.cpu else str(index),
                 kv_store_endpoints=(self.shard.endpoint,) if self.shard else (),
                 log_dir=args.out.parent / f"logs-{self.topology}",

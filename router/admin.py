@@ -16,7 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from router.admin_auth import require_admin
-from router.admission import Admitted
+from router.admission import OPEN_TENANT, Admitted
 from router.analysis import RequestAnalyzer
 from router.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from router.status import (
@@ -31,7 +31,7 @@ from router.status_model import ClusterStatus
 from security.credentials import ClusterCredentials, CurveKeys
 from transport.zmq_curve import STORE_PLANE
 
-AdmitRequest = Callable[[Request, type[SamplingRequest]], Awaitable[Admitted]]
+AdmitRequest = Callable[[Request, type[SamplingRequest], str | None], Awaitable[Admitted]]
 
 
 def add_admin_routes(app: FastAPI, credentials: ClusterCredentials, analyzer: RequestAnalyzer,
@@ -108,9 +108,10 @@ def _add_explain_route(routes: APIRouter, app: FastAPI, analyzer: RequestAnalyze
     @routes.post("/admin/explain")
     async def explain(request: Request) -> dict:
         """What the router sees of a request: its tokens, block hashes, and which instances hold
-        how many of its leading blocks. Routes nothing."""
+        how many of its leading blocks, as `?tenant=NAME`'s request (its cache salt; the open
+        tenant's by default). Routes nothing."""
         kind = ChatCompletionRequest if b'"messages"' in await request.body() else CompletionRequest
-        admitted = await admitted_request(request, kind)
+        admitted = await admitted_request(request, kind, request.query_params.get("tenant", OPEN_TENANT))
         parsed = admitted.request
         routing = await analyzer.analyze(parsed, admitted.body_bytes)
         listener = app.state.listener

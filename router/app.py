@@ -18,7 +18,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from router.admin import add_admin_routes
-from router.admission import Admission, Intake, release_after, validation_message
+from router.admission import (
+    Admission,
+    Intake,
+    KeyLimits,
+    Limits,
+    LocalLimits,
+    release_after,
+    validation_message,
+)
 from router.analysis import RequestAnalyzer
 from router.config import RouterConfig
 from router.errors import BadRequest, RouterError, error_body
@@ -60,10 +68,11 @@ def _body_schema(model: type[SamplingRequest]) -> dict:
 
 def build_app(
     config: RouterConfig, registry: InstanceRegistry, store_endpoints: tuple[str, ...] = (),
-    starts: StartLog | None = None,
+    starts: StartLog | None = None, limits: Limits | None = None,
 ) -> FastAPI:
     """The router's FastAPI app; its lifespan owns the HTTP client, the health monitor and the
-    KV event listener. `starts`: where whoever starts engines records each start (the status view)."""
+    KV event listener. `starts`: where whoever starts engines records each start (the status view);
+    `limits`: where the per-key limits are kept (the router's own when not given)."""
     credentials = config.credentials()
     index = KVIndex(config.max_index_blocks_per_instance, config.speculative_ttl_s)
     registry.on_remove.append(index.remove_holder)  # a departed instance's blocks route nothing
@@ -74,8 +83,8 @@ def build_app(
     placer = Placer(PlacementSettings(config.remote_prefill_min_tokens, config.remote_prefill_max_queued_tokens),
                     make_policy(config.policy, context), make_policy(config.policy, context),
                     index=index, store_holders=context.store_holders)
-    admission = Admission(config.api_keys, config.rate_limit_per_s, config.max_concurrency_per_key,
-                          credentials.tenant_salt)
+    limits = limits or LocalLimits(KeyLimits(config.rate_limit_per_s, config.max_concurrency_per_key))
+    admission = Admission(config.api_keys, limits, credentials.tenant_salt)
     if admission.open:
         log.warning("no API keys configured: anyone who reaches %s:%d may use it", config.host, config.port)
     analyzer = RequestAnalyzer(config)
@@ -89,12 +98,14 @@ def build_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         monitor.start()
+        limits.start()
         if listener:
             listener.start(holders=[i.instance_id for i in registry.all()])
         try:
             yield
         finally:
             await monitor.stop()
+            await limits.stop()
             if listener:
                 await listener.stop()
             await forwarder.close()
@@ -166,7 +177,7 @@ def _add_openai_routes(app: FastAPI, intake: Intake, analyzer: RequestAnalyzer, 
         try:
             with trace.stage("pdcluster.admission") if trace else NO_SPAN:
                 admitted = await intake.admit(request, model)
-                release = intake.admission.admit(admitted.key)
+                release = await intake.admission.admit(admitted.key)
             with trace.stage("pdcluster.analysis") if trace else NO_SPAN:
                 routing = await analyzer.analyze(admitted.request, admitted.body_bytes)
             response = await forwarder.forward(endpoint, admitted.request.forwarded(),

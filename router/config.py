@@ -5,7 +5,7 @@ from __future__ import annotations
 import secrets
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from engine.config import KVHashing, OtlpEndpoint
 from engine.environment import is_loopback
@@ -25,7 +25,9 @@ class ServedModel(BaseModel):
 
 
 class RouterConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # No error quotes its input: it holds the API keys and the cluster secret, and deploy/serve.py
+    # prints the error.
+    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
 
     host: str = "127.0.0.1"
     """Address the HTTP endpoint binds to."""
@@ -76,8 +78,8 @@ class RouterConfig(BaseModel):
     """Requests that may wait for an instance to become ready (scale-up); beyond: 503."""
     queue_timeout_s: float = Field(30.0, ge=0)
     """Longest a request waits for an instance to become ready; 0 answers 503 at once."""
-    api_keys: dict[str, str] = Field(default_factory=dict)
-    """API key -> tenant. Empty: the endpoint is open to anyone who can reach it."""
+    api_keys: dict[str, str] = Field(default_factory=dict, repr=False)
+    """API key -> tenant. Empty: the endpoint is open to anyone who can reach it. Never printed."""
     rate_limit_per_s: float | None = Field(None, gt=0)
     """Requests per second per API key (a token bucket); None: unlimited."""
     max_concurrency_per_key: int | None = Field(None, ge=1)
@@ -103,6 +105,15 @@ class RouterConfig(BaseModel):
     """The cluster's secret (security/credentials.py), the engines' too: the router presents the
     engine token to them, checks the admin token on /admin/* and /metrics, and derives tenant
     salts from it."""
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _keys_and_tenants_are_text(cls, value: object) -> object:
+        """Checked here, not by pydantic's own check, whose error would name the key as its location."""
+        if not (isinstance(value, dict)
+                and all(isinstance(key, str) and key and isinstance(tenant, str) for key, tenant in value.items())):
+            raise ValueError("api_keys must map each API key (non-empty text) to its tenant (text)")
+        return value
 
     @model_validator(mode="after")
     def _distinct_models(self) -> RouterConfig:

@@ -5,7 +5,10 @@ cluster's CURVE keys and strips token ids), its PUB socket connecting to the rou
 socket with the instance id as topic, and its replay ROUTER socket bound on the engine's address.
 (The router binds and the engines connect because vLLM binds a PUB socket only on a wildcard
 address, and nothing here may listen beyond loopback.) The SUB socket admits only the cluster's
-KV-event client key; a message that does not decode is dropped and counted, never fatal.
+KV-event client key. A message that fails in any way (it does not decode, names an instance the
+router does not know, carries a sequence number no publisher sends, or raises while applied) is
+dropped and counted, never fatal; should the listening task itself fail (its socket), it is
+logged and listens again.
 
 Each batch carries a sequence number. A gap (a slow joiner, a dropped message, a restarted
 engine) triggers a replay from the engine's buffer; if the replay cannot cover the gap the
@@ -19,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
@@ -30,8 +34,15 @@ from router.kv_index import KVIndex
 from security.credentials import CurveKeys
 from transport.zmq_curve import Gate, connect_curve, serve_curve
 
+if TYPE_CHECKING:
+    from vllm.distributed.kv_events import KVEventBatch
+
 log = logging.getLogger(__name__)
 END_SEQ = -1
+MAX_SEQ = 2**53
+"""Sequence numbers are below this: vLLM counts an engine's batches from 0, one per step at most,
+so no engine comes near it (centuries at 1,000 steps/s). A larger one is forged or corrupt, and
+applying it would freeze the holder's entries (every real batch after it would look applied)."""
 STORE_HOLDER = "kv-store"
 """The index holder for blocks in the KV store (one for all shards: every instance reads all)."""
 
@@ -46,7 +57,13 @@ class KVEventListener:
         replay_endpoint_of: Callable[[str], str | None],
         keys: CurveKeys,
         replay_timeout_s: float = 1.0,
+        restart_delay_s: float = 1.0,
     ) -> None:
+        """`replay_endpoint_of`: an instance's replay socket, None for one the router does not
+        know, whose messages are dropped (a departed instance's late batches must not bring its
+        entries back; an engine's batches from before it was registered are replayed later, at
+        its first batch after). `restart_delay_s`: the pause before listening again after the
+        listening task failed."""
         from vllm.distributed.kv_events import KVEventBatch
 
         self.index = index
@@ -54,13 +71,17 @@ class KVEventListener:
         self.bind_endpoint = bind_endpoint
         self.replay_endpoint_of = replay_endpoint_of
         self.replay_timeout_s = replay_timeout_s
+        self.restart_delay_s = restart_delay_s
         self.batches_applied = 0
         self.resyncs = 0
+        self.restarts = 0
+        """Times the listening task failed and was started again."""
         self._decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
         self._context = zmq.asyncio.Context()
         self._gate: Gate | None = None
         self._socket: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._stopping = False
 
     def start(self, holders: Iterable[str] = ()) -> None:
         """Listen, and catch up on the history of `holders` (engines that published before this
@@ -72,10 +93,25 @@ class KVEventListener:
         self._socket.setsockopt(zmq.MAXMSGSIZE, 64 * 1024**2)
         serve_curve(self._socket, self.keys)
         self._socket.bind(self.bind_endpoint)
-        self._tasks = [asyncio.create_task(self._run(), name="kv-event-listener")]
+        self._listen(delay_s=0.0)
         self._tasks += [asyncio.create_task(self.catch_up(h), name=f"kv-catch-up-{h}") for h in holders]
 
+    def _listen(self, delay_s: float) -> None:
+        task = asyncio.create_task(self._run(delay_s), name="kv-event-listener")
+        task.add_done_callback(self._restart_if_failed)
+        self._tasks = [t for t in self._tasks if not t.done()] + [task]
+
+    def _restart_if_failed(self, task: asyncio.Task[None]) -> None:
+        """A listener that stopped by itself would leave the index following nothing, silently."""
+        if self._stopping or task.cancelled():
+            return
+        self.restarts += 1
+        log.error("the KV event listener failed; listening again in %g s", self.restart_delay_s,
+                  exc_info=task.exception())
+        self._listen(self.restart_delay_s)
+
     async def stop(self) -> None:
+        self._stopping = True
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -85,8 +121,9 @@ class KVEventListener:
             self._gate.stop()
         self._context.term()
 
-    async def _run(self) -> None:
+    async def _run(self, delay_s: float) -> None:
         assert self._socket is not None
+        await asyncio.sleep(delay_s)
         while True:
             frames = await self._socket.recv_multipart()
             try:
@@ -94,16 +131,23 @@ class KVEventListener:
                     raise ValueError(f"a KV event message of {len(frames)} frames")
                 topic, seq_bytes, payload = frames
                 await self.receive(topic.decode(), int.from_bytes(seq_bytes, "big", signed=True), payload)
-            except (ValueError, msgspec.DecodeError, UnicodeDecodeError) as exc:  # dropped, never fatal
+            except Exception as exc:  # whatever one message does, it is dropped, never fatal
                 metrics.KV_EVENTS_REJECTED.inc()
-                log.warning("dropped a KV event message: %s", str(exc)[:200])
+                log.warning("dropped a KV event message: %s: %s", type(exc).__name__, str(exc)[:200])
 
     async def receive(self, holder: str, seq: int, payload: bytes) -> None:
-        """Apply one batch, replaying or resyncing first if batches were missed."""
-        if self._apply(holder, seq, payload):
+        """Apply one batch, replaying or resyncing first if batches were missed. A batch of a
+        holder the router does not know, with a sequence number out of range, or that does not
+        decode raises before anything is replayed or applied."""
+        if self.replay_endpoint_of(holder) is None:
+            raise ValueError(f"KV events of an instance the router does not know: {holder[:64]!r}")
+        if not 0 <= seq < MAX_SEQ:
+            raise ValueError(f"sequence number {seq} out of range")
+        batch = self._decoder.decode(payload)
+        if self._apply(holder, seq, batch):
             return
         await self.catch_up(holder, live_seq=seq)
-        self._apply(holder, seq, payload)
+        self._apply(holder, seq, batch)
 
     async def catch_up(self, holder: str, live_seq: int | None = None) -> None:
         """Apply what `holder`'s replay buffer holds beyond the index's last batch. If the buffer
@@ -119,17 +163,17 @@ class KVEventListener:
                 "KV events of %s: batches %d..%d not replayable; resyncing", holder, expected, first - 1
             )
             self.index.resync(holder, first)
-        for replay_seq, replay_payload in replayed:
-            self._apply(holder, replay_seq, replay_payload)
+        for replay_seq, replay_batch in replayed:
+            self._apply(holder, replay_seq, replay_batch)
 
-    def _apply(self, holder: str, seq: int, payload: bytes) -> bool:
+    def _apply(self, holder: str, seq: int, batch: KVEventBatch) -> bool:
         from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
         if seq < self.index.expected_seq(holder):
             return True  # already applied (a replay overlapping the live stream)
 
         def apply() -> None:
-            for event in self._decoder.decode(payload).events:
+            for event in batch.events:
                 if isinstance(event, BlockStored):
                     # Blocks an engine saved to the shared store are the store's, not the engine's.
                     self.index.stored(
@@ -143,16 +187,18 @@ class KVEventListener:
 
         return self.index.apply_batch(holder, seq, apply)
 
-    async def _replay(self, holder: str, start: int) -> list[tuple[int, bytes]]:
+    async def _replay(self, holder: str, start: int) -> list[tuple[int, KVEventBatch]]:
+        """The batches from `start` on that `holder`'s replay socket holds; none if it does not
+        answer in time, or answers anything malformed."""
         endpoint = self.replay_endpoint_of(holder)
         if endpoint is None:
             return []
         socket = self._context.socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 0)
         connect_curve(socket, self.keys)
-        socket.connect(endpoint)
-        batches: list[tuple[int, bytes]] = []
+        batches: list[tuple[int, KVEventBatch]] = []
         try:
+            socket.connect(endpoint)
             await socket.send_multipart((b"", start.to_bytes(8, "big")))
             async with asyncio.timeout(self.replay_timeout_s):
                 while True:
@@ -160,9 +206,11 @@ class KVEventListener:
                     seq = int.from_bytes(seq_bytes, "big", signed=True)
                     if seq == END_SEQ:
                         return batches
-                    batches.append((seq, payload))
-        except (TimeoutError, ValueError, zmq.ZMQError) as exc:  # a malformed reply included
-            log.warning("KV event replay from %s failed: %r", holder, exc)
+                    if not start <= seq < MAX_SEQ:
+                        raise ValueError(f"replayed sequence number {seq} out of range")
+                    batches.append((seq, self._decoder.decode(payload)))
+        except (TimeoutError, ValueError, msgspec.DecodeError, RecursionError, zmq.ZMQError) as exc:
+            log.warning("KV event replay from %s failed: %s: %s", holder, type(exc).__name__, str(exc)[:200])
             return []
         finally:
             socket.close(linger=0)

@@ -78,7 +78,7 @@ REMOTE_PREFILL = Histogram(
 )
 KV_EVENTS_REJECTED = Counter(
     "pdcluster_router_kv_events_rejected",
-    "KV event messages dropped because they did not decode (the listener goes on).",
+    "KV event messages dropped: undecodable, forged or of an unknown instance (the listener goes on).",
 )
 QUEUED = Gauge("pdcluster_router_queued_requests", "Requests waiting for an instance to become ready.")
 QUEUE_WAIT = Histogram(

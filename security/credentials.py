@@ -18,7 +18,9 @@ drift apart, and knowing one derived key reveals neither the secret nor another 
 An engine's vLLM process, the part that parses what comes over the network, never holds the
 secret: it gets `EngineKeys` (its token, the weights key, the KV-event plane's keys and the store
 plane's client keys; not the store's server key, the admin token, Ray's token or the tenant
-salts) in PDCLUSTER_ENGINE_KEYS.
+salts) in PDCLUSTER_ENGINE_KEYS. A store shard gets `ShardKeys` (the store plane's server key
+pair, the client key it admits, and the key that proves it is the cluster's) as its Ray actor's
+argument, which Ray keeps in its GCS: the secret itself is never an actor's argument there.
 
 The secret comes from the environment (PDCLUSTER_SECRET, hex) or a file (PDCLUSTER_SECRET_FILE,
 default ~/.config/pdcluster/secret, mode 0600). `pdcluster serve` on one machine creates the file
@@ -147,6 +149,19 @@ class ClusterCredentials:
         return EngineKeys(self.engine_token, self.weights_key, self.curve(KV_EVENTS_PLANE),
                           dataclasses.replace(store, server_secret=b""))
 
+    def shard_keys(self) -> ShardKeys:
+        from transport.zmq_curve import STORE_PLANE
+
+        return ShardKeys(dataclasses.replace(self.curve(STORE_PLANE), client_secret=b""), self.proof_key("store-shard"))
+
+    def engine_host_keys(self) -> EngineHostKeys:
+        return EngineHostKeys(self.engine_keys(), self.proof_key("engine"))
+
+    def proof_key(self, kind: str) -> bytes:
+        """The key an actor of `kind` ("engine", "store-shard") proves it is the cluster's with:
+        one per kind, so that the one a kind is given proves nothing else."""
+        return self.derive(f"proof:{kind}")
+
     def derive(self, label: str, size: int = 32) -> bytes:
         return hmac.new(self.secret, f"pdcluster:{label}".encode(), hashlib.sha256).digest()[:size]
 
@@ -179,10 +194,10 @@ class ClusterCredentials:
     def admin_headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.admin_token}"}
 
-    def prove(self, challenge: str) -> str:
-        """An answer to `challenge` only a holder of the secret can give (adoption, section 7 of
-        docs/security.md): HMAC of the challenge under a key of its own."""
-        return hmac.new(self.derive("proof"), challenge.encode(), hashlib.sha256).hexdigest()
+    def prove(self, kind: str, challenge: str) -> str:
+        """The answer to `challenge` that only the cluster's actors of `kind` can give (adoption;
+        docs/security.md, "One secret, keys derived per use"): HMAC under that kind's proof key."""
+        return _proof(self.proof_key(kind), challenge)
 
     def tenant_salt(self, tenant: str) -> str:
         return hmac.new(self.derive("tenant-salt"), tenant.encode(), hashlib.sha256).hexdigest()[:32]
@@ -210,10 +225,19 @@ class EngineKeys:
 
     def as_env(self) -> dict[str, str]:
         """How the engine's host hands them over: the environment, never argv."""
+        return {ENGINE_KEYS_ENV: self.to_json()}
+
+    def to_json(self) -> str:
         planes = {name: {f.name: getattr(keys, f.name).decode() for f in dataclasses.fields(keys)}
                   for name, keys in (("kv_events", self.kv_events), ("store", self.store))}
-        return {ENGINE_KEYS_ENV: json.dumps({"engine_token": self.engine_token, "weights_key": self.weights_key,
-                                             **planes})}
+        return json.dumps({"engine_token": self.engine_token, "weights_key": self.weights_key, **planes})
+
+    @classmethod
+    def from_json(cls, text: str) -> EngineKeys:
+        fields = json.loads(text)
+        planes = {name: CurveKeys(**{k: v.encode() for k, v in fields[name].items()})
+                  for name in ("kv_events", "store")}
+        return cls(fields["engine_token"], fields["weights_key"], **planes)
 
     @classmethod
     def load(cls) -> EngineKeys:
@@ -222,14 +246,53 @@ class EngineKeys:
         text = os.environ.get(ENGINE_KEYS_ENV)
         if not text:
             raise CredentialsError(f"no {ENGINE_KEYS_ENV}: not an engine started by pdcluster")
-        fields = json.loads(text)
-        planes = {name: CurveKeys(**{k: v.encode() for k, v in fields[name].items()})
-                  for name in ("kv_events", "store")}
-        return cls(fields["engine_token"], fields["weights_key"], **planes)
+        return cls.from_json(text)
 
     @staticmethod
     def present() -> bool:
         return bool(os.environ.get(ENGINE_KEYS_ENV))
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardKeys:
+    """What a store shard needs of the cluster's credentials, and nothing more: it is the store
+    plane's server (its key pair; of the clients' pair, the public key it admits) and proves to a
+    launcher that would adopt it that it is the cluster's."""
+
+    store: CurveKeys
+    proof_key: bytes = dataclasses.field(repr=False)
+
+    def prove(self, challenge: str) -> str:
+        """ClusterCredentials.prove's answer, from the proof key alone."""
+        return _proof(self.proof_key, challenge)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineHostKeys:
+    """What an engine's host (its Ray actor) holds: the keys it hands its vLLM process, and the
+    key that proves to a launcher that would adopt it that it is the cluster's engine. An engine
+    actor's config carries these, never the secret (Ray keeps actors' arguments in its GCS)."""
+
+    engine: EngineKeys
+    proof_key: bytes = dataclasses.field(repr=False)
+
+    def prove(self, challenge: str) -> str:
+        return _proof(self.proof_key, challenge)
+
+    def engine_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.engine.engine_token}"}
+
+    def to_json(self) -> str:
+        return json.dumps({"engine": self.engine.to_json(), "proof_key": self.proof_key.hex()})
+
+    @classmethod
+    def from_json(cls, text: str) -> EngineHostKeys:
+        fields = json.loads(text)
+        return cls(EngineKeys.from_json(fields["engine"]), bytes.fromhex(fields["proof_key"]))
+
+
+def _proof(proof_key: bytes, challenge: str) -> str:
+    return hmac.new(proof_key, challenge.encode(), hashlib.sha256).hexdigest()
 
 
 def bearer_matches(authorization: str | None, token: str) -> bool:

@@ -1,35 +1,32 @@
-"""Attacks on a running cluster from another address (docs/security.md, attacks 1-8), each tried
-for real and reported as what the attacker got. Run by ray_up_scenario.py inside its network
-namespace: the cluster's components bind node addresses 127.0.0.1-3, the attacker connects from
-127.0.0.9. It knows the endpoints (a port scan would find them too), not the cluster's secret."""
+"""Attacks on a running cluster from another host (docs/security.md), each tried for real and
+reported as what the attacker got. ray_up_scenario.py runs this script in a network namespace of
+its own, a veth pair away from the cluster's, with no credential of the cluster in its
+environment: it reads the targets as JSON on stdin (endpoints a port scan would find too, not the
+cluster's secret) and prints what each listener answered, as JSON."""
 
 from __future__ import annotations
 
-import os
-import subprocess
+import json
 import sys
 import time
 
+import grpc
 import httpx
 import msgpack
 import zmq
 
-ATTACKER = "127.0.0.9"
-
-
-def _stranger_http() -> httpx.Client:
-    return httpx.Client(transport=httpx.HTTPTransport(local_address=ATTACKER), timeout=10)
+FORGED_BATCHES = 100
 
 
 def _zmq_answer(kind: int, endpoint: str, frames: list[bytes], curve_keys=None, wait_s: float = 2.0):
-    """What a stranger's ZMQ socket of `kind`, connected from ATTACKER, gets back (None: nothing)."""
+    """What a stranger's ZMQ socket of `kind` gets back (None: nothing)."""
     context = zmq.Context()
     socket = context.socket(kind)
     socket.setsockopt(zmq.LINGER, 0)
     if curve_keys is not None:  # a key pair of its own, even the server's public key
         public, secret = zmq.curve_keypair()
         socket.curve_serverkey, socket.curve_publickey, socket.curve_secretkey = curve_keys, public, secret
-    socket.connect(endpoint.replace("tcp://", f"tcp://{ATTACKER};"))
+    socket.connect(endpoint)
     try:
         socket.send_multipart(frames)
         return socket.recv_multipart() if socket.poll(int(wait_s * 1000)) else None
@@ -38,17 +35,31 @@ def _zmq_answer(kind: int, endpoint: str, frames: list[bytes], curve_keys=None, 
         context.term()
 
 
-def engine_routes(engine_urls: list[str]) -> dict[str, list[int]]:
+def client_routes(client: httpx.Client, router_url: str) -> dict[str, dict[str, int]]:
+    """The clients' routes without an API key and with a wrong one."""
+    calls = [("GET", "/v1/models", None), ("POST", "/v1/completions", {"model": "tiny", "prompt": "x"}),
+             ("POST", "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}]})]
+    keys = {"none": {}, "wrong": {"Authorization": "Bearer sk-guessed"}}
+    return {path: {name: client.request(method, f"{router_url}{path}", json=body, headers=headers).status_code
+                   for name, headers in keys.items()}
+            for method, path, body in calls}
+
+
+def router_edges(client: httpx.Client, router_url: str) -> dict[str, int]:
+    return {path: client.get(f"{router_url}{path}").status_code for path in ("/metrics", "/admin/instances",
+                                                                             "/admin/store", "/status")}
+
+
+def engine_routes(client: httpx.Client, engine_urls: list[str]) -> dict[str, list[int]]:
     """Every route an engine has, called without the engine token: the weight loader that once
     ran pickled code, the dev routes, the OpenAI routes, health and metrics."""
     calls = [("POST", "/collective_rpc", {"method": "pdc_load_weights", "args": ['{"peer": {"kind": "cuda_ipc"}}']}),
              ("POST", "/reset_prefix_cache", None), ("POST", "/v1/completions", {"model": "tiny", "prompt": "x"}),
              ("GET", "/metrics", None), ("GET", "/health", None), ("POST", "/tokenize", {"prompt": "x"})]
     seen: dict[str, list[int]] = {}
-    with _stranger_http() as client:
-        for url in engine_urls:
-            for method, path, body in calls:
-                seen.setdefault(path, []).append(client.request(method, f"{url}{path}", json=body).status_code)
+    for url in engine_urls:
+        for method, path, body in calls:
+            seen.setdefault(path, []).append(client.request(method, f"{url}{path}", json=body).status_code)
     return seen
 
 
@@ -68,37 +79,86 @@ def kv_event_replay(replay_endpoints: list[str]) -> list:
     return [_zmq_answer(zmq.DEALER, e, [b"", (0).to_bytes(8, "big")]) for e in replay_endpoints]
 
 
-def forged_kv_events(sub_endpoint: str, batches_before, batches_after_wait) -> dict:
-    """Forged BlockStored batches published to the router's SUB socket: the index's batch count
-    (from /admin/explain) before and after."""
-    import msgspec
-    from vllm.distributed.kv_events import BlockStored, KVEventBatch
-
-    event = BlockStored(block_hashes=[12345], parent_block_hash=None, token_ids=[], block_size=32,
-                        lora_id=None, medium="CPU", lora_name=None)
-    payload = msgspec.msgpack.encode(KVEventBatch(ts=time.time(), events=[event]))
+def forged_kv_events(sub_endpoint: str, instance_ids: list[str]) -> int:
+    """Forged BlockStored batches (vLLM's wire format) in the instances' names, published to the
+    router's SUB socket; the scenario reads the router's index around this."""
+    event = {"type": "BlockStored", "block_hashes": [12345], "parent_block_hash": None, "token_ids": [],
+             "block_size": 32, "lora_id": None, "medium": "CPU", "lora_name": None}
+    payload = msgpack.packb([time.time(), [event]])
     context = zmq.Context()
     socket = context.socket(zmq.PUB)
     socket.setsockopt(zmq.LINGER, 0)
-    socket.connect(sub_endpoint.replace("tcp://", f"tcp://{ATTACKER};"))
-    before = batches_before()
+    socket.connect(sub_endpoint)
     time.sleep(1.0)
-    for seq in range(100):
-        socket.send_multipart([b"prefill-0", seq.to_bytes(8, "big"), payload])
+    for seq in range(FORGED_BATCHES):
+        for instance_id in instance_ids:
+            socket.send_multipart([instance_id.encode(), seq.to_bytes(8, "big"), payload])
     time.sleep(1.0)
     socket.close(0)
     context.term()
-    return {"batches_before": before, "batches_after": batches_after_wait()}
+    return FORGED_BATCHES * len(instance_ids)
 
 
-def ray_gcs(address: str) -> int:
-    """A driver without the cluster's Ray token: its exit code (0 would mean it joined)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
-    code = f"import ray; ray.init(address={address!r}, log_to_driver=False); print('joined')"
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=120).returncode
+def _grpc_status(call) -> str:
+    """The status a gRPC call without Ray's token ends with ("OK" would mean it was served)."""
+    try:
+        call(timeout=10)
+    except grpc.RpcError as exc:
+        return exc.code().name
+    return "OK"
 
 
-def router_edges(router_url: str) -> dict[str, int]:
-    with _stranger_http() as client:
-        return {path: client.get(f"{router_url}{path}").status_code
-                for path in ("/metrics", "/admin/instances", "/admin/store")}
+def ray_gcs(address: str) -> str:
+    """Ray's GCS asked for the cluster's nodes (their addresses and ports)."""
+    from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        stub = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel)
+        return _grpc_status(lambda timeout: stub.GetAllNodeInfo(gcs_service_pb2.GetAllNodeInfoRequest(),
+                                                                timeout=timeout))
+
+
+def ray_client(address: str) -> str:
+    """Ray's client server (`ray://`, which `ray start --head` opens on 10001): a driver's first call."""
+    from ray.core.generated import ray_client_pb2, ray_client_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        stub = ray_client_pb2_grpc.RayletDriverStub(channel)
+        request = ray_client_pb2.ClusterInfoRequest(type=ray_client_pb2.ClusterInfoType.PING)
+        return _grpc_status(lambda timeout: stub.ClusterInfo(request, timeout=timeout))
+
+
+def dashboard_agents(client: httpx.Client, agent_urls: list[str]) -> dict[str, dict[str, int | str]]:
+    """Each node's dashboard agent (HTTP): a job submitted to it (a command run on that node), and
+    its health route, which Ray leaves open to anyone by design (it answers "success", no more)."""
+    job = {"entrypoint": "true", "submission_id": "stranger"}
+    seen: dict[str, dict[str, int | str]] = {}
+    for url in agent_urls:
+        try:
+            seen[url] = {"submit_job": client.post(f"{url}/api/job_agent/jobs/", json=job).status_code,
+                         "health": client.get(f"{url}/api/local_raylet_healthz").status_code}
+        except httpx.ConnectError:
+            seen[url] = {"submit_job": "refused", "health": "refused"}
+    return seen
+
+
+def main() -> int:
+    targets = json.load(sys.stdin)
+    with httpx.Client(timeout=10) as client:
+        seen = {
+            "client_routes": client_routes(client, targets["router"]),
+            "router_edges": router_edges(client, targets["router"]),
+            "engine_routes": engine_routes(client, targets["engines"]),
+            "store_shards": store_shards(targets["store_shards"]),
+            "kv_event_replay": kv_event_replay(targets["kv_event_replay"]),
+            "forged_kv_events": forged_kv_events(targets["kv_events"], targets["instance_ids"]),
+            "ray_gcs": ray_gcs(targets["ray_gcs"]),
+            "ray_client": ray_client(targets["ray_client"]),
+            "dashboard_agents": dashboard_agents(client, targets["dashboard_agents"]),
+        }
+    json.dump(seen, sys.stdout, default=bytes.hex)  # the frames of a reply, should one come
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,11 +1,14 @@
-"""Run by test_ray_up.py inside a network namespace whose only interface is lo, and a PID
-namespace of its own: sshd on 127.0.0.1-3 plays three hosts, `pdcluster up` brings the local
-cluster YAML up on them with the tiny model (prefill on 127.0.0.2, decode on 127.0.0.3), a chat
-completion goes through the router, a stranger at 127.0.0.9 attacks every listener
-(tests/e2e/attacks.py), `pdcluster down` tears it down. Prints one JSON line.
+"""Run by test_ray_up.py inside the cluster's network namespace (the hosts of deploy/clusters/
+local.yaml on one veth end, a stranger's namespace on the other) and a PID namespace of its own:
+sshd on the YAML's three addresses plays three hosts, `pdcluster up` brings the YAML up on them
+as it is with the tiny model (prefill on the second host, decode on the third; the router on
+every address of the head, with API keys), a chat completion goes through the router, a stranger
+in the other namespace attacks every listener (tests/e2e/attacks.py), `pdcluster down` tears it
+down. Prints one JSON line.
 
 Its cluster secret is the test session's (PDCLUSTER_SECRET); `pdcluster up` writes it and Ray's
-token under a configuration folder of its own (XDG_CONFIG_HOME), which the YAML mounts."""
+token under a configuration folder of its own (XDG_CONFIG_HOME), which the YAML mounts. The
+stranger gets none of it."""
 
 from __future__ import annotations
 
@@ -16,7 +19,6 @@ import sys
 import time
 from pathlib import Path
 
-import attacks
 import httpx
 import yaml
 
@@ -24,7 +26,15 @@ from security.credentials import ClusterCredentials
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
-HOSTS = ("127.0.0.1", "127.0.0.2", "127.0.0.3")
+CLUSTER_YAML = REPO / "deploy" / "clusters" / "local.yaml"
+PROVIDER = yaml.safe_load(CLUSTER_YAML.read_text())["provider"]
+HOSTS = (PROVIDER["head_ip"], *PROVIDER["worker_ips"])
+ROUTER_PORT = 8000
+TENANT_KEY = "sk-ray-up-tenant"
+# Each node's dashboard agent (HTTP): Ray's default on the head, P + 3 on a worker (local.yaml: P
+# from the address's last digit).
+DASHBOARD_AGENT_PORT = {HOSTS[0]: 52365, **{host: 30000 + 200 * (int(host.rsplit(".", 1)[1]) % 10) + 3
+                                            for host in HOSTS[1:]}}
 
 
 def sh(*command: str, timeout_s: float = 600, **kwargs) -> subprocess.CompletedProcess:
@@ -32,7 +42,6 @@ def sh(*command: str, timeout_s: float = 600, **kwargs) -> subprocess.CompletedP
 
 
 def start_sshd(workdir: Path) -> None:
-    sh("ip", "link", "set", "lo", "up")
     sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(workdir / "host_key"))
     sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(workdir / "client_key"))
     (workdir / "authorized_keys").write_text((workdir / "client_key.pub").read_text())
@@ -52,7 +61,7 @@ def start_sshd(workdir: Path) -> None:
 def cluster_yaml(workdir: Path) -> Path:
     """local.yaml with this run's name, key, and its credentials folder for ~/.config/pdcluster."""
     credentials_dir = str(Path(os.environ["XDG_CONFIG_HOME"]) / "pdcluster")
-    text = (REPO / "deploy" / "clusters" / "local.yaml").read_text()
+    text = CLUSTER_YAML.read_text()
     config = yaml.safe_load(text.replace("$HOME/.config/pdcluster", credentials_dir))
     config["cluster_name"] = f"pdcluster-test-{os.getpid()}-{int(time.time())}"
     config["auth"]["ssh_private_key"] = str(workdir / "client_key")
@@ -62,34 +71,54 @@ def cluster_yaml(workdir: Path) -> Path:
     return path
 
 
-def attack(base: str, admin: dict, seen: dict) -> None:
-    """What a stranger at 127.0.0.9 gets from each listener (the endpoints read as the operator)."""
-    listing = httpx.get(f"{base}/admin/instances", headers=admin, timeout=10).json()
+def attack(base: str, admin: dict, attacker_namespace: str, seen: dict) -> None:
+    """What a stranger in `attacker_namespace` gets from each listener: the endpoints are read as
+    the operator (a port scan would find them too), the attacks run there without any credential."""
     shards = [s["endpoint"] for s in httpx.get(f"{base}/admin/store", headers=admin, timeout=10).json()["shards"]]
 
-    def batches() -> int:
-        body = {"model": "tiny", "prompt": "count the batches"}
-        return httpx.post(f"{base}/admin/explain", json=body, headers=admin, timeout=30).json()["kv_event_batches"]
+    def instances() -> dict:
+        return httpx.get(f"{base}/admin/instances", headers=admin, timeout=10).json()
 
-    seen["attacks"] = {
-        "engine_routes": attacks.engine_routes([i["url"] for i in listing["instances"]]),
-        "store_shards": attacks.store_shards(shards),
-        "kv_event_replay": attacks.kv_event_replay([i["kv_events_replay_endpoint"] for i in listing["instances"]]),
-        "forged_kv_events": attacks.forged_kv_events(listing["kv_events_endpoint"], batches, batches),
-        "ray_gcs_exit_code": attacks.ray_gcs("127.0.0.1:6379"),
-        "router_edges": attacks.router_edges(base),
+    def index_blocks() -> dict[str, int]:
+        """What the router's index holds per instance (the forged events name real instances)."""
+        return {i["instance_id"]: i["index_blocks"] for i in instances()["instances"]}
+
+    time.sleep(3)  # the chat's speculative index entries expire (2 s): only events change it from here
+    listing = instances()
+    head = HOSTS[0]
+    targets = {
+        "router": f"http://{head}:{ROUTER_PORT}",
+        "engines": [i["url"] for i in listing["instances"]],
+        "store_shards": shards,
+        "kv_event_replay": [i["kv_events_replay_endpoint"] for i in listing["instances"]],
+        "kv_events": listing["kv_events_endpoint"],
+        "instance_ids": [i["instance_id"] for i in listing["instances"]],
+        "ray_gcs": f"{head}:6379",
+        "ray_client": f"{head}:10001",
+        "dashboard_agents": [f"http://{host}:{port}" for host, port in DASHBOARD_AGENT_PORT.items()],
     }
+    stranger_env = {"PATH": os.environ["PATH"], "HOME": "/nonexistent"}  # no secret, no Ray token, no config
+    before = index_blocks()
+    stranger = subprocess.run(
+        ["nsenter", f"--net=/run/netns/{attacker_namespace}", sys.executable, str(REPO / "tests/e2e/attacks.py")],
+        input=json.dumps(targets), capture_output=True, text=True, timeout=300, env=stranger_env, cwd="/",
+    )
+    seen["attacks"] = json.loads(stranger.stdout) if stranger.returncode == 0 else {"failed": stranger.stderr[-3000:]}
+    seen["index_blocks_around_forged_events"] = {"before": before, "after": index_blocks()}
 
 
 def main() -> int:
-    workdir = Path(sys.argv[1])
+    workdir, attacker_namespace = Path(sys.argv[1]), sys.argv[2]
     os.environ["XDG_CONFIG_HOME"] = str(workdir / "config")
     start_sshd(workdir)
     path = cluster_yaml(workdir)
-    seen: dict = {}
+    keys_file = workdir / "api-keys"
+    keys_file.write_text(f"{TENANT_KEY}:tenant-a\n")
+    seen: dict = {"hosts": HOSTS}
     started = time.monotonic()
-    up = subprocess.run([BIN / "pdcluster", "up", str(path), "--port", "8000", "--model", "tiny", "--prefill", "1",
-                         "--decode", "1", "--remote-prefill-min-tokens", "0", "--placement-timeout", "240"],
+    up = subprocess.run([BIN / "pdcluster", "up", str(path), "--host", "0.0.0.0", "--port", str(ROUTER_PORT),
+                         "--api-keys-file", str(keys_file), "--model", "tiny", "--prefill", "1", "--decode", "1",
+                         "--remote-prefill-min-tokens", "0", "--placement-timeout", "240"],
                         capture_output=True, text=True, timeout=900)
     seen["up_s"] = time.monotonic() - started
     seen["up_rc"] = up.returncode
@@ -97,16 +126,17 @@ def main() -> int:
         if up.returncode != 0:
             seen["up_output"] = (up.stdout + up.stderr)[-3000:]
             return 1
-        base = "http://127.0.0.1:8000"
+        base = f"http://127.0.0.1:{ROUTER_PORT}"
         admin = ClusterCredentials.load().admin_headers()
         seen["instances"] = httpx.get(f"{base}/admin/instances", headers=admin, timeout=10).json()["instances"]
-        chat = httpx.post(f"{base}/v1/chat/completions", timeout=120, json={
-            "model": "tiny", "max_tokens": 8, "messages": [{"role": "user", "content": "Hello, cluster!"}]})
+        chat = httpx.post(f"{base}/v1/chat/completions", timeout=120, headers={"Authorization": f"Bearer {TENANT_KEY}"},
+                          json={"model": "tiny", "max_tokens": 8,
+                                "messages": [{"role": "user", "content": "Hello, cluster!"}]})
         seen["chat_status"] = chat.status_code
         seen["chat"] = chat.json()
         seen["prefills"] = [line for line in httpx.get(f"{base}/metrics", headers=admin, timeout=10).text.splitlines()
                             if line.startswith("pdcluster_router_prefills_total")]
-        attack(base, admin, seen)
+        attack(base, admin, attacker_namespace, seen)
     finally:
         down = subprocess.run(
             [BIN / "pdcluster", "down", str(path)], capture_output=True, text=True, timeout=300

@@ -35,8 +35,8 @@ def publisher(endpoint: str, replay: str, topic: str, ours: bool = True):
     return kind(data_parallel_rank=0, endpoint=endpoint, replay_endpoint=replay, topic=topic)
 
 
-def listener_for(index, sub, replay_endpoint_of) -> KVEventListener:
-    return KVEventListener(index, sub, replay_endpoint_of, KEYS)
+def listener_for(index, sub, replay_endpoint_of, **options) -> KVEventListener:
+    return KVEventListener(index, sub, replay_endpoint_of, KEYS, **options)
 
 
 def stored(*hashes: int, medium: str = "CPU"):
@@ -123,13 +123,13 @@ async def test_a_restarted_router_rebuilds_its_index_before_any_new_event(endpoi
 
 
 async def test_a_gap_that_cannot_be_replayed_resyncs_the_holder(endpoints):
-    sub, _ = endpoints
+    sub, replay = endpoints
     index = KVIndex()
     index.stored("engine-b", [42])
     index.apply_batch("engine-b", 0, lambda: None)
     import msgspec
 
-    listener = listener_for(index, sub, lambda holder: None)  # no replay socket known
+    listener = listener_for(index, sub, {"engine-b": replay}.get, replay_timeout_s=0.2)  # nothing answers there
     await listener.receive("engine-b", 5, msgspec.msgpack.encode(stored(7)))
     assert listener.resyncs == 1
     assert index.match([42]) == {}  # stale entries from before the gap are gone
@@ -144,7 +144,7 @@ async def test_blocks_an_engine_saved_to_the_store_are_indexed_as_the_stores(end
     from router.kv_events import STORE_HOLDER
 
     index = KVIndex()
-    listener = listener_for(index, endpoints[0], lambda holder: None)
+    listener = listener_for(index, endpoints[0], {"prefill-0": endpoints[1]}.get)
     await listener.receive("prefill-0", 0, msgspec.msgpack.encode(stored(1, 2)))
     await listener.receive("prefill-0", 1, msgspec.msgpack.encode(stored(1, 2, medium=STORE_MEDIUM)))
     assert index.match([1, 2]) == {"prefill-0": 2, STORE_HOLDER: 2}
@@ -202,38 +202,144 @@ async def test_a_stranger_can_neither_publish_nor_replay(endpoints):
         context.term()
 
 
-async def test_malformed_messages_are_dropped_and_counted_and_the_listener_lives(endpoints):
-    """From a member's socket (strangers never reach the decoder): wrong frame counts, short
-    sequence numbers, random payloads, a topic that is not text. 10,000 of them."""
-    import random
-
+def member_publisher(sub: str):
+    """A PUB socket on the cluster's client key (as an engine's, or a compromised one's), and its context."""
     import zmq
 
-    sub, _ = endpoints
-    index = KVIndex()
-    listener = listener_for(index, sub, lambda holder: None)
-    listener.start()
-    rejected = metrics.KV_EVENTS_REJECTED._value.get()
     context = zmq.Context()
     pub = context.socket(zmq.PUB)
     pub.setsockopt(zmq.LINGER, 0)
     connect_curve(pub, KEYS)
     pub.connect(sub)
+    return context, pub
+
+
+async def until_applied(pub, listener: KVEventListener, frames: list[bytes], applied: int) -> None:
+    """Send `frames` until the listener has applied `applied` batches: a PUB socket drops what it
+    sends before the SUB side's subscription reached it (a copy after that is seen as applied)."""
+    deadline = time.monotonic() + 10
+    while listener.batches_applied < applied:
+        assert time.monotonic() < deadline, "the batch was never applied"
+        pub.send_multipart(frames)
+        await asyncio.sleep(0.1)
+
+
+def raw_batch(events: bytes) -> bytes:
+    """A KVEventBatch as msgpack, its events array given as raw msgpack (what no encoder of ours makes)."""
+    import msgspec
+
+    return b"\x92" + msgspec.msgpack.encode(time.time()) + events
+
+
+def forged_stored(block_hashes: bytes = b"\x91\x01", extra_keys: bytes = b"\xc0") -> bytes:
+    """One BlockStored as raw msgpack (a tagged struct is a map), with its block hashes and extra keys raw."""
+    import msgspec
+
+    fields = {"type": "BlockStored", "parent_block_hash": None, "token_ids": [], "block_size": 32,
+              "lora_id": None, "medium": "CPU", "lora_name": None}
+    encoded = msgspec.msgpack.encode(fields)
+    head = bytes([encoded[0] + 2]) + encoded[1:]  # a fixmap: two more entries follow
+    return (b"\x91" + head + msgspec.msgpack.encode("block_hashes") + block_hashes
+            + msgspec.msgpack.encode("extra_keys") + extra_keys)
+
+
+def encoded(batch) -> bytes:
+    import msgspec
+
+    return msgspec.msgpack.encode(batch)
+
+
+FORGED = {  # (topic, sequence number, payload) of a member's batch that decodes, or nearly
+    "block hashes that are not hashes": lambda: (b"engine-a", 1, raw_batch(forged_stored(b"\x92\xa1x\x91\x01"))),
+    "extra keys nested past the decoder's depth": lambda: (
+        b"engine-a", 1, raw_batch(forged_stored(extra_keys=b"\x91" + b"\x91" * 100_000 + b"\xc0"))),
+    "a sequence number no engine reaches": lambda: (b"engine-a", 2**63 - 1, encoded(stored(66))),
+    "a negative sequence number": lambda: (b"engine-a", -5, encoded(stored(66))),
+    "an instance the router does not know": lambda: (b"engine-x", 0, encoded(stored(66))),
+}
+
+
+@pytest.mark.parametrize("kind", FORGED)
+async def test_a_forged_batch_is_dropped_and_counted_and_the_index_goes_on(endpoints, kind):
+    """From a member's socket: a batch that decodes (or raises while decoding) but that no engine
+    sends. It is dropped and counted, and the holder's next real batch applies as if it never came."""
+    sub, replay = endpoints
+    index = KVIndex()
+    listener = listener_for(index, sub, {"engine-a": replay}.get, replay_timeout_s=0.2)  # no replay answers
+    listener.start()
+    context, pub = member_publisher(sub)
+    try:
+        await until_applied(pub, listener, [b"engine-a", (0).to_bytes(8, "big"), encoded(stored(1))], applied=1)
+        rejected = metrics.KV_EVENTS_REJECTED._value.get()
+        topic, seq, payload = FORGED[kind]()
+        pub.send_multipart([topic, seq.to_bytes(8, "big", signed=True), payload])
+        await until(lambda: metrics.KV_EVENTS_REJECTED._value.get() == rejected + 1)
+        pub.send_multipart([b"engine-a", (1).to_bytes(8, "big"), encoded(stored(2))])
+        await until(lambda: index.match([1, 2]) == {"engine-a": 2})
+        assert index.match([66]) == {} and index.holders() == ["engine-a"]
+        assert listener.resyncs == 0 and listener.batches_applied == 2
+    finally:
+        pub.close(0)
+        context.term()
+        await listener.stop()
+
+
+async def test_a_failed_listening_task_is_logged_and_listens_again(endpoints, caplog):
+    sub, replay = endpoints
+    index = KVIndex()
+    listener = listener_for(index, sub, {"engine-a": replay}.get, restart_delay_s=0.05)
+    listener.start()
+    receive = listener._socket.recv_multipart
+    failures = [RuntimeError("the socket broke")]
+
+    async def breaking_once():
+        if failures:
+            raise failures.pop()
+        return await receive()
+
+    listener._socket.recv_multipart = breaking_once
+    context, pub = member_publisher(sub)
+    try:
+        await until_applied(pub, listener, [b"engine-a", (0).to_bytes(8, "big"), encoded(stored(1))], applied=1)
+        assert listener.restarts == 1
+        assert "the KV event listener failed" in caplog.text and "the socket broke" in caplog.text
+    finally:
+        pub.close(0)
+        context.term()
+        await listener.stop()
+
+
+async def test_malformed_messages_are_dropped_and_counted_and_the_listener_lives(endpoints):
+    """From a member's socket (strangers never reach the decoder): wrong frame counts, short
+    sequence numbers, negative ones, random payloads, a topic that is not text or no instance's. 10,000 of them,
+    sent 500 at a time (a PUB socket drops what goes past its high-water mark, 1,000), each lot
+    counted before the next: every one arrives, every one is rejected, and a good batch after them
+    still applies."""
+    import random
+
+    sub, replay = endpoints
+    index = KVIndex()
+    listener = listener_for(index, sub, {"engine-z": replay}.get)
+    listener.start()
+    context, pub = member_publisher(sub)
     rng = random.Random(11)
     try:
-        await asyncio.sleep(0.5)
+        await until_applied(pub, listener, [b"engine-z", (0).to_bytes(8, "big"), encoded(stored(9))], applied=1)
+        rejected = metrics.KV_EVENTS_REJECTED._value.get()
         for n in range(10_000):
             frames = [rng.randbytes(rng.randrange(0, 40)) for _ in range(rng.choice((1, 2, 3, 3, 4)))]
             if n % 4 == 0 and len(frames) == 3:
                 frames[1] = (n).to_bytes(8, "big")  # a good sequence number, a random payload
+            if n % 4 == 1:  # a good batch of a known instance, under a sequence number no engine sends
+                frames = [b"engine-z", rng.randrange(-2**63, 0).to_bytes(8, "big", signed=True), encoded(stored(n))]
             pub.send_multipart(frames)
-            if n % 500 == 0:
-                await asyncio.sleep(0.01)
-        import msgspec
-
-        pub.send_multipart((b"engine-z", (0).to_bytes(8, "big"), msgspec.msgpack.encode(stored(9))))
-        await until(lambda: index.match([9]) == {"engine-z": 1}, timeout_s=20)  # it still applies good ones
-        assert metrics.KV_EVENTS_REJECTED._value.get() - rejected > 1000
+            if n % 500 == 499:
+                await until(lambda sent=n + 1: metrics.KV_EVENTS_REJECTED._value.get() - rejected == sent,
+                            timeout_s=20)
+        pub.send_multipart((b"engine-z", (1).to_bytes(8, "big"), encoded(stored(10))))
+        await until(lambda: index.match([9, 10]) == {"engine-z": 2})  # it still applies good ones
+        assert metrics.KV_EVENTS_REJECTED._value.get() - rejected == 10_000
+        assert index.holders() == ["engine-z"] and index.num_blocks("engine-z") == 2
     finally:
         pub.close(0)
         context.term()

@@ -16,7 +16,8 @@ from security.credentials import ClusterCredentials
 from transport.zmq_curve import STORE_PLANE
 
 PAGE = 1024
-KEYS = ClusterCredentials.generate().curve(STORE_PLANE)
+CREDENTIALS = ClusterCredentials.generate()
+KEYS = CREDENTIALS.curve(STORE_PLANE)
 
 
 def test_lru_evicts_the_oldest_unleased_chunk_and_never_a_leased_one():
@@ -75,9 +76,33 @@ def test_contains_counts_the_stored_prefix_only():
 
 @pytest.fixture(scope="module")
 def shard():
-    server = ShardServer(8 * 1024**2, KEYS, ttl_s=5.0, page_bytes=64 * 1024)
+    server = ShardServer(8 * 1024**2, CREDENTIALS.shard_keys().store, ttl_s=5.0, page_bytes=64 * 1024)  # as a shard actor's
     yield server
     server.close()
+
+
+async def test_a_shard_actor_is_given_its_keys_never_the_secret(monkeypatch):
+    """What the launcher hands a shard's actor (kept in Ray's GCS with it): keys that serve the
+    store plane and answer the adoption proof, not the cluster's secret or a client's key."""
+    import pickle
+
+    from rich.console import Console
+
+    from deploy.store_shards import StoreShards
+
+    async def one_shard(self, timeout_s, engine_nodes):
+        return ("tcp://127.0.0.1:1",)
+
+    monkeypatch.setattr(StoreShards, "reconcile", one_shard)
+    monkeypatch.setattr("deploy.store_shards._all_nodes", lambda: [])
+    shards = StoreShards(CREDENTIALS, Console(quiet=True), engine_nodes=None)
+    await shards.start(1024**2)
+    arguments = pickle.dumps(shards._options)
+    for secret in (CREDENTIALS.secret, CREDENTIALS.secret.hex().encode(), KEYS.client_secret):
+        assert secret not in arguments
+    keys = shards._options["keys"]
+    assert keys.prove("nonce") == CREDENTIALS.prove("store-shard", "nonce") != CREDENTIALS.prove("engine", "nonce")
+    assert (keys.store.server_secret, keys.store.client_public) == (KEYS.server_secret, KEYS.client_public)
 
 
 def hellos_to(server: ShardServer, monkeypatch) -> list[dict]:
