@@ -4,17 +4,19 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip -q --disable-pip-version-check
 STAMP := $(VENV)/.pdcluster-installed
 
-SYSTEM_PACKAGES := prometheus chromium
+# Debian package:the command it gives
+SYSTEM_PACKAGES := prometheus:prometheus chromium:chromium nginx-light:nginx
 
 .PHONY: install system-packages serve test test-fast lint clean
 
 install: $(STAMP)
 
-# Debian's prometheus (tests/e2e/test_dashboard.py starts it; its promtool lints our metric names)
-# and chromium (the status page's test drives it headless). Cheap when present: a `command -v`
-# each; installed as root when missing, else named for the user to install.
+# Debian's prometheus (tests/e2e/test_dashboard.py starts it; its promtool lints our metric names),
+# chromium (the status page's test drives it headless) and nginx (the balancer in front of two
+# routers, tests/e2e/test_two_routers.py). Cheap when present: a `command -v` each; installed as
+# root when missing, else named for the user to install.
 system-packages:
-	@missing=""; for package in $(SYSTEM_PACKAGES); do command -v $$package >/dev/null || missing="$$missing $$package"; done; \
+	@missing=""; for entry in $(SYSTEM_PACKAGES); do command -v $${entry#*:} >/dev/null || missing="$$missing $${entry%%:*}"; done; \
 	if [ -z "$$missing" ]; then exit 0; fi; \
 	if [ "$$(id -u)" = 0 ]; then \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \

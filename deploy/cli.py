@@ -66,6 +66,12 @@ def _add_topology_flags(parser: argparse.ArgumentParser) -> None:
         default=os.environ.get("RAY_ADDRESS"),
         help="join this Ray cluster instead of starting a head on loopback",
     )
+    parser.add_argument(
+        "--router-only",
+        action="store_true",
+        help="with --address: only a router more, for the engines another launcher on that cluster owns "
+        "(it shares their KV events and the per-key limits; it starts and stops no engine)",
+    )
 
 
 def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -192,6 +198,13 @@ def _add_routing_flags(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="times a stream whose engine died goes on from its sent tokens on another instance "
         "(0: it ends with an error event)",
+    )
+    parser.add_argument(
+        "--stream-stall-timeout",
+        type=float,
+        default=30.0,
+        help="seconds without an event from an engine mid-stream before it counts as broken (and the stream "
+        "goes on elsewhere)",
     )
 
 

@@ -90,8 +90,13 @@ def down(cluster_yaml: Path, timeout_s: float = 300) -> None:
     """Stop the router and engines, the head's Ray (its autoscaler would relaunch the workers
     `ray down` terminates), then `ray down`. `ray down` alone runs a bare `ray stop` through a
     login shell, whose PATH need not hold the venv's `ray`."""
-    # "[p]" keeps pkill from matching the shell that runs it.
+    from deploy.serve import SHUTDOWN_DRAIN_S
+
+    # "[p]" keeps pkill from matching the shell that runs it. The launcher drains first (its
+    # streams end whole, SHUTDOWN_DRAIN_S at most), then stops its engines: wait until it has gone.
     head_exec(cluster_yaml, "pkill -INT -f '[p]dcluster launch'", check=False)
-    time.sleep(5)
+    wait_s = int(SHUTDOWN_DRAIN_S) + 60
+    head_exec(cluster_yaml, f"for i in $(seq {wait_s}); do pgrep -f '[p]dcluster launch' >/dev/null || exit 0; "
+              "sleep 1; done; exit 1", timeout_s=wait_s + 60, check=False)
     head_exec(cluster_yaml, f"{REMOTE_BIN}/ray stop", check=False)
     _ray("down", "-y", str(cluster_yaml), timeout_s=timeout_s)

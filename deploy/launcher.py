@@ -63,13 +63,6 @@ class StartedInstance:
     timeline: dict
 
 
-@dataclass(frozen=True)
-class Adopted:
-    """What a new launcher took over from a previous one on the same Ray cluster."""
-
-    instances: tuple[str, ...] = ()
-    kv_events_endpoint: str | None = None
-    """Where the adopted engines publish their KV events: the new router must bind there."""
 
 
 class Launcher:
@@ -106,7 +99,7 @@ class Launcher:
                                          for a in self._actors.values()), return_exceptions=True)
         return {node for node in answers if isinstance(node, str)}
 
-    async def adopt(self, configs: list[EngineConfig], keep_store: bool, timeout_s: float = 10.0) -> Adopted:
+    async def adopt(self, configs: list[EngineConfig], keep_store: bool, timeout_s: float = 10.0) -> tuple[str, ...]:
         """Take over what a launcher that died left on this Ray cluster: its ready and standby
         engines of the models of `configs` are registered as they are (weights, KV cache and all); its
         store shards are kept if `keep_store` (StoreShards.reconcile then keeps those that answer,
@@ -116,14 +109,14 @@ class Launcher:
         started = time.monotonic()
         handles = {name: ray.get_actor(name) for name in ray.util.list_named_actors() if name != LEDGER_NAME}
         if not handles:
-            return Adopted()
+            return ()
         ours = await proven_actors(self.credentials, handles, timeout_s)
         shards = {n: h for n, h in ours.items() if n.startswith(STORE_SHARD_PREFIX)}
         engines = {n: h for n, h in ours.items() if n not in shards}
         answers = dict(zip(engines, await asyncio.gather(
             *(asyncio.wait_for(h.describe.remote(), timeout_s) for h in engines.values()),
             return_exceptions=True), strict=True))
-        adopted, events_endpoints, ended = [], set(), []
+        adopted, ended = [], []
         served = {(str(c.model), c.served_model_name) for c in configs}
         for name, actor in engines.items():
             info = answers[name]
@@ -134,15 +127,12 @@ class Launcher:
             self._actors[name] = actor
             self._adopted.add(name)
             self._register(name, actor, info, {})
-            events_endpoints.add(info["kv_events_endpoint"])
             adopted.append(name)
         await _end_engines(ended)
         self.store.adopt(shards, keep_store)
-        if len(events_endpoints) > 1:
-            raise RuntimeError(f"adopted engines publish KV events to different routers: {events_endpoints}")
         self.console.print(f"adopted {len(adopted)} engine(s) {adopted} and {len(self.store.shards)} store shard(s) "
                            f"in {time.monotonic() - started:.2f} s; stopped {len(ended)} engine(s) that did not fit")
-        return Adopted(tuple(adopted), next(iter(events_endpoints), None))
+        return tuple(adopted)
 
     def _register(self, instance_id: str, actor: ray.actor.ActorHandle, info: dict,
                   timeline: dict) -> StartedInstance:
@@ -150,6 +140,7 @@ class Launcher:
         record = StartedInstance(instance_id, actor, info["url"], ROLES[Role(info["role"])], timeline)
         self.instances[instance_id] = record
         self.registry.add(Instance(instance_id, record.role, record.url, InstanceState(info["state"]),
+                                   kv_events_endpoint=info["kv_events_endpoint"],
                                    kv_events_replay_endpoint=info["kv_events_replay_endpoint"],
                                    model=info["served_model_name"]))
         return record
@@ -257,7 +248,7 @@ class Launcher:
         is left then goes on elsewhere, router/migration.py), stop its engine, end its actor."""
         instance = self.registry.get(instance_id)
         if instance is not None:
-            await _drained(instance, drain_s)
+            await _drained(instance, self._actors.get(instance_id), drain_s)
         actor = self._actors.pop(instance_id, None)
         self.instances.pop(instance_id, None)
         self._descriptors.pop(instance_id, None)
@@ -273,14 +264,14 @@ class Launcher:
         instance, record = self.registry.get(instance_id), self.instances.get(instance_id)
         if instance is None or record is None or instance.state != InstanceState.READY:
             return
-        if not await _drained(instance, drain_s):
-            _move(instance, InstanceState.DRAINING, InstanceState.READY)
+        if not await _drained(instance, record.actor, drain_s):
+            await _undrained(instance, record.actor)
             return
         self._descriptors.pop(instance_id, None)
         try:
             timeline = await record.actor.sleep.remote()
         except SleepRefused:
-            _move(instance, InstanceState.DRAINING, InstanceState.READY)
+            await _undrained(instance, record.actor)
             raise
         except Exception:
             await self.stop_instance(instance_id)  # half asleep, or gone: not to be served again
@@ -366,13 +357,37 @@ async def proven_actors(credentials: ClusterCredentials, handles: dict[str, ray.
     return proven
 
 
-async def _drained(instance: Instance, drain_s: float) -> bool:
-    """Out of rotation (DRAINING) until it holds no request or `drain_s` passed; whether it is idle."""
+async def _drained(instance: Instance, actor: ray.actor.ActorHandle | None, drain_s: float) -> bool:
+    """Out of rotation (DRAINING, here and at its host, where every other router of the cluster
+    reads it) until it runs no request, whichever router sent it (the engine's own count), or
+    `drain_s` passed; whether it is idle."""
     instance.state = InstanceState.DRAINING
+    if actor is not None:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(actor.set_draining.remote(True), 10)
     deadline = time.monotonic() + drain_s
-    while instance.inflight and time.monotonic() < deadline:
-        await asyncio.sleep(0.1)
+    while time.monotonic() < deadline:
+        if not instance.inflight and await _engine_idle(actor):
+            return True
+        await asyncio.sleep(0.2)
     return not instance.inflight
+
+
+async def _engine_idle(actor: ray.actor.ActorHandle | None) -> bool:
+    """Whether the engine runs or queues no request (one that cannot tell is as good as gone)."""
+    if actor is None:
+        return True
+    try:
+        return await asyncio.wait_for(actor.requests_in_flight.remote(), 10) == 0
+    except Exception:
+        return True
+
+
+async def _undrained(instance: Instance, actor: ray.actor.ActorHandle) -> None:
+    """Back into rotation after a drain that did not end in a stop or a sleep."""
+    _move(instance, InstanceState.DRAINING, InstanceState.READY)
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(actor.set_draining.remote(False), 10)
 
 
 async def _end_engines(actors: list[ray.actor.ActorHandle]) -> None:

@@ -83,6 +83,8 @@ def serve(args: argparse.Namespace) -> int:
                                       args.target_ttft, args.colocated, args.sleeping_standbys,
                                       args.sleep_when_idle, tuple(name for _, name in models), args.max_awake)
         _check_gpu_sharing(args, topology)
+        if args.router_only and args.address is None:
+            raise ValueError("--router-only serves the engines of a running cluster: give its --address")
         # One machine makes its own secret; a cluster's head must be given one (README, cluster steps).
         credentials = ClusterCredentials.load(args.secret_file, create=args.address is None)
         secret = credentials.secret.hex()
@@ -95,6 +97,8 @@ def serve(args: argparse.Namespace) -> int:
     use_ray(credentials.ray_auth_env(), loopback=args.address is None or is_loopback(args.address.rpartition(":")[0]))
     pd = topology.prefill or topology.decode
     store_bytes = int(args.store_gib * 1024**3) if pd and args.kv_transfer == "store" else 0
+    if args.router_only:
+        return asyncio.run(_serve_beside(engine_configs, router_config, args.address))
     return asyncio.run(_serve(engine_configs, router_config, topology, args.address, args.placement_timeout,
                               args.start_log, store_bytes))
 
@@ -148,6 +152,7 @@ def _router_config(args: argparse.Namespace, models: list[tuple[Path, str]], eng
         api_keys=load_api_keys(args.api_keys_file), rate_limit_per_s=args.rate_limit, cluster_secret=secret,
         max_concurrency_per_key=args.max_concurrency_per_key,
         queue_timeout_s=args.queue_timeout, max_migrations=args.max_migrations,
+        stream_stall_s=args.stream_stall_timeout,
         otlp_traces_endpoint=args.otlp_traces_endpoint,
     )
 
@@ -162,10 +167,11 @@ async def _serve(engine_configs, router_config, topology, address: str | None, p
     failed = True
     registry = InstanceRegistry()
     launcher = Launcher(registry, router_config.credentials(), console, start_log)
-    controller = None
+    controller = limits = None
     try:
+        limits = await _shared_limits(router_config)
         app, controller = await _start_fleet(launcher, registry, engine_configs, router_config, topology,
-                                             address, placement_timeout_s, store_bytes)
+                                             address, placement_timeout_s, store_bytes, limits)
         await _serve_router(app, app.state.config)
         failed = False
         return 0
@@ -178,20 +184,60 @@ async def _serve(engine_configs, router_config, topology, address: str | None, p
             await controller.stop()
         # A failed restart leaves the fleet it adopted serving: the next attempt adopts it again.
         await launcher.shutdown(keep_adopted=failed)
-        if started_head:
-            import ray
+        import ray
 
+        if limits is not None and not failed:
+            ray.kill(limits.handle)  # the cluster's routers go with its fleet
+        if started_head:
             ray.shutdown()
 
 
+async def _serve_beside(engine_configs, router_config, address: str) -> int:
+    """`launch --router-only`: a router more for the fleet another launcher on the cluster at
+    `address` owns (deploy/follower.py). It starts and stops nothing but itself."""
+    from deploy.follower import FleetFollower
+    from deploy.ray_head import start_ray
+    from router.app import build_app
+    from router.instances import InstanceRegistry
+    from router.kv_events import STORE_HOLDER
+
+    start_ray(address)
+    registry = InstanceRegistry()
+    served = {(str(c.model), c.served_model_name) for c in engine_configs}
+    follower = FleetFollower(registry, router_config.credentials(), served)
+    try:
+        limits = await _shared_limits(router_config)
+        await follower.sync()
+        console.print(f"following {len(registry.all())} engine(s) and {len(follower.store_endpoints)} store "
+                      "shard(s) another launcher owns")
+        app = build_app(router_config, registry, store_endpoints=follower.store_endpoints, limits=limits)
+        follower.on_store_restart = lambda: app.state.index.clear(STORE_HOLDER)
+        follower.start()
+        await _serve_router(app, router_config)
+        return 0
+    except Exception as exc:
+        console.print(f"[red]pdcluster launch --router-only failed:[/] {exc or repr(exc)}")
+        return 1
+    finally:
+        await follower.stop()
+
+
+async def _shared_limits(router_config):
+    """The per-key limits every router of the cluster shares (deploy/admission_ledger.py); None
+    when there are none."""
+    from deploy.admission_ledger import join_ledger
+
+    if router_config.rate_limit_per_s is None and router_config.max_concurrency_per_key is None:
+        return None
+    return await join_ledger(router_config.rate_limit_per_s, router_config.max_concurrency_per_key)
+
+
 async def _start_fleet(launcher, registry, engine_configs, router_config, topology, address: str | None,
-                       placement_timeout_s: float, store_bytes: int):
+                       placement_timeout_s: float, store_bytes: int, limits=None):
     """Adopt what a previous launcher left, start the store and the missing engines, build the
     router's app and the pool controller (started); returns both."""
     from deploy.placement import cpu_core_sets
     from deploy.pool import PoolController
-    from engine.environment import free_port
-    from engine.process import node_address
     from router.app import build_app
     from router.kv_events import STORE_HOLDER
     from router.status import StartLog
@@ -200,19 +246,15 @@ async def _start_fleet(launcher, registry, engine_configs, router_config, topolo
     launcher.on_start.append(starts.record)
 
     # A router restarted on a running cluster takes over the engines its predecessor left.
-    adopted = await launcher.adopt(engine_configs, keep_store=store_bytes > 0)
-    # The engines publish their KV events to the router's SUB socket, on the router's node.
-    events_host = node_address()
-    events_endpoint = adopted.kv_events_endpoint or f"tcp://{events_host}:{free_port(events_host)}"
-    router_config = router_config.model_copy(update={"kv_events_endpoint": events_endpoint})
+    await launcher.adopt(engine_configs, keep_store=store_bytes > 0)
     shards: tuple[str, ...] = ()
     if store_bytes:
         fault_injection = os.environ.get(STORE_FAULT_INJECTION_ENV) == "1"
         # Adopted shards are kept; nodes without one get one, now and as they join.
         shards = await launcher.start_store_shards(store_bytes, fault_injection)
         launcher.watch_store()
-    engine_configs = [c.model_copy(update={"kv_events_endpoint": events_endpoint, "kv_store_endpoints": shards})
-                      for c in engine_configs]
+    # Every engine publishes its KV events, for every router of the cluster (router/kv_events.py).
+    engine_configs = [c.model_copy(update={"kv_events": True, "kv_store_endpoints": shards}) for c in engine_configs]
     taken = {i.instance_id for i in registry.all()}
     roles = [(instance_id, role, config) for config in engine_configs
              for instance_id, role in roles_to_start(topology.roles(config.served_model_name),
@@ -222,8 +264,9 @@ async def _start_fleet(launcher, registry, engine_configs, router_config, topolo
                for k, (instance_id, role, config) in enumerate(roles)]
     await _start_initial(launcher, configs, placement_timeout_s, topology.max_awake,
                          one_by_one=any(c.gpu_share < 1 for c in engine_configs))
-    app = build_app(router_config, registry, store_endpoints=shards, starts=starts)
+    app = build_app(router_config, registry, store_endpoints=shards, starts=starts, limits=limits)
     launcher.store.on_restart.append(lambda: app.state.index.clear(STORE_HOLDER))
+    app.state.retire = lambda instance_id: launcher.stop_instance(instance_id, drain_s=SHUTDOWN_DRAIN_S)
     # Instances the controller adds get the core sets the initial ones left (all, if none).
     controller = PoolController(launcher, registry, app.state.queue, topology.pools(), engine_configs,
                                 core_sets=cores[len(roles):] or cores or None, first_tokens=app.state.first_tokens,

@@ -76,9 +76,9 @@ class EngineConfig(BaseModel):
     gpu_ids: str | None = None
     """CUDA_VISIBLE_DEVICES of an engine started outside Ray ("0", "1"); None: what the process
     has (Ray sets it for the GPUs it placed the engine's actor on)."""
-    kv_events_endpoint: str | None = None
-    """Where the engine publishes its KV events (the router's SUB socket, tcp://host:port);
-    None publishes none."""
+    kv_events: bool = False
+    """Publish KV events (blocks stored and removed) on the engine's address, for every router of
+    the cluster to subscribe to (engine/kv_events.py)."""
     kv_store_endpoints: tuple[str, ...] = ()
     """The KV store's shards (their control sockets, tcp://host:port; one per node): prefill and
     decode instances then hand KV over through the LMCache-backed store (kvstore/), each chunk

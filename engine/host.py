@@ -65,9 +65,9 @@ class EngineHost:
         self.instance_id = instance_id
         self.host = host or node_address()
         self.port = free_port(self.host)
-        self.kv_events_replay_endpoint = (
-            f"tcp://{self.host}:{free_port(self.host)}" if config.kv_events_endpoint else None
-        )
+        self.kv_events_endpoint, self.kv_events_replay_endpoint = (
+            (f"tcp://{self.host}:{free_port(self.host)}", f"tcp://{self.host}:{free_port(self.host)}")
+            if config.kv_events else (None, None))
         self.keys = EngineHostKeys.from_json(config.host_keys.get_secret_value())
         self.weights_file = new_weights_file(config.weights_dir) if config.keep_host_weights else None
         """Where the engine keeps the host copy of its weights that its node's peers may map."""
@@ -101,7 +101,7 @@ class EngineHost:
             "state": self.state.value,
             "model": str(self.config.model),
             "served_model_name": self.config.served_model_name,
-            "kv_events_endpoint": self.config.kv_events_endpoint,
+            "kv_events_endpoint": self.kv_events_endpoint,
             "max_model_len": self.config.max_model_len,
             "kv_events_replay_endpoint": self.kv_events_replay_endpoint,
             "pid": self._process.pid if self._process else None,
@@ -118,7 +118,7 @@ class EngineHost:
         if self.config.sleep_mode and (is_cpu_build() or self.config.role.kv_transfer):
             # P/D roles: their KV connector registers the KV cache's memory, which sleep unmaps.
             raise EngineStartError("sleep mode needs a CUDA GPU and a colocated role")
-        if self.config.kv_events_endpoint and not kv_events_plugin_installed():
+        if self.config.kv_events and not kv_events_plugin_installed():
             raise EngineStartError(f"vLLM's plugin {KV_EVENTS_PLUGIN} is not installed (reinstall pdcluster): "
                                    "vLLM's own KV event publisher would serve the engine's prompts to anyone")
         self.timeline = StartTimeline()
@@ -141,7 +141,8 @@ class EngineHost:
                                                 f"pdcluster.role={self.config.role.name}")
         if self.config.role.kv_transfer:
             env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port(self.host))
-        command = server_command(self.config, self.host, self.port, self.instance_id, self.kv_events_replay_endpoint)
+        command = server_command(self.config, self.host, self.port, self.instance_id, self.kv_events_endpoint,
+                                 self.kv_events_replay_endpoint)
         self._process = subprocess.Popen(
             ["bash", "-c", GROUP_GUARD, "pdcluster-engine", str(os.getpid()), *command],
             env=env,
@@ -190,14 +191,14 @@ class EngineHost:
         return self.timeline.as_record()
 
     async def sleep(self) -> dict:
-        """Put a READY engine to sleep (vLLM's sleep mode, level 2; the caller drained it first):
+        """Put a ready engine to sleep (vLLM's sleep mode, level 2; the caller drained it first):
         it keeps a pinned host copy of its weights (made at its first sleep: 7-9 s for 16 GB on an
         H200, since the pinned allocation is slow; the copy is made on the engine's step loop, so
         not while it serves), gives back all GPU memory but ~2 GiB, and `activate()` wakes it with
         a peer's weights or that copy. Raises SleepRefused, the engine still awake and ready, if
         the host copy fails; any other failure stops the engine (it may be half asleep). Returns
         the timeline."""
-        if self.state != InstanceState.READY or not self.config.sleep_mode:
+        if self.state not in (InstanceState.READY, InstanceState.DRAINING) or not self.config.sleep_mode:
             raise EngineStartError(f"{self.instance_id} is {self.state.value} (sleep mode: "
                                    f"{self.config.sleep_mode}); only a ready engine in sleep mode sleeps")
         timeline = StartTimeline()
@@ -218,6 +219,21 @@ class EngineHost:
         self.state = InstanceState.SLEEPING
         timeline.details.update(host_copy_bytes=record["bytes"], host_copy_made=str(record["copied"]))
         return timeline.as_record()
+
+    def set_draining(self, draining: bool) -> None:
+        """Out of rotation (its launcher drains it) or back: what `describe()` tells every router."""
+        if draining and self.state == InstanceState.READY:
+            self.state = InstanceState.DRAINING
+        elif not draining and self.state == InstanceState.DRAINING:
+            self.state = InstanceState.READY
+
+    async def requests_in_flight(self) -> int:
+        """Requests the engine runs or queues, whichever router sent them (vLLM's own gauges)."""
+        async with self._client(10) as client:
+            response = await client.get(f"{self.url}/metrics")
+        response.raise_for_status()
+        return int(sum(float(line.rsplit(" ", 1)[1]) for line in response.text.splitlines()
+                       if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting"))))
 
     async def export_weights(self, use_nixl: bool = True, offer_file: bool = True) -> dict:
         """How a peer reads this instance's weights (shared memory on this node unless not

@@ -3,13 +3,15 @@
 vLLM publishes each engine's BlockStored / BlockRemoved events on a ZMQ PUB socket and answers
 anyone who asks its replay socket for the recent ones, token ids included: everyone's prompts,
 to anyone who reaches the port. `ClusterEventPublisher` is vLLM's own publisher with both sockets
-on the cluster's CURVE keys (the router's SUB socket is the server the PUB connects to; the replay
-socket is a server only members may call) and with token ids, extra keys (cache salts) and session
-ids left out of every event: the router routes on block hashes alone.
+bound on the engine's address as CURVE servers that admit only the plane's client key (every
+router of the cluster subscribes to the PUB socket and asks the replay socket), and with token
+ids, extra keys (cache salts) and session ids left out of every event: a router routes on block
+hashes alone.
 
 vLLM builds its publisher from a registry in the engine-core process; a vLLM general plugin
 (entry point `vllm.general_plugins`: `pdcluster_kv_events`) puts this class in place of its "zmq"
-publisher there, in engines of ours only (those started with their keys in their environment; engine/host.py also names this plugin alone in VLLM_PLUGINS).
+publisher there, in engines of ours only (those started with their keys in their environment;
+engine/host.py also names this plugin alone in VLLM_PLUGINS).
 vLLM falls back to its plain publisher, silently, where the entry point is missing, so a host
 refuses to start an engine with KV events there (engine/server_command.py,
 `kv_events_plugin_installed`). A plugin that is installed but fails to import in the engine's
@@ -23,7 +25,7 @@ import zmq
 from vllm.distributed.kv_events import BlockStored, EventPublisherFactory, ZmqEventPublisher
 
 from security.credentials import EngineKeys
-from transport.zmq_curve import Gate, connect_curve, serve_curve
+from transport.zmq_curve import Gate, serve_curve
 
 _gates: dict[int, Gate] = {}  # one ZAP handler per ZMQ context
 
@@ -31,16 +33,16 @@ _gates: dict[int, Gate] = {}  # one ZAP handler per ZMQ context
 class ClusterEventPublisher(ZmqEventPublisher):
     def _socket_setup(self) -> None:
         keys = EngineKeys.load().kv_events
+        if id(self._ctx) not in _gates:
+            _gates[id(self._ctx)] = Gate(self._ctx, keys)
         if self._pub is None:
-            if self._is_bind_endpoint(self._endpoint):
-                raise ValueError(f"KV events go to the router's socket, not a bound one: {self._endpoint}")
+            # Bound on the engine's own address (vLLM binds only wildcard endpoints): every
+            # router of the cluster subscribes here, with the plane's client key.
             self._pub = self._ctx.socket(zmq.PUB)
             self._pub.set_hwm(self._hwm)
-            connect_curve(self._pub, keys)
-            self._pub.connect(self._endpoint)
+            serve_curve(self._pub, keys)
+            self._pub.bind(self._endpoint)
         if self._replay_endpoint is not None:
-            if id(self._ctx) not in _gates:
-                _gates[id(self._ctx)] = Gate(self._ctx, keys)
             self._replay = self._ctx.socket(zmq.ROUTER)
             serve_curve(self._replay, keys)
             self._replay_endpoint = self._bind(self._replay, self._replay_endpoint)

@@ -25,7 +25,7 @@ def kv_events_plugin_installed() -> bool:
 
 
 def server_command(config: EngineConfig, host: str, port: int, instance_id: str,
-                   kv_events_replay_endpoint: str | None) -> list[str]:
+                   kv_events_endpoint: str | None, kv_events_replay_endpoint: str | None) -> list[str]:
     c = config
     command = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
@@ -49,12 +49,12 @@ def server_command(config: EngineConfig, host: str, port: int, instance_id: str,
         command.append("--enable-sleep-mode")
     if c.dtype != "auto":
         command += ["--dtype", c.dtype]
-    if c.kv_events_endpoint:
+    if kv_events_endpoint:
         events = {
             "enable_kv_cache_events": True,
             "publisher": "zmq",
             "topic": instance_id,
-            "endpoint": c.kv_events_endpoint,
+            "endpoint": kv_events_endpoint,
             "replay_endpoint": kv_events_replay_endpoint,
         }
         command += ["--kv-events-config", json.dumps(events)]

@@ -6,6 +6,10 @@ Each scenario starts its own `pdcluster serve` (tiny model), sends a burst of co
 streams, SIGKILLs one engine's whole process group (vLLM server, engine core, worker), the KV
 store shard's process or the router's (which is then started again: it adopts the engines and
 rebuilds its KV index) while they run, then sends a follow-up batch to see the service recover.
+`instance-drained-under-load` drains an engine instead (a planned shrink: its streams must end
+where they run, none migrated); `router-killed-of-two` runs two routers (`--router-only` for the
+second) behind nginx (loadtest/balancer.py), kills the one that owns the fleet, and sends each
+cut stream again once, as a client would.
 An engine that serves streams (decode, colocated) is killed only once at least half the burst
 has sent tokens and it holds some of them (none within 60 s: the run is an error); the row says
 how many it held and each open stream's tokens so far, and how many streams' texts equal the
@@ -41,6 +45,7 @@ from rich.console import Console
 from rich.table import Table
 
 from deploy.local import LocalServer, RayHead
+from loadtest.balancer import balancer
 from loadtest.client import RequestResult, stream_request
 from loadtest.workloads import random_text
 from security.credentials import ClusterCredentials
@@ -60,6 +65,8 @@ class Scenario:
     regex: str | None = None
     """Structured output (vLLM's `structured_outputs`): a killed engine's streams go on in the
     grammar's state (engine/grammar_continuation.py)."""
+    drained: bool = False
+    """A planned shrink instead of a kill: the victim is drained (POST /admin/instances/ID/drain)."""
 
     def body(self, prompt: str) -> dict:
         body = {"model": "tiny", "prompt": prompt, "max_tokens": self.max_tokens, "temperature": 0,
@@ -100,6 +107,11 @@ SCENARIOS = {
         # Unbounded, so each stream runs to max_tokens (xgrammar does not hold `{600}` exactly: seen)
         "structured-stream-killed", ("--instances", "2", *FLOAT32), "colocated", 0.0, 40, 512, regex="[a-z ]+",
     ),
+    "instance-drained-under-load": Scenario(
+        "instance-drained-under-load", ("--instances", "2", *FLOAT32), "colocated", 0.0, 40, 512, drained=True,
+    ),
+    # Two routers behind nginx on a Ray cluster of their own; the one that owns the fleet is killed.
+    "router-killed-of-two": Scenario("router-killed-of-two", ("--instances", "2"), "router-of-two", 0.0, 40, 512),
     # On a Ray cluster of its own (as on a `ray up` head), so the engines outlive the router.
     "router-restarted": Scenario(
         "router-restarted",
@@ -109,12 +121,13 @@ SCENARIOS = {
 }
 
 
-def kill_engine(url: str) -> None:
-    """SIGKILL the engine serving `url` as a lost machine would: the process listening on its
-    port and the whole process group around it (server, engine core, worker, guard)."""
+def kill_engine(url: str, signum: int = signal.SIGKILL) -> None:
+    """SIGKILL the engine serving `url` as a lost machine would (SIGSTOP: as a frozen one would):
+    the process listening on its port and the whole process group around it (server, engine
+    core, worker, guard)."""
     port = urlparse(url).port
     (pid,) = {c.pid for c in psutil.net_connections("tcp") if c.status == "LISTEN" and c.laddr.port == port}
-    os.killpg(os.getpgid(pid), signal.SIGKILL)
+    os.killpg(os.getpgid(pid), signum)
 
 
 def classify(result: RequestResult, scenario: Scenario) -> str:
@@ -135,12 +148,20 @@ class Outcome:
     text: str
 
 
+def prompts_of(count: int, scenario: Scenario, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    return [random_text(rng, scenario.prompt_words) for _ in range(count)]
+
+
 async def burst(url: str, count: int, scenario: Scenario, seed: int,
                 live: list[RequestResult] | None = None) -> list[Outcome]:
     """`count` concurrent greedy streams (the same prompts for the same seed); each one's outcome.
     `live`, if given, gets each stream's result as it fills (tokens so far)."""
-    rng = random.Random(seed)
-    prompts = [random_text(rng, scenario.prompt_words) for _ in range(count)]
+    return await streams(url, prompts_of(count, scenario, seed), scenario, live)
+
+
+async def streams(url: str, prompts: list[str], scenario: Scenario,
+                  live: list[RequestResult] | None = None) -> list[Outcome]:
     timeout = aiohttp.ClientTimeout(total=None, connect=10)
     async with aiohttp.ClientSession(timeout=timeout) as session:
 
@@ -180,6 +201,13 @@ async def streams_on_victim(server: LocalServer, victim_id: str, live: list[Requ
             return {"streams_on_victim_at_kill": on_victim, "tokens_sent_at_kill": sorted(streaming)}
         await asyncio.sleep(0.05)
     raise RuntimeError(f"no kill: the victim held no streams with tokens sent within 60 s ({victim_id})")
+
+
+def migrations(server: LocalServer) -> int:
+    """Streams the router has continued on another instance so far (router/migration.py)."""
+    text = httpx.get(f"{server.url}/metrics", headers=server.credentials.admin_headers(), timeout=10).text
+    return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("pdcluster_router_migrations_total")))
 
 
 def store_shards(url: str) -> list[dict]:
@@ -224,6 +252,7 @@ async def run_scenario(server: LocalServer, scenario: Scenario, requests: int) -
     if scenario.kills_streams:
         # The same burst without a fault: what each stream must say (greedy) despite the kill.
         no_fault = await burst(server.url, requests, scenario, seed=1)
+    migrations_before = migrations(server)
     live: list[RequestResult] = []
     load = asyncio.create_task(burst(server.url, requests, scenario, seed=1, live=live))
     load_ended = asyncio.get_running_loop().create_future()
@@ -238,6 +267,10 @@ async def run_scenario(server: LocalServer, scenario: Scenario, requests: int) -
         os.kill(shard["pid"], signal.SIGKILL)
     elif scenario.victim_role == "router":
         restart = await restart_router(server, blocks_known)
+    elif scenario.drained:
+        admin = server.credentials.admin_headers()
+        httpx.post(f"{server.url}/admin/instances/{victim['instance_id']}/drain", headers=admin,
+                   timeout=10).raise_for_status()
     else:
         kill_engine(victim["url"])
     outcomes = await load
@@ -255,6 +288,7 @@ async def run_scenario(server: LocalServer, scenario: Scenario, requests: int) -
     followed = tally(follow_up)
     if hit:
         hit["equal_to_no_fault"] = sum(o.text == n.text for o, n in zip(outcomes, no_fault, strict=True))
+        hit["migrated"] = migrations(server) - migrations_before
     return {
         "scenario": scenario.name, "victim": victim["instance_id"], "sent": requests, **tally(outcomes), **hit,
         "burst_end_after_kill_s": round(drained_s, 2),
@@ -262,6 +296,47 @@ async def run_scenario(server: LocalServer, scenario: Scenario, requests: int) -
         "follow_up_errors": followed["errors"],
         "instances_after": states, "store_in_flight_after": in_flight, **restart,
     }
+
+
+async def run_two_routers(owner: LocalServer, other: LocalServer, front: str, scenario: Scenario,
+                          requests: int) -> dict:
+    """The burst through the balancer; the fleet's owner router SIGKILLed once half of it has
+    tokens; each cut stream sent again once (as a client retries); then new requests."""
+    prompts = prompts_of(requests, scenario, seed=1)
+    no_fault = await streams(front, prompts, scenario)
+    blocks_before = index_blocks(other)
+    live: list[RequestResult] = []
+    load = asyncio.create_task(streams(front, prompts, scenario, live))
+    deadline = time.monotonic() + 60
+    while sum(bool(r.chunk_times_s) for r in live) < requests / 2:
+        if time.monotonic() > deadline:
+            raise RuntimeError("no kill: half the burst never had tokens within 60 s")
+        await asyncio.sleep(0.05)
+    tokens = sorted(len(r.chunk_times_s) for r in live if r.chunk_times_s and r.e2e_s is None)
+    owner.kill()
+    outcomes = await load
+    cut = [k for k, o in enumerate(outcomes) if o.kind != "completed"]
+    retried = await streams(front, [prompts[k] for k in cut], scenario)
+    for k, again in zip(cut, retried, strict=True):
+        outcomes[k] = again
+    follow_up = await burst(front, 8, scenario, seed=2)
+    return {"scenario": scenario.name, "victim": "router (the fleet's owner)", "sent": requests,
+            "tokens_sent_at_kill": tokens, "cut_by_kill": len(cut), **tally(outcomes),
+            "equal_to_no_fault": sum(o.text == n.text for o, n in zip(outcomes, no_fault, strict=True)),
+            "follow_up_completed": tally(follow_up)["completed"], "follow_up_sent": len(follow_up),
+            "follow_up_errors": tally(follow_up)["errors"],
+            "surviving_index_blocks": {"before": blocks_before, "after": index_blocks(other)}}
+
+
+def two_routers_row(scenario: Scenario, requests: int) -> dict:
+    with contextlib.ExitStack() as stack:
+        head = stack.enter_context(RayHead())
+        args = ["--model", "tiny", "--address", head.address, *scenario.serve_args]
+        owner = stack.enter_context(LocalServer(args, Path("results") / f"faults-{scenario.name}-a.log"))
+        other = stack.enter_context(LocalServer([*args, "--router-only"],
+                                                Path("results") / f"faults-{scenario.name}-b.log"))
+        front = stack.enter_context(balancer([owner.url, other.url], Path("results") / f"faults-{scenario.name}-nginx"))
+        return asyncio.run(run_two_routers(owner, other, front, scenario, requests))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -277,6 +352,10 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.scenario or list(SCENARIOS):
         scenario = SCENARIOS[name]
         console.print(f"[bold]{name}[/]: starting pdcluster serve {' '.join(scenario.serve_args)}")
+        if scenario.victim_role == "router-of-two":
+            rows.append(two_routers_row(scenario, args.requests))
+            console.print(rows[-1])
+            continue
         log = Path("results") / f"faults-{name}.log"
         with contextlib.ExitStack() as stack:
             serve_args = ["--model", "tiny", *scenario.serve_args]
@@ -286,9 +365,9 @@ def main(argv: list[str] | None = None) -> int:
             server = stack.enter_context(LocalServer(serve_args, log))
             rows.append(asyncio.run(run_scenario(server, scenario, args.requests)))
         console.print(rows[-1])
-    table = Table(title="faults: an engine, the store shard or the router SIGKILLed under load")
-    columns = ("scenario", "sent", "streams_on_victim_at_kill", "completed", "equal_to_no_fault", "failed_clean",
-               "dropped", "hung", "follow_up_completed", "store_in_flight_after")
+    table = Table(title="faults: an engine, the store shard or a router SIGKILLed (or an engine drained) under load")
+    columns = ("scenario", "sent", "streams_on_victim_at_kill", "cut_by_kill", "migrated", "completed",
+               "equal_to_no_fault", "failed_clean", "dropped", "hung", "follow_up_completed", "store_in_flight_after")
     for column in columns:
         table.add_column(column)
     for row in rows:

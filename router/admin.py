@@ -8,6 +8,7 @@ a browser (the status page) sends it as a Basic password, for reads only (router
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -61,10 +62,9 @@ def _add_cluster_routes(routes: APIRouter, app: FastAPI, store_endpoints: tuple[
             "instances": [
                 {"instance_id": i.instance_id, "role": i.role.name, "url": i.url,
                  "state": i.state.value, "inflight": i.inflight, "index_blocks": index.num_blocks(i.instance_id),
-                 "kv_events_replay_endpoint": i.kv_events_replay_endpoint}
+                 "kv_events_endpoint": i.kv_events_endpoint, "kv_events_replay_endpoint": i.kv_events_replay_endpoint}
                 for i in registry.all()
             ],
-            "kv_events_endpoint": app.state.config.kv_events_endpoint,
         }
 
     @routes.get("/admin/store")
@@ -91,6 +91,21 @@ def _add_engine_routes(routes: APIRouter, app: FastAPI) -> None:
             raise StarletteHTTPException(404, f"no instance {instance_id!r} behind this router")
         return await engine_metrics(instance, app.state.monitor.client)
 
+    @routes.post("/admin/instances/{instance_id}/drain", status_code=202)
+    async def drain(instance_id: str) -> dict:
+        """Take an instance out of its pool as a planned shrink does: it takes no new request and
+        finishes what it holds (what is left at the deadline goes on elsewhere), then stops; the
+        pool controller starts another if its pool falls below its floor. Only the router that
+        owns the fleet may (202: under way; /admin/instances shows it draining, then gone)."""
+        if app.state.retire is None:
+            raise StarletteHTTPException(409, "this router owns no engine (launch --router-only)")
+        if registry.get(instance_id) is None:
+            raise StarletteHTTPException(404, f"no instance {instance_id!r} behind this router")
+        task = asyncio.create_task(app.state.retire(instance_id), name=f"drain-{instance_id}")
+        app.state.retiring.add(task)
+        task.add_done_callback(app.state.retiring.discard)
+        return {"draining": instance_id}
+
     @routes.get("/admin/prometheus_sd", response_model=list[ScrapeTargetGroup])
     async def prometheus_sd(request: Request) -> JSONResponse:
         """Prometheus HTTP service discovery: every running engine, scraped through the relay above
@@ -114,10 +129,9 @@ def _add_explain_route(routes: APIRouter, app: FastAPI, analyzer: RequestAnalyze
         admitted = await admitted_request(request, kind, request.query_params.get("tenant", OPEN_TENANT))
         parsed = admitted.request
         routing = await analyzer.analyze(parsed, admitted.body_bytes)
-        listener = app.state.listener
         return {
             "token_ids": analyzer.token_ids(parsed),
             "block_hashes": [str(h) for h in routing.block_hashes],
             "matched_blocks": index.match(routing.block_hashes),
-            "kv_event_batches": listener.batches_applied if listener else 0,
+            "kv_event_batches": app.state.listener.batches_applied,
         }

@@ -92,22 +92,23 @@ def build_app(
     forwarder = Forwarder(config, registry, placer, queue, credentials.engine_headers())
     monitor = HealthMonitor(registry, config.health_interval_s, config.health_timeout_s,
                             config.health_failure_threshold, credentials.engine_headers())
-    listener = (KVEventListener(index, config.kv_events_endpoint, registry.replay_endpoint_of,
-                                credentials.curve(KV_EVENTS_PLANE)) if config.kv_events_endpoint else None)
+    listener = KVEventListener(index, registry.replay_endpoint_of, credentials.curve(KV_EVENTS_PLANE))
+    for instance in registry.all():  # registered before the router was built (started, adopted)
+        listener.follow(instance.instance_id, instance.kv_events_endpoint)
+    registry.on_add.append(lambda instance: listener.follow(instance.instance_id, instance.kv_events_endpoint))
+    registry.on_remove.append(listener.unfollow)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         monitor.start()
         limits.start()
-        if listener:
-            listener.start(holders=[i.instance_id for i in registry.all()])
+        listener.start()
         try:
             yield
         finally:
             await monitor.stop()
             await limits.stop()
-            if listener:
-                await listener.stop()
+            await listener.stop()
             await forwarder.close()
             analyzer.close()
             if tracing:
@@ -120,6 +121,8 @@ def build_app(
     app.state.registry, app.state.queue, app.state.first_tokens = registry, queue, forwarder.first_tokens
     app.state.config, app.state.index, app.state.listener = config, index, listener
     app.state.monitor = monitor
+    # retire(instance_id) drains and stops an instance: set by whoever owns the engines.
+    app.state.retire, app.state.retiring = None, set()
     app.state.starts, app.state.errors = starts or StartLog(), ErrorLog()
     intake = Intake(config, admission)
     _add_error_handlers(app)

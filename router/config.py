@@ -39,8 +39,6 @@ class RouterConfig(BaseModel):
     """Routing policy: a name in router.policies.POLICIES, or module:Class."""
     kv_hashing: KVHashing = KVHashing()
     """The engines' (their block size, seed and hash algorithm: the router's hashes are theirs)."""
-    kv_events_endpoint: str | None = None
-    """Where the router's SUB socket binds for the engines' KV events (tcp://host:port)."""
     speculative_ttl_s: float = Field(2.0, gt=0)
     """How long a just-routed request's blocks count as held before an event confirms them."""
     max_index_blocks_per_instance: int = Field(1_000_000, ge=1)
@@ -52,6 +50,9 @@ class RouterConfig(BaseModel):
     """Longest wait to open a connection to an engine."""
     request_timeout_s: float = Field(600.0, gt=0)
     """Longest wait for an engine's next bytes of a response (raise for very long generations)."""
+    stream_stall_s: float = Field(30.0, gt=0)
+    """Longest gap between an engine's events once its stream has begun: past it the engine counts
+    as broken and the stream goes on elsewhere (router/migration.py), as if it had died."""
     max_request_s: float = Field(3600.0, gt=0)
     """Longest a whole request may take, streaming included."""
     max_attempts: int = Field(2, ge=1)

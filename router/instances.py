@@ -35,6 +35,8 @@ class Instance:
     pending_prefill_tokens: float = 0.0
     """Prompt tokens routed there whose prefill has not finished (the router's estimate)."""
     failed_checks: int = 0
+    kv_events_endpoint: str | None = None
+    """The engine's KV event PUB socket (None: it publishes none)."""
     kv_events_replay_endpoint: str | None = None
     """The engine's replay socket for missed KV event batches."""
     failed_prefills: int = 0
@@ -59,17 +61,21 @@ class PendingPrefill:
 
 
 class InstanceRegistry:
-    """Instances by id. Mutated only on the router's event loop. `on_remove` callbacks run for
-    each instance that leaves (the KV index forgets what it held)."""
+    """Instances by id. Mutated only on the router's event loop. `on_add` callbacks run for each
+    instance registered (the KV event listener subscribes to it), `on_remove` ones for each that
+    leaves (the KV index forgets what it held)."""
 
     def __init__(self) -> None:
         self._instances: dict[str, Instance] = {}
+        self.on_add: list[Callable[[Instance], None]] = []
         self.on_remove: list[Callable[[str], None]] = []
 
     def add(self, instance: Instance) -> None:
         if instance.instance_id in self._instances:
             raise ValueError(f"instance {instance.instance_id} is already registered")
         self._instances[instance.instance_id] = instance
+        for callback in self.on_add:
+            callback(instance)
 
     def remove(self, instance_id: str) -> Instance | None:
         instance = self._instances.pop(instance_id, None)

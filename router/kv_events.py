@@ -1,11 +1,11 @@
 """Feeding the KV index from vLLM's KV events.
 
 Every engine runs vLLM's own publisher (`--kv-events-config`; engine/kv_events.py puts it on the
-cluster's CURVE keys and strips token ids), its PUB socket connecting to the router's one SUB
-socket with the instance id as topic, and its replay ROUTER socket bound on the engine's address.
-(The router binds and the engines connect because vLLM binds a PUB socket only on a wildcard
-address, and nothing here may listen beyond loopback.) The SUB socket admits only the cluster's
-KV-event client key. A message that fails in any way (it does not decode, names an instance the
+cluster's CURVE keys and strips token ids): a PUB socket with the instance id as topic and a
+replay ROUTER socket, both bound on the engine's address as CURVE servers. The router's one SUB
+socket connects to every engine it knows (`follow`, as instances are registered) with the plane's
+client key, so every router of a cluster keeps its own index from the same events, and one
+router more is one subscriber more, not a change to any engine. A message that fails in any way (it does not decode, names an instance the
 router does not know, carries a sequence number no publisher sends, or raises while applied) is
 dropped and counted, never fatal; should the listening task itself fail (its socket), it is
 logged and listens again.
@@ -13,15 +13,16 @@ logged and listens again.
 Each batch carries a sequence number. A gap (a slow joiner, a dropped message, a restarted
 engine) triggers a replay from the engine's buffer; if the replay cannot cover the gap the
 holder's entries are cleared and rebuilt from the next events, since stale entries are worse
-than none. A router that starts while engines already serve (a restart) replays each engine's
-buffer from the start, so its index holds what the engines hold before the next request.
+than none. A router that follows an engine that already serves (a restart, a second router, an
+engine registered while it publishes) replays that engine's buffer from the start, so its index
+holds what the engine holds before the next request.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -32,7 +33,7 @@ from kvstore import STORE_MEDIUM
 from router import metrics
 from router.kv_index import KVIndex
 from security.credentials import CurveKeys
-from transport.zmq_curve import Gate, connect_curve, serve_curve
+from transport.zmq_curve import connect_curve
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_events import KVEventBatch
@@ -53,7 +54,6 @@ class KVEventListener:
     def __init__(
         self,
         index: KVIndex,
-        bind_endpoint: str,
         replay_endpoint_of: Callable[[str], str | None],
         keys: CurveKeys,
         replay_timeout_s: float = 1.0,
@@ -68,7 +68,6 @@ class KVEventListener:
 
         self.index = index
         self.keys = keys
-        self.bind_endpoint = bind_endpoint
         self.replay_endpoint_of = replay_endpoint_of
         self.replay_timeout_s = replay_timeout_s
         self.restart_delay_s = restart_delay_s
@@ -78,23 +77,44 @@ class KVEventListener:
         """Times the listening task failed and was started again."""
         self._decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
         self._context = zmq.asyncio.Context()
-        self._gate: Gate | None = None
         self._socket: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
+        self._followed: dict[str, str] = {}  # holder -> its PUB endpoint
 
-    def start(self, holders: Iterable[str] = ()) -> None:
-        """Listen, and catch up on the history of `holders` (engines that published before this
-        router started: a restarted router rebuilds its index from their replay buffers)."""
-        self._gate = Gate(self._context, self.keys)
+    def start(self) -> None:
+        """Listen to every engine followed so far, catching up on their history."""
         self._socket = self._context.socket(zmq.SUB)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.SUBSCRIBE, b"")
         self._socket.setsockopt(zmq.MAXMSGSIZE, 64 * 1024**2)
-        serve_curve(self._socket, self.keys)
-        self._socket.bind(self.bind_endpoint)
+        connect_curve(self._socket, self.keys)
         self._listen(delay_s=0.0)
-        self._tasks += [asyncio.create_task(self.catch_up(h), name=f"kv-catch-up-{h}") for h in holders]
+        for holder, endpoint in self._followed.items():
+            self._subscribe(holder, endpoint)
+
+    def follow(self, holder: str, endpoint: str | None) -> None:
+        """Subscribe to `holder`'s events at `endpoint` (None: it publishes none) and catch up on
+        what its buffer holds; before `start()`, once listening."""
+        if endpoint is None or holder in self._followed:
+            return
+        self._followed[holder] = endpoint
+        if self._socket is not None:
+            self._subscribe(holder, endpoint)
+
+    def unfollow(self, holder: str) -> None:
+        endpoint = self._followed.pop(holder, None)
+        if endpoint is not None and self._socket is not None:
+            try:
+                self._socket.disconnect(endpoint)
+            except zmq.ZMQError:  # never connected
+                pass
+
+    def _subscribe(self, holder: str, endpoint: str) -> None:
+        assert self._socket is not None
+        self._socket.connect(endpoint)
+        self._tasks = [t for t in self._tasks if not t.done()]
+        self._tasks.append(asyncio.create_task(self.catch_up(holder), name=f"kv-catch-up-{holder}"))
 
     def _listen(self, delay_s: float) -> None:
         task = asyncio.create_task(self._run(delay_s), name="kv-event-listener")
@@ -117,8 +137,6 @@ class KVEventListener:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._socket:
             self._socket.close(linger=0)
-        if self._gate:
-            self._gate.stop()
         self._context.term()
 
     async def _run(self, delay_s: float) -> None:

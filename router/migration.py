@@ -7,6 +7,9 @@ stream breaks, the continuation is a completion whose prompt is the first stream
 ids (for a chat, the rendered conversation) followed by the tokens already sent, asking for the
 tokens still owed. Its events are rewritten to the first stream's id, model and object (a chat's
 `delta.content`), and its usage counts the request once: the original prompt, every token sent.
+A stream breaks when its engine's connection fails, ends before [DONE], or stalls: no event for
+`stream_stall_s` once it has begun (`without_stalls`: a frozen process or an unreachable node
+never closes the connection).
 
 What holds: greedy output equals a run without the fault, token for token, as far as the
 numbers allow: the continuation's prompt is exactly the tokens the engine had, but their KV is
@@ -33,9 +36,10 @@ would escape them), and an engine that hides token ids (a reasoning parser).
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from engine.environment import GRAMMAR_ARG
@@ -227,3 +231,15 @@ class StreamLedger:
             usage = b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
         self.done = True
         return usage + _DONE
+
+
+async def without_stalls(chunks: AsyncIterator[bytes], stall_s: float) -> AsyncIterator[bytes]:
+    """`chunks`, each within `stall_s` of the one before: an engine that stops sending mid-stream
+    (hung, frozen, its node unreachable) breaks the stream as a dead one does (TimeoutError), and
+    a migratable stream goes on elsewhere."""
+    while True:
+        try:
+            chunk = await asyncio.wait_for(anext(chunks), stall_s)
+        except StopAsyncIteration:
+            return
+        yield chunk

@@ -31,7 +31,7 @@ from router import metrics
 from router.config import RouterConfig
 from router.errors import EngineFailed, error_body
 from router.instances import CapacityQueue, Instance, InstanceRegistry, LatencyWindow, PendingPrefill
-from router.migration import StreamLedger, migratable
+from router.migration import StreamLedger, migratable, without_stalls
 from router.placement import Placement, PlacementReason, Placer
 from router.policies import RoutingRequest
 from router.tracing import NO_SPAN, EngineCall, RequestTrace, instance_attributes, placement_attributes
@@ -200,6 +200,7 @@ class Forwarder:
                 trace.first_byte(call)
             prefill.done()
             handed_over = True
+            chunks = without_stalls(chunks, self.config.stream_stall_s)
             relay = (self._relay(instance, endpoint, upstream, first, chunks, started, call) if ledger is None
                      else self._migrating_relay(instance, endpoint, upstream, first, chunks, started, ledger, others,
                                                 call))
@@ -367,7 +368,7 @@ class Forwarder:
                     self.registry.mark_failed(instance, f"failed a continued stream: HTTP {upstream.status}")
                 return None
             chunks = upstream.content.iter_any()
-            moved = instance, upstream, await chunks.__anext__(), chunks
+            moved = instance, upstream, await chunks.__anext__(), without_stalls(chunks, self.config.stream_stall_s)
             return moved
         except (aiohttp.ClientError, TimeoutError, StopAsyncIteration) as exc:
             self.registry.mark_failed(instance, f"failed a continued stream: {exc!r}")
@@ -394,3 +395,4 @@ class Forwarder:
             metrics.TIME_TO_FIRST_BYTE.labels(endpoint).observe(elapsed)
         metrics.REQUEST_LATENCY.labels(endpoint).observe(elapsed)
         metrics.REQUESTS.labels(endpoint, str(status)).inc()
+

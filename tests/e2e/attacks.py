@@ -15,8 +15,6 @@ import httpx
 import msgpack
 import zmq
 
-FORGED_BATCHES = 100
-
 
 def _zmq_answer(kind: int, endpoint: str, frames: list[bytes], curve_keys=None, wait_s: float = 2.0):
     """What a stranger's ZMQ socket of `kind` gets back (None: nothing)."""
@@ -79,24 +77,35 @@ def kv_event_replay(replay_endpoints: list[str]) -> list:
     return [_zmq_answer(zmq.DEALER, e, [b"", (0).to_bytes(8, "big")]) for e in replay_endpoints]
 
 
-def forged_kv_events(sub_endpoint: str, instance_ids: list[str]) -> int:
-    """Forged BlockStored batches (vLLM's wire format) in the instances' names, published to the
-    router's SUB socket; the scenario reads the router's index around this."""
-    event = {"type": "BlockStored", "block_hashes": [12345], "parent_block_hash": None, "token_ids": [],
-             "block_size": 32, "lora_id": None, "medium": "CPU", "lora_name": None}
-    payload = msgpack.packb([time.time(), [event]])
+def kv_event_subscriptions(pub_endpoints: list[str], listen_s: float) -> dict[str, list]:
+    """Engines' KV event PUB sockets, subscribed to for `listen_s` (while the cluster serves
+    requests, so there are events to hear), plainly and with a CURVE key pair of the attacker's
+    own: every message heard, per endpoint (the events name every tenant's prompt blocks)."""
     context = zmq.Context()
-    socket = context.socket(zmq.PUB)
-    socket.setsockopt(zmq.LINGER, 0)
-    socket.connect(sub_endpoint)
-    time.sleep(1.0)
-    for seq in range(FORGED_BATCHES):
-        for instance_id in instance_ids:
-            socket.send_multipart([instance_id.encode(), seq.to_bytes(8, "big"), payload])
-    time.sleep(1.0)
-    socket.close(0)
+    sockets = {}
+    for name, own_key in (("plain", False), ("own_curve_key", True)):
+        for endpoint in pub_endpoints:
+            socket = context.socket(zmq.SUB)
+            socket.setsockopt(zmq.LINGER, 0)
+            socket.setsockopt(zmq.SUBSCRIBE, b"")
+            if own_key:
+                public, secret = zmq.curve_keypair()
+                socket.curve_serverkey, socket.curve_publickey, socket.curve_secretkey = public, public, secret
+            socket.connect(endpoint)
+            sockets[(name, endpoint)] = socket
+    heard: dict[str, list] = {"plain": [], "own_curve_key": []}
+    deadline = time.monotonic() + listen_s
+    poller = zmq.Poller()
+    for socket in sockets.values():
+        poller.register(socket, zmq.POLLIN)
+    while (left := deadline - time.monotonic()) > 0:
+        for socket, _ in poller.poll(int(left * 1000)):
+            name = next(n for (n, _), s in sockets.items() if s is socket)
+            heard[name].append(socket.recv_multipart())
+    for socket in sockets.values():
+        socket.close(0)
     context.term()
-    return FORGED_BATCHES * len(instance_ids)
+    return heard
 
 
 def _grpc_status(call) -> str:
@@ -144,14 +153,16 @@ def dashboard_agents(client: httpx.Client, agent_urls: list[str]) -> dict[str, d
 
 def main() -> int:
     targets = json.load(sys.stdin)
+    # First, while the cluster serves the requests the scenario sends for as long.
+    subscriptions = kv_event_subscriptions(targets["kv_events"], targets["listen_s"])
     with httpx.Client(timeout=10) as client:
         seen = {
+            "kv_event_subscriptions": subscriptions,
             "client_routes": client_routes(client, targets["router"]),
             "router_edges": router_edges(client, targets["router"]),
             "engine_routes": engine_routes(client, targets["engines"]),
             "store_shards": store_shards(targets["store_shards"]),
             "kv_event_replay": kv_event_replay(targets["kv_event_replay"]),
-            "forged_kv_events": forged_kv_events(targets["kv_events"], targets["instance_ids"]),
             "ray_gcs": ray_gcs(targets["ray_gcs"]),
             "ray_client": ray_client(targets["ray_client"]),
             "dashboard_agents": dashboard_agents(client, targets["dashboard_agents"]),

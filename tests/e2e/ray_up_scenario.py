@@ -31,6 +31,8 @@ PROVIDER = yaml.safe_load(CLUSTER_YAML.read_text())["provider"]
 HOSTS = (PROVIDER["head_ip"], *PROVIDER["worker_ips"])
 ROUTER_PORT = 8000
 TENANT_KEY = "sk-ray-up-tenant"
+LISTEN_S = 8.0
+"""How long the stranger listens to the engines' KV events while a tenant's requests run."""
 # Each node's dashboard agent (HTTP): Ray's default on the head, P + 3 on a worker (local.yaml: P
 # from the address's last digit).
 DASHBOARD_AGENT_PORT = {HOSTS[0]: 52365, **{host: 30000 + 200 * (int(host.rsplit(".", 1)[1]) % 10) + 3
@@ -73,38 +75,41 @@ def cluster_yaml(workdir: Path) -> Path:
 
 def attack(base: str, admin: dict, attacker_namespace: str, seen: dict) -> None:
     """What a stranger in `attacker_namespace` gets from each listener: the endpoints are read as
-    the operator (a port scan would find them too), the attacks run there without any credential."""
+    the operator (a port scan would find them too), the attacks run there without any credential;
+    the cluster serves a tenant's requests meanwhile (its engines publish KV events)."""
     shards = [s["endpoint"] for s in httpx.get(f"{base}/admin/store", headers=admin, timeout=10).json()["shards"]]
-
-    def instances() -> dict:
-        return httpx.get(f"{base}/admin/instances", headers=admin, timeout=10).json()
-
-    def index_blocks() -> dict[str, int]:
-        """What the router's index holds per instance (the forged events name real instances)."""
-        return {i["instance_id"]: i["index_blocks"] for i in instances()["instances"]}
-
-    time.sleep(3)  # the chat's speculative index entries expire (2 s): only events change it from here
-    listing = instances()
+    time.sleep(3)  # the chat's speculative index entries expire (2 s): only events change the index from here
+    listing = httpx.get(f"{base}/admin/instances", headers=admin, timeout=10).json()["instances"]
     head = HOSTS[0]
     targets = {
         "router": f"http://{head}:{ROUTER_PORT}",
-        "engines": [i["url"] for i in listing["instances"]],
+        "engines": [i["url"] for i in listing],
         "store_shards": shards,
-        "kv_event_replay": [i["kv_events_replay_endpoint"] for i in listing["instances"]],
-        "kv_events": listing["kv_events_endpoint"],
-        "instance_ids": [i["instance_id"] for i in listing["instances"]],
+        "kv_event_replay": [i["kv_events_replay_endpoint"] for i in listing],
+        "kv_events": [i["kv_events_endpoint"] for i in listing],
+        "listen_s": LISTEN_S,
         "ray_gcs": f"{head}:6379",
         "ray_client": f"{head}:10001",
         "dashboard_agents": [f"http://{host}:{port}" for host, port in DASHBOARD_AGENT_PORT.items()],
     }
     stranger_env = {"PATH": os.environ["PATH"], "HOME": "/nonexistent"}  # no secret, no Ray token, no config
-    before = index_blocks()
-    stranger = subprocess.run(
+    stranger = subprocess.Popen(
         ["nsenter", f"--net=/run/netns/{attacker_namespace}", sys.executable, str(REPO / "tests/e2e/attacks.py")],
-        input=json.dumps(targets), capture_output=True, text=True, timeout=300, env=stranger_env, cwd="/",
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=stranger_env, cwd="/",
     )
-    seen["attacks"] = json.loads(stranger.stdout) if stranger.returncode == 0 else {"failed": stranger.stderr[-3000:]}
-    seen["index_blocks_around_forged_events"] = {"before": before, "after": index_blocks()}
+    stranger.stdin.write(json.dumps(targets))
+    stranger.stdin.close()
+    tenant = {"Authorization": f"Bearer {TENANT_KEY}"}
+    blocks_before = sum(i["index_blocks"] for i in listing)
+    deadline = time.monotonic() + LISTEN_S
+    while time.monotonic() < deadline:  # new prompts: blocks stored, events published
+        httpx.post(f"{base}/v1/completions", headers=tenant, timeout=60,
+                   json={"model": "tiny", "max_tokens": 2, "prompt": f"A prompt of {time.time()} " * 20})
+    time.sleep(3)  # the last requests' speculative entries expire
+    listing = httpx.get(f"{base}/admin/instances", headers=admin, timeout=10).json()["instances"]
+    seen["index_blocks_while_attacked"] = {"before": blocks_before, "after": sum(i["index_blocks"] for i in listing)}
+    out, err = stranger.communicate(timeout=300)
+    seen["attacks"] = json.loads(out) if stranger.returncode == 0 else {"failed": err[-3000:]}
 
 
 def main() -> int:

@@ -11,6 +11,7 @@ tiny model's token 85 of 400); in float32 they do not (docs/faults.md).
 from __future__ import annotations
 
 import json
+import signal
 import threading
 import time
 
@@ -21,6 +22,7 @@ from loadtest.faults import kill_engine
 
 pytestmark = pytest.mark.slow
 MODEL, MAX_TOKENS = "smollm2", 96
+STALL_S = 4.0  # a frozen engine's streams go on elsewhere after this long without an event
 PROMPTS = ["The history of the river Thames begins", "Explain in detail how a bicycle works.",
            "Dear committee, I am writing to apply for", "Tell me a long story about a lighthouse keeper."]
 SCHEMA = {"type": "object", "required": ["title", "year", "themes"],
@@ -33,8 +35,8 @@ def served_two(model_dir, artifacts):
     from deploy.local import LocalServer
 
     model_dir(MODEL)
-    server = LocalServer(["--model", MODEL, "--instances", "2", "--kv-cache-gib", "1", "--dtype", "float32"],
-                         artifacts / "serve-migration.log").start()
+    server = LocalServer(["--model", MODEL, "--instances", "2", "--kv-cache-gib", "1", "--dtype", "float32",
+                          "--stream-stall-timeout", str(STALL_S)], artifacts / "serve-migration.log").start()
     try:
         yield server
     finally:
@@ -93,8 +95,11 @@ class Stream:
         return self.text, self.usage, self.errors, self.token_ids
 
 
-@pytest.mark.parametrize("structured", [False, True], ids=["plain", "structured"])
-def test_a_killed_engine_costs_no_stream_and_no_token(served_two, structured):
+@pytest.mark.parametrize(("structured", "fault"), [(False, "killed"), (True, "killed"), (False, "frozen")],
+                         ids=["plain", "structured", "frozen"])
+def test_a_killed_engine_costs_no_stream_and_no_token(served_two, structured, fault):
+    """Killed (SIGKILL: the connection breaks) or frozen (SIGSTOP: it stays open, silent, until
+    the stall deadline)."""
     url = served_two.url
     reference = [Stream(url, k, structured) for k in range(len(PROMPTS))]
     expected = [s.result() for s in reference]
@@ -108,9 +113,13 @@ def test_a_killed_engine_costs_no_stream_and_no_token(served_two, structured):
         assert time.monotonic() < deadline
         time.sleep(0.005)
     victim = max(served_two.instances(), key=lambda i: i["inflight"])
-    kill_engine(victim["url"])
+    kill_engine(victim["url"], signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
     at_kill = [s.events for s in streams]
-    results = [s.result() for s in streams]
+    try:
+        results = [s.result() for s in streams]
+    finally:
+        if fault == "frozen":
+            kill_engine(victim["url"], signal.SIGCONT)  # it serves again once its health checks pass
 
     # The fault hit streams in flight: the victim held some, none had finished.
     assert victim["inflight"] >= 1 and max(at_kill) < MAX_TOKENS, (victim, at_kill)
@@ -137,11 +146,36 @@ def _migrations(server) -> float:
                if line.startswith("pdcluster_router_migrations_total"))
 
 
+def test_a_drained_instance_finishes_its_streams_then_stops(served_two):
+    """A planned shrink (POST /admin/instances/ID/drain, the pool controller's own drain): the
+    instance takes no new request, its streams end whole where they are (none migrates), then it
+    stops, and the pool gets its capacity back."""
+    admin = served_two.credentials.admin_headers()
+    migrations_before = _migrations(served_two)
+    streams = [Stream(served_two.url, k) for k in range(len(PROMPTS))]
+    deadline = time.monotonic() + 60
+    while min(s.events for s in streams) < 3:
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    victim = max(served_two.instances(), key=lambda i: i["inflight"])
+    assert victim["inflight"] >= 1, victim
+    drained = httpx.post(f"{served_two.url}/admin/instances/{victim['instance_id']}/drain", headers=admin, timeout=10)
+    assert drained.status_code == 202, drained.text
+    states = {i["instance_id"]: i["state"] for i in served_two.instances()}
+    assert states.get(victim["instance_id"], "draining") == "draining"  # no new request goes there
+    results = [s.result() for s in streams]
+    assert all(not errors and usage["completion_tokens"] == MAX_TOKENS for _, usage, errors, _ in results), results
+    assert _migrations(served_two) == migrations_before  # each ended where it ran
+    deadline = time.monotonic() + 240  # gone, and the pool controller restores the pool's floor
+    while victim["instance_id"] in (ids := [i["instance_id"] for i in served_two.instances()]) or sum(
+            i["state"] == "ready" for i in served_two.instances()) < 2:
+        assert time.monotonic() < deadline, ids
+        time.sleep(0.5)
+
+
 def test_sigterm_drains_the_streams_in_flight_before_the_engines_stop(served_two):
     """Last in this module: it stops the server. `pdcluster down` and a pod's termination send
     SIGTERM; the router takes no new connection but its open streams end whole."""
-    import signal
-
     stream = Stream(served_two.url, 0)
     deadline = time.monotonic() + 60
     while stream.events < 3:

@@ -150,6 +150,47 @@ async def test_an_instance_leaving_its_pool_takes_no_new_request_and_finishes_wh
     assert registry.get("colocated-0") is None
 
 
+class _FakeRemote:
+    """A fake Ray actor method (named so): `.remote()` answers at once with `answer()`."""
+
+    def __init__(self, answer) -> None:
+        self.answer = answer
+
+    def remote(self, *args):
+        import asyncio
+
+        future = asyncio.get_running_loop().create_future()
+        future.set_result(self.answer(*args))
+        return future
+
+
+async def test_a_drain_waits_for_what_other_routers_sent_the_engine():
+    """Another router's requests are not in this router's books: the engine's own count decides."""
+    import asyncio
+
+    from engine.lifecycle import InstanceState
+    from router.instances import InstanceRegistry
+
+    registry = InstanceRegistry()
+    leaving = Instance("colocated-0", COLOCATED, "http://127.0.0.1:1", model="m")
+    registry.add(leaving)
+    engine = {"running": 1, "draining": None}
+    actor = type("FakeEngineActor", (), {
+        "set_draining": _FakeRemote(lambda draining: engine.update(draining=draining)),
+        "requests_in_flight": _FakeRemote(lambda: engine["running"]), "stop": _FakeRemote(lambda: None)})()
+    launcher = bare_launcher(registry)
+    launcher._actors["colocated-0"] = actor
+    stopping = asyncio.create_task(launcher.stop_instance("colocated-0", drain_s=30))
+    await asyncio.sleep(0.5)
+    assert leaving.state == InstanceState.DRAINING and engine["draining"] is True  # every router reads it
+    assert not stopping.done()  # this router holds nothing there, the engine still runs one
+    engine["running"] = 0
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("ray.kill", lambda actor: None)
+        await asyncio.wait_for(stopping, 2)
+    assert registry.get("colocated-0") is None
+
+
 async def test_a_drain_ends_at_its_deadline():
     import asyncio
 

@@ -35,8 +35,8 @@ def publisher(endpoint: str, replay: str, topic: str, ours: bool = True):
     return kind(data_parallel_rank=0, endpoint=endpoint, replay_endpoint=replay, topic=topic)
 
 
-def listener_for(index, sub, replay_endpoint_of, **options) -> KVEventListener:
-    return KVEventListener(index, sub, replay_endpoint_of, KEYS, **options)
+def listener_for(index, replay_endpoint_of, **options) -> KVEventListener:
+    return KVEventListener(index, replay_endpoint_of, KEYS, **options)
 
 
 def stored(*hashes: int, medium: str = "CPU"):
@@ -72,17 +72,18 @@ def endpoints():
 
 
 async def test_events_missed_before_the_router_started_are_replayed(endpoints):
-    sub, replay = endpoints
-    engine = publisher(sub, replay, "engine-a")
+    pub, replay = endpoints
+    engine = publisher(pub, replay, "engine-a")
     try:
         for k in range(3):  # nobody listens yet: these are really lost on the PUB socket
             engine.publish(stored(k))
         await asyncio.sleep(0.3)
         index = KVIndex()
-        listener = listener_for(index, sub, {"engine-a": replay}.get)
+        listener = listener_for(index, {"engine-a": replay}.get)
         listener.start()
+        listener.follow("engine-a", pub)
         try:
-            await asyncio.sleep(0.5)  # let the PUB side connect
+            await asyncio.sleep(0.5)  # let the SUB side connect
             engine.publish(stored(3))
             await until(lambda: index.match([0, 1, 2, 3]) == {"engine-a": 4})
             engine.publish(removed(1))
@@ -97,22 +98,23 @@ async def test_events_missed_before_the_router_started_are_replayed(endpoints):
 
 
 async def test_a_restarted_router_rebuilds_its_index_before_any_new_event(endpoints):
-    """A router that starts while an engine already serves (a restart) catches up from the
-    engine's replay buffer at once, instead of waiting for its next batch."""
-    sub, replay = endpoints
-    engine = publisher(sub, replay, "engine-a")
+    """A router that starts while an engine already serves (a restart, a second router) catches
+    up from the engine's replay buffer at once, instead of waiting for its next batch."""
+    pub, replay = endpoints
+    engine = publisher(pub, replay, "engine-a")
     try:
         for batch in (stored(0, 1), stored(2), removed(0), stored(3)):
             engine.publish(batch)
         await asyncio.sleep(0.3)
         index = KVIndex()
-        listener = listener_for(index, sub, {"engine-a": replay}.get)
-        listener.start(holders=["engine-a"])
+        listener = listener_for(index, {"engine-a": replay}.get)
+        listener.follow("engine-a", pub)  # registered before the router started: followed at start
+        listener.start()
         try:
             await until(lambda: index.expected_seq("engine-a") == 4)
             assert index.num_blocks("engine-a") == 3
             assert index.match([1, 2, 3]) == {"engine-a": 3} and index.match([0]) == {}
-            await asyncio.sleep(0.5)  # let the PUB side reconnect
+            await asyncio.sleep(0.5)  # let the SUB side connect
             engine.publish(stored(4))  # the live stream goes on where the replay ended
             await until(lambda: index.match([1, 2, 3, 4]) == {"engine-a": 4})
             assert listener.resyncs == 0
@@ -123,13 +125,13 @@ async def test_a_restarted_router_rebuilds_its_index_before_any_new_event(endpoi
 
 
 async def test_a_gap_that_cannot_be_replayed_resyncs_the_holder(endpoints):
-    sub, replay = endpoints
+    _, replay = endpoints
     index = KVIndex()
     index.stored("engine-b", [42])
     index.apply_batch("engine-b", 0, lambda: None)
     import msgspec
 
-    listener = listener_for(index, sub, {"engine-b": replay}.get, replay_timeout_s=0.2)  # nothing answers there
+    listener = listener_for(index, {"engine-b": replay}.get, replay_timeout_s=0.2)  # nothing answers there
     await listener.receive("engine-b", 5, msgspec.msgpack.encode(stored(7)))
     assert listener.resyncs == 1
     assert index.match([42]) == {}  # stale entries from before the gap are gone
@@ -144,7 +146,7 @@ async def test_blocks_an_engine_saved_to_the_store_are_indexed_as_the_stores(end
     from router.kv_events import STORE_HOLDER
 
     index = KVIndex()
-    listener = listener_for(index, endpoints[0], {"prefill-0": endpoints[1]}.get)
+    listener = listener_for(index, {"prefill-0": endpoints[1]}.get)
     await listener.receive("prefill-0", 0, msgspec.msgpack.encode(stored(1, 2)))
     await listener.receive("prefill-0", 1, msgspec.msgpack.encode(stored(1, 2, medium=STORE_MEDIUM)))
     assert index.match([1, 2]) == {"prefill-0": 2, STORE_HOLDER: 2}
@@ -152,20 +154,32 @@ async def test_blocks_an_engine_saved_to_the_store_are_indexed_as_the_stores(end
     assert index.match([1, 2]) == {STORE_HOLDER: 2}
 
 
-async def test_a_stranger_can_neither_publish_nor_replay(endpoints):
-    """vLLM's plain publisher (no cluster keys) reaches no index; a subscriber or replay client
-    without them hears nothing; what members hear carries block hashes, not token ids."""
+async def test_a_stranger_can_neither_subscribe_nor_replay(endpoints):
+    """An engine's PUB and replay sockets answer no one without the cluster's keys (no CURVE, or
+    another cluster's); what members hear carries block hashes, not token ids."""
     import msgspec
     import zmq
     import zmq.asyncio
+    from vllm.distributed.kv_events import KVEventBatch
 
-    sub, replay = endpoints
-    index = KVIndex()
-    listener = listener_for(index, sub, {"engine-a": replay}.get)
-    listener.start()
-    stranger = publisher(sub, f"tcp://127.0.0.1:{free_port('127.0.0.1')}", "engine-x", ours=False)
-    engine = publisher(sub, replay, "engine-a")
+    pub, replay = endpoints
+    engine = publisher(pub, replay, "engine-a")
     context = zmq.asyncio.Context()
+
+    def subscriber(keys) -> zmq.asyncio.Socket:
+        socket = context.socket(zmq.SUB)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.SUBSCRIBE, b"")
+        if keys is not None:
+            connect_curve(socket, keys)
+        socket.connect(pub)
+        return socket
+
+    async def heard(socket) -> list[bytes] | None:
+        try:
+            return await asyncio.wait_for(socket.recv_multipart(), 0.3)
+        except TimeoutError:
+            return None
 
     async def replay_reply(keys) -> list[bytes] | None:
         socket = context.socket(zmq.DEALER)
@@ -181,37 +195,55 @@ async def test_a_stranger_can_neither_publish_nor_replay(endpoints):
         finally:
             socket.close(0)
 
+    strangers = [subscriber(None), subscriber(ClusterCredentials.generate().curve(KV_EVENTS_PLANE))]
+    member = subscriber(KEYS)
     try:
-        await asyncio.sleep(0.5)  # let both PUB sides connect (the stranger's handshake fails)
-        stranger.publish(stored(66))
-        engine.publish(stored(5))
-        await until(lambda: index.match([5]) == {"engine-a": 1})
-        await asyncio.sleep(0.3)
-        assert index.match([66]) == {}
+        frames = None
+        for _ in range(50):  # until the member's subscription reached the engine
+            engine.publish(stored(5))
+            if (frames := await heard(member)) is not None:
+                break
+        assert frames is not None, "a member never heard the engine"
+        (event,) = msgspec.msgpack.decode(frames[-1], type=KVEventBatch).events
+        assert event.block_hashes == [5] and event.token_ids == [] and event.extra_keys is None
+        for _ in range(3):  # the strangers' handshakes had as long as the member's, and more
+            engine.publish(stored(6))
+            assert [await heard(s) for s in strangers] == [None, None]
         assert await replay_reply(None) is None  # no CURVE
         assert await replay_reply(ClusterCredentials.generate().curve(KV_EVENTS_PLANE)) is None  # other keys
-        member = await replay_reply(KEYS)
-        from vllm.distributed.kv_events import KVEventBatch
-
-        (event,) = msgspec.msgpack.decode(member[-1], type=KVEventBatch).events
-        assert event.block_hashes == [5] and event.token_ids == [] and event.extra_keys is None
+        (event, *_) = msgspec.msgpack.decode((await replay_reply(KEYS))[-1], type=KVEventBatch).events
+        assert event.token_ids == []
     finally:
-        stranger.shutdown()
+        for socket in (*strangers, member):
+            socket.close(0)
         engine.shutdown()
-        await listener.stop()
         context.term()
 
 
-def member_publisher(sub: str):
-    """A PUB socket on the cluster's client key (as an engine's, or a compromised one's), and its context."""
-    import zmq
+class MemberPublisher:
+    """A PUB socket bound as an engine's is, on the cluster's server key (what an engine of ours,
+    or a compromised one, sends on); owns its context and ZAP handler."""
 
-    context = zmq.Context()
-    pub = context.socket(zmq.PUB)
-    pub.setsockopt(zmq.LINGER, 0)
-    connect_curve(pub, KEYS)
-    pub.connect(sub)
-    return context, pub
+    def __init__(self, endpoint: str) -> None:
+        import zmq
+
+        from transport.zmq_curve import Gate, serve_curve
+
+        self.context = zmq.Context()
+        self.gate = Gate(self.context, KEYS)
+        self.socket = self.context.socket(zmq.PUB)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.set_hwm(20_000)
+        serve_curve(self.socket, KEYS)
+        self.socket.bind(endpoint)
+
+    def send_multipart(self, frames) -> None:
+        self.socket.send_multipart(frames)
+
+    def close(self) -> None:
+        self.socket.close(0)
+        self.gate.stop()
+        self.context.term()
 
 
 async def until_applied(pub, listener: KVEventListener, frames: list[bytes], applied: int) -> None:
@@ -263,11 +295,12 @@ FORGED = {  # (topic, sequence number, payload) of a member's batch that decodes
 async def test_a_forged_batch_is_dropped_and_counted_and_the_index_goes_on(endpoints, kind):
     """From a member's socket: a batch that decodes (or raises while decoding) but that no engine
     sends. It is dropped and counted, and the holder's next real batch applies as if it never came."""
-    sub, replay = endpoints
+    endpoint, replay = endpoints
     index = KVIndex()
-    listener = listener_for(index, sub, {"engine-a": replay}.get, replay_timeout_s=0.2)  # no replay answers
+    listener = listener_for(index, {"engine-a": replay}.get, replay_timeout_s=0.2)  # no replay answers
+    pub = MemberPublisher(endpoint)
+    listener.follow("engine-a", endpoint)
     listener.start()
-    context, pub = member_publisher(sub)
     try:
         await until_applied(pub, listener, [b"engine-a", (0).to_bytes(8, "big"), encoded(stored(1))], applied=1)
         rejected = metrics.KV_EVENTS_REJECTED._value.get()
@@ -279,15 +312,16 @@ async def test_a_forged_batch_is_dropped_and_counted_and_the_index_goes_on(endpo
         assert index.match([66]) == {} and index.holders() == ["engine-a"]
         assert listener.resyncs == 0 and listener.batches_applied == 2
     finally:
-        pub.close(0)
-        context.term()
+        pub.close()
         await listener.stop()
 
 
 async def test_a_failed_listening_task_is_logged_and_listens_again(endpoints, caplog):
-    sub, replay = endpoints
+    endpoint, replay = endpoints
     index = KVIndex()
-    listener = listener_for(index, sub, {"engine-a": replay}.get, restart_delay_s=0.05)
+    listener = listener_for(index, {"engine-a": replay}.get, restart_delay_s=0.05)
+    pub = MemberPublisher(endpoint)
+    listener.follow("engine-a", endpoint)
     listener.start()
     receive = listener._socket.recv_multipart
     failures = [RuntimeError("the socket broke")]
@@ -298,30 +332,29 @@ async def test_a_failed_listening_task_is_logged_and_listens_again(endpoints, ca
         return await receive()
 
     listener._socket.recv_multipart = breaking_once
-    context, pub = member_publisher(sub)
     try:
         await until_applied(pub, listener, [b"engine-a", (0).to_bytes(8, "big"), encoded(stored(1))], applied=1)
         assert listener.restarts == 1
         assert "the KV event listener failed" in caplog.text and "the socket broke" in caplog.text
     finally:
-        pub.close(0)
-        context.term()
+        pub.close()
         await listener.stop()
 
 
 async def test_malformed_messages_are_dropped_and_counted_and_the_listener_lives(endpoints):
-    """From a member's socket (strangers never reach the decoder): wrong frame counts, short
+    """From a member's socket (strangers never complete a handshake): wrong frame counts, short
     sequence numbers, negative ones, random payloads, a topic that is not text or no instance's. 10,000 of them,
     sent 500 at a time (a PUB socket drops what goes past its high-water mark, 1,000), each lot
     counted before the next: every one arrives, every one is rejected, and a good batch after them
     still applies."""
     import random
 
-    sub, replay = endpoints
+    endpoint, replay = endpoints
     index = KVIndex()
-    listener = listener_for(index, sub, {"engine-z": replay}.get)
+    listener = listener_for(index, {"engine-z": replay}.get)
+    pub = MemberPublisher(endpoint)
+    listener.follow("engine-z", endpoint)
     listener.start()
-    context, pub = member_publisher(sub)
     rng = random.Random(11)
     try:
         await until_applied(pub, listener, [b"engine-z", (0).to_bytes(8, "big"), encoded(stored(9))], applied=1)
@@ -341,6 +374,5 @@ async def test_malformed_messages_are_dropped_and_counted_and_the_listener_lives
         assert metrics.KV_EVENTS_REJECTED._value.get() - rejected == 10_000
         assert index.holders() == ["engine-z"] and index.num_blocks("engine-z") == 2
     finally:
-        pub.close(0)
-        context.term()
+        pub.close()
         await listener.stop()

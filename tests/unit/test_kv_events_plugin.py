@@ -24,7 +24,7 @@ def test_the_installed_plugin_is_ours():
 @pytest.mark.parametrize("plugins", [[], [NOT_OURS]], ids=["missing", "not ours"])
 async def test_an_engine_with_kv_events_refuses_to_start_without_our_publisher(tmp_path, monkeypatch, plugins):
     (tmp_path / "config.json").write_text("{}")  # a model folder, as far as the config checks
-    config = EngineConfig(model=tmp_path, served_model_name="m", kv_events_endpoint="tcp://127.0.0.1:5557")
+    config = EngineConfig(model=tmp_path, served_model_name="m", kv_events=True)
     monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: plugins if group == "vllm.general_plugins"
                         else pytest.fail(f"asked for {group}"))
     host = EngineHost(config, "colocated-0", host="127.0.0.1")

@@ -1,0 +1,114 @@
+"""A router that owns nothing (`pdcluster launch --router-only`): it serves the engines another
+launcher on the same Ray cluster owns, side by side with that launcher's router, behind any
+TCP/HTTP balancer.
+
+`FleetFollower` looks at the cluster's named actors every `interval_s`: engines of the served
+models that prove the cluster's secret are registered in the state their host reports (ready,
+standing by, asleep, draining: the owner's pool controller moves them), engines that are gone
+are removed, and the store shards' endpoints and restarts are followed. It never starts, stops
+or moves an actor: scaling is the owner's alone (one pool controller per cluster), and the
+engines outlive this router. What every router of a cluster shares comes from the engines and
+Ray: each keeps its own KV index from the engines' KV events (router/kv_events.py), and the
+per-key limits are kept in the cluster's admission ledger (deploy/admission_ledger.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+import ray
+
+from deploy.admission_ledger import LEDGER_NAME
+from deploy.launcher import proven_actors
+from deploy.store_shards import STORE_SHARD_PREFIX
+from deploy.topology import ROLES
+from engine.lifecycle import InstanceState
+from engine.roles import Role
+from router.instances import Instance, InstanceRegistry
+from security.credentials import ClusterCredentials
+
+log = logging.getLogger(__name__)
+# The states an engine's host reports that the router mirrors; FAILED is the router's own verdict
+# (its health checks), which a host that still says "ready" does not overrule.
+HOST_STATES = {InstanceState.READY, InstanceState.DRAINING, InstanceState.SLEEPING, InstanceState.STANDBY}
+
+
+class FleetFollower:
+    """Keeps `registry` equal to the fleet of the models `served` ((model path, served name)
+    pairs) that the cluster runs; `on_store_restart` runs when a shard came back empty."""
+
+    def __init__(self, registry: InstanceRegistry, credentials: ClusterCredentials, served: set[tuple[str, str]],
+                 on_store_restart: Callable[[], None] = lambda: None, timeout_s: float = 10.0) -> None:
+        self.registry = registry
+        self.credentials = credentials
+        self.served = served
+        self.on_store_restart = on_store_restart
+        self.timeout_s = timeout_s
+        self.store_endpoints: tuple[str, ...] = ()
+        self._proven: dict[str, str] = {}  # actor id -> name, for actors that proved the secret once
+        self._boots: dict[str, str] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    async def sync(self) -> None:
+        """One look at the cluster: register, update and remove instances; follow the shards."""
+        handles = {name: ray.get_actor(name) for name in ray.util.list_named_actors() if name != LEDGER_NAME}
+        unknown = {n: h for n, h in handles.items() if h._actor_id.hex() not in self._proven}
+        for name, handle in (await proven_actors(self.credentials, unknown, self.timeout_s)).items():
+            self._proven[handle._actor_id.hex()] = name
+        ours = {n: h for n, h in handles.items() if self._proven.get(h._actor_id.hex()) == n}
+        shards = {n: h for n, h in ours.items() if n.startswith(STORE_SHARD_PREFIX)}
+        engines = {n: h for n, h in ours.items() if n not in shards}
+        await asyncio.gather(self._follow_engines(engines), self._follow_shards(shards))
+
+    async def _follow_engines(self, engines: dict) -> None:
+        answers = await asyncio.gather(*(asyncio.wait_for(h.describe.remote(), self.timeout_s)
+                                         for h in engines.values()), return_exceptions=True)
+        seen = set()
+        for name, info in zip(engines, answers, strict=True):
+            if not isinstance(info, dict) or (info.get("model"), info.get("served_model_name")) not in self.served:
+                continue
+            state = InstanceState(info["state"])
+            if state not in HOST_STATES:
+                continue  # starting, stopping: not to be served yet, or any more
+            seen.add(name)
+            instance = self.registry.get(name)
+            if instance is None:
+                self.registry.add(Instance(name, ROLES[Role(info["role"])], info["url"], state,
+                                           kv_events_replay_endpoint=info["kv_events_replay_endpoint"],
+                                           kv_events_endpoint=info["kv_events_endpoint"],
+                                           model=info["served_model_name"]))
+                log.info("following %s (%s) at %s", name, state.value, info["url"])
+            elif instance.state != state and not (instance.state == InstanceState.FAILED
+                                                  and state == InstanceState.READY):
+                instance.state = state
+        for instance in self.registry.all():
+            if instance.instance_id not in seen:
+                log.info("%s left the cluster's fleet", instance.instance_id)
+                self.registry.remove(instance.instance_id)
+
+    async def _follow_shards(self, shards: dict) -> None:
+        answers = await asyncio.gather(*(asyncio.wait_for(h.membership.remote(), self.timeout_s)
+                                         for h in shards.values()), return_exceptions=True)
+        live = {name: a for name, a in zip(shards, answers, strict=True) if isinstance(a, dict)}
+        if any(self._boots.get(n, a["boot_id"]) != a["boot_id"] for n, a in live.items()):
+            self.on_store_restart()
+        self._boots = {n: a["boot_id"] for n, a in live.items()}
+        self.store_endpoints = tuple(sorted(a["endpoint"] for a in live.values()))
+
+    def start(self, interval_s: float = 2.0) -> None:
+        async def follow() -> None:
+            while True:
+                await asyncio.sleep(interval_s)
+                try:
+                    await self.sync()
+                except Exception:  # one failed look must not end the following
+                    log.exception("following the cluster's fleet failed")
+
+        self._task = asyncio.create_task(follow(), name="fleet-follower")
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
