@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 
 import ray
@@ -32,6 +33,8 @@ from security.credentials import ClusterCredentials
 log = logging.getLogger(__name__)
 # The states an engine's host reports that the router mirrors; FAILED is the router's own verdict
 # (its health checks), which a host that still says "ready" does not overrule.
+REASK_S = 60.0
+"""How long an actor that did not prove the secret is left alone before it is asked again."""
 HOST_STATES = {InstanceState.READY, InstanceState.DRAINING, InstanceState.SLEEPING, InstanceState.STANDBY}
 
 
@@ -48,15 +51,22 @@ class FleetFollower:
         self.timeout_s = timeout_s
         self.store_endpoints: tuple[str, ...] = ()
         self._proven: dict[str, str] = {}  # actor id -> name, for actors that proved the secret once
+        self._refused: dict[str, float] = {}  # actor id -> when it last failed to prove it
         self._boots: dict[str, str] = {}
         self._task: asyncio.Task[None] | None = None
 
     async def sync(self) -> None:
         """One look at the cluster: register, update and remove instances; follow the shards."""
         handles = {name: ray.get_actor(name) for name in ray.util.list_named_actors() if name != LEDGER_NAME}
-        unknown = {n: h for n, h in handles.items() if h._actor_id.hex() not in self._proven}
-        for name, handle in (await proven_actors(self.credentials, unknown, self.timeout_s)).items():
-            self._proven[handle._actor_id.hex()] = name
+        now = time.monotonic()
+        unknown = {n: h for n, h in handles.items() if h._actor_id.hex() not in self._proven
+                   and now - self._refused.get(h._actor_id.hex(), -REASK_S) >= REASK_S}
+        proven = await proven_actors(self.credentials, unknown, self.timeout_s)
+        for name, handle in unknown.items():
+            if name in proven:
+                self._proven[handle._actor_id.hex()] = name
+            else:  # an impostor, or an actor too busy to answer: asked again in REASK_S
+                self._refused[handle._actor_id.hex()] = now
         ours = {n: h for n, h in handles.items() if self._proven.get(h._actor_id.hex()) == n}
         shards = {n: h for n, h in ours.items() if n.startswith(STORE_SHARD_PREFIX)}
         engines = {n: h for n, h in ours.items() if n not in shards}

@@ -2,8 +2,8 @@
 runs when it is given none.
 
 That head is started two ways: in this process by `start_ray` (`pdcluster serve` without
-`--address`), and as `ray start --head` by deploy/local.py's `RayHead`, which outlives the
-processes using it (a router restart's tests). Both take its settings from `LoopbackHead`, so the
+`--address`), and as `ray start --head` by loadtest/local_cluster.py's `RayHead`, which
+outlives the processes using it (a router restart's tests). Both take its settings from `LoopbackHead`, so the
 two heads are the same. Ray is imported only inside `start_ray`: it reads the environment
 `engine.environment.use_ray()` sets when first imported.
 """

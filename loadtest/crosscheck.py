@@ -24,8 +24,8 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-from deploy.local import LocalServer
 from loadtest.arrivals import FixedConcurrency, Poisson
+from loadtest.local_cluster import LocalServer
 from loadtest.report import summarize
 from loadtest.runner import Limits, run_load
 from loadtest.workloads import RandomLengths

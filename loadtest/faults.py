@@ -44,9 +44,9 @@ import psutil
 from rich.console import Console
 from rich.table import Table
 
-from deploy.local import LocalServer, RayHead
 from loadtest.balancer import balancer
 from loadtest.client import RequestResult, stream_request
+from loadtest.local_cluster import LocalServer, RayHead
 from loadtest.workloads import random_text
 from security.credentials import ClusterCredentials
 

@@ -24,9 +24,9 @@ from pathlib import Path
 import aiohttp
 import httpx
 
-from deploy.local import LocalServer
 from loadtest.client import stream_request
 from loadtest.cold_start import gpu_memory_used
+from loadtest.local_cluster import LocalServer
 from loadtest.output import write_results
 
 PROMPT = "Write one sentence about the sea, request {k}:"

@@ -40,8 +40,8 @@ from rich.console import Console
 from rich.progress import track
 from rich.table import Table
 
-from deploy.local import LocalServer
 from engine.environment import free_port
+from loadtest.local_cluster import LocalServer
 from loadtest.otlp_receiver import OTLPReceiver
 from router.metrics import percentile
 from security.credentials import ClusterCredentials

@@ -19,8 +19,8 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from deploy.local import LocalServer
 from loadtest.arrivals import FixedConcurrency
+from loadtest.local_cluster import LocalServer
 from loadtest.report import summarize
 from loadtest.runner import Limits, run_load
 from loadtest.workloads import SharedPrefix

@@ -76,7 +76,7 @@ def oracle(artifacts):
 @pytest.fixture(scope="session")
 def served(tiny_model):
     """One colocated tiny-model engine behind the router, for the whole session."""
-    from deploy.local import LocalServer
+    from loadtest.local_cluster import LocalServer
 
     server = LocalServer(["--model", "tiny", "--kv-cache-gib", "1"], ARTIFACTS / "serve-colocated.log")
     with server:
@@ -89,8 +89,8 @@ def served_pd(tiny_model):
     the store shard; every request is prefilled remotely (threshold 0). The shard honours fault
     injection (tests damage stored chunks). Module-scoped: it stops once test_pd.py is done, so
     at most three engines run at once."""
-    from deploy.local import LocalServer
     from deploy.serve import STORE_FAULT_INJECTION_ENV
+    from loadtest.local_cluster import LocalServer
 
     args = ["--model", "tiny", "--prefill", "1", "--decode", "1", "--remote-prefill-min-tokens", "0"]
     with mock.patch.dict(os.environ, {STORE_FAULT_INJECTION_ENV: "1"}):

@@ -7,7 +7,7 @@ import openai
 import pytest
 from oracle import QUESTION, assert_conforms
 
-from deploy.local import LocalServer
+from loadtest.local_cluster import LocalServer
 
 pytestmark = pytest.mark.slow
 

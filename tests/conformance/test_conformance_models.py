@@ -8,7 +8,7 @@ import httpx
 import pytest
 from oracle import assert_conforms
 
-from deploy.local import LocalServer
+from loadtest.local_cluster import LocalServer
 from router.status_model import ClusterStatus
 
 pytestmark = pytest.mark.slow

@@ -9,9 +9,9 @@ import pytest
 from oracle import PROMPTS, assert_conforms
 from transformers import AutoTokenizer
 
-from deploy.local import LocalServer
 from engine.config import KVHashing
 from engine.models import default_model_root
+from loadtest.local_cluster import LocalServer
 from loadtest.scrape import scrape
 from security.credentials import ClusterCredentials
 

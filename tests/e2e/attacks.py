@@ -1,7 +1,7 @@
 """Attacks on a running cluster from another host (docs/security.md), each tried for real and
 reported as what the attacker got. ray_up_scenario.py runs this script in a network namespace of
 its own, a veth pair away from the cluster's, with no credential of the cluster in its
-environment: it reads the targets as JSON on stdin (endpoints a port scan would find too, not the
+environment: it reads the targets from the JSON file its argument names (endpoints a port scan would find too, not the
 cluster's secret) and prints what each listener answered, as JSON."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from pathlib import Path
 
 import grpc
 import httpx
@@ -152,7 +153,7 @@ def dashboard_agents(client: httpx.Client, agent_urls: list[str]) -> dict[str, d
 
 
 def main() -> int:
-    targets = json.load(sys.stdin)
+    targets = json.loads(Path(sys.argv[1]).read_text())
     # First, while the cluster serves the requests the scenario sends for as long.
     subscriptions = kv_event_subscriptions(targets["kv_events"], targets["listen_s"])
     with httpx.Client(timeout=10) as client:

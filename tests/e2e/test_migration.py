@@ -32,7 +32,7 @@ SCHEMA = {"type": "object", "required": ["title", "year", "themes"],
 
 @pytest.fixture(scope="module")
 def served_two(model_dir, artifacts):
-    from deploy.local import LocalServer
+    from loadtest.local_cluster import LocalServer
 
     model_dir(MODEL)
     server = LocalServer(["--model", MODEL, "--instances", "2", "--kv-cache-gib", "1", "--dtype", "float32",

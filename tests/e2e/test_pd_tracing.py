@@ -11,7 +11,7 @@ import secrets
 import httpx
 import pytest
 
-from deploy.local import LocalServer
+from loadtest.local_cluster import LocalServer
 from loadtest.otlp_receiver import OTLPReceiver, ReceivedSpan
 from router.tracing import REQUEST_SPAN, SERVICE_NAME
 

@@ -84,6 +84,7 @@ def test_pdcluster_up_on_a_local_cluster_attacked_from_another_host(tmp_path, ti
     assert seen["chat_status"] == 200 and seen["chat"]["usage"]["completion_tokens"] == 8
     assert any('where="remote"' in line and not line.endswith(" 0.0") for line in seen["prefills"])
     assert seen["down_rc"] == 0
+    assert "attack_error" not in seen, seen["attack_error"]
     hit = seen["attacks"]
     assert "failed" not in hit, hit
     assert {status for codes in hit["client_routes"].values() for status in codes.values()} == {401}, hit

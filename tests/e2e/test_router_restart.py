@@ -12,7 +12,7 @@ import httpx
 import pytest
 from oracle import assert_conforms
 
-from deploy.local import LocalServer, RayHead
+from loadtest.local_cluster import LocalServer, RayHead
 from loadtest.scrape import scrape
 from security.credentials import ClusterCredentials
 

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from deploy.local import LocalServer
+from loadtest.local_cluster import LocalServer
 
 pytestmark = pytest.mark.slow
 QUEUE_TIMEOUT_S = 60

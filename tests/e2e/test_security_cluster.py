@@ -17,10 +17,10 @@ import httpx
 import pytest
 
 from deploy.launcher import Launcher
-from deploy.local import RayHead
 from deploy.ray_head import RAY_NAMESPACE
 from deploy.store_shards import STORE_SHARD_PREFIX
 from engine.config import EngineConfig
+from loadtest.local_cluster import RayHead
 from router.instances import InstanceRegistry
 from router.kv_events import STORE_HOLDER
 from security.credentials import ClusterCredentials

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from deploy.local import LocalServer
+from loadtest.local_cluster import LocalServer
 
 pytestmark = pytest.mark.slow
 CHROMIUM = Path("/usr/bin/chromium")

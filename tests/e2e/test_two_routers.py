@@ -15,8 +15,8 @@ import time
 import httpx
 import pytest
 
-from deploy.local import LocalServer, RayHead
 from loadtest.balancer import balancer
+from loadtest.local_cluster import LocalServer, RayHead
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(shutil.which("nginx") is None, reason="needs Debian's nginx")]
 KEYS = [f"sk-two-routers-{k}" for k in range(12)]

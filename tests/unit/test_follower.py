@@ -1,0 +1,79 @@
+"""A router that owns nothing follows the fleet another launcher owns (deploy/follower.py): engines
+that prove the cluster's secret are registered in their hosts' states, those gone are removed,
+other models and impostors are left alone (an impostor asked once, not at every look). Ray's
+named actors are fakes here (named so); tests/e2e/test_two_routers.py follows a real fleet."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from deploy import follower as follower_module
+from deploy.follower import FleetFollower
+from engine.lifecycle import InstanceState
+from router.instances import InstanceRegistry
+from security.credentials import ClusterCredentials
+
+CREDENTIALS = ClusterCredentials.generate()
+MODEL = ("/models/tiny", "tiny")
+
+
+class _Method:
+    """A fake actor method (named so): `.remote()` answers at once."""
+
+    def __init__(self, answer) -> None:
+        self.answer, self.calls = answer, 0
+
+    def remote(self, *args) -> asyncio.Future:
+        self.calls += 1
+        future = asyncio.get_running_loop().create_future()
+        future.set_result(self.answer(*args))
+        return future
+
+
+class FakeEngineActor:
+    def __init__(self, name: str, credentials: ClusterCredentials, model=MODEL, state: str = "ready") -> None:
+        self.info = {"role": "colocated", "url": f"http://127.0.0.1:1/{name}", "state": state, "model": model[0],
+                     "served_model_name": model[1], "kv_events_endpoint": None, "kv_events_replay_endpoint": None}
+        self._actor_id = type("FakeActorId", (), {"hex": lambda _, name=name: f"id-{name}"})()
+        self.prove = _Method(lambda nonce: credentials.prove("engine", nonce))
+        self.describe = _Method(lambda: dict(self.info))
+
+
+@pytest.fixture
+def actors(monkeypatch) -> dict[str, FakeEngineActor]:
+    named: dict[str, FakeEngineActor] = {}
+    monkeypatch.setattr(follower_module.ray.util, "list_named_actors", lambda: list(named))
+    monkeypatch.setattr(follower_module.ray, "get_actor", lambda name: named[name])
+    return named
+
+
+async def test_the_fleet_is_followed_as_its_owner_changes_it(actors):
+    actors["tiny-colocated-0"] = FakeEngineActor("tiny-colocated-0", CREDENTIALS)
+    actors["other-colocated-0"] = FakeEngineActor("other-colocated-0", CREDENTIALS, model=("/models/x", "other"))
+    actors["tiny-colocated-1"] = FakeEngineActor("tiny-colocated-1", CREDENTIALS, state="loading")
+    registry = InstanceRegistry()
+    follower = FleetFollower(registry, CREDENTIALS, {MODEL})
+    await follower.sync()
+    assert [i.instance_id for i in registry.all()] == ["tiny-colocated-0"]  # its model's, serving or able to
+
+    actors["tiny-colocated-1"].info["state"] = "ready"  # the owner's start finished
+    actors["tiny-colocated-0"].info["state"] = "draining"  # the owner drains it
+    await follower.sync()
+    states = {i.instance_id: i.state for i in registry.all()}
+    assert states == {"tiny-colocated-0": InstanceState.DRAINING, "tiny-colocated-1": InstanceState.READY}
+
+    registry.get("tiny-colocated-1").state = InstanceState.FAILED  # this router's health checks say so
+    del actors["tiny-colocated-0"]  # stopped by its owner
+    await follower.sync()
+    assert {i.instance_id: i.state for i in registry.all()} == {"tiny-colocated-1": InstanceState.FAILED}
+
+
+async def test_an_impostor_is_neither_followed_nor_asked_at_every_look(actors):
+    impostor = actors["tiny-colocated-9"] = FakeEngineActor("tiny-colocated-9", ClusterCredentials.generate())
+    registry = InstanceRegistry()
+    follower = FleetFollower(registry, CREDENTIALS, {MODEL})
+    for _ in range(3):
+        await follower.sync()
+    assert registry.all() == [] and impostor.prove.calls == 1 and impostor.describe.calls == 0
