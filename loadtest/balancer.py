@@ -20,6 +20,7 @@ from engine.environment import free_port
 def balancer(upstreams: list[str], folder: Path) -> Iterator[str]:
     """nginx in front of `upstreams` (base URLs), streaming as it receives, trying the next router
     when one refuses the connection (as a load balancer's health checks would)."""
+    folder = folder.resolve()  # nginx reads relative paths from its prefix
     folder.mkdir(parents=True, exist_ok=True)
     port = free_port("127.0.0.1")
     servers = "\n".join(f"server {u.removeprefix('http://')} max_fails=1 fail_timeout=60s;" for u in upstreams)
@@ -46,7 +47,9 @@ http {{
         while True:
             with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
                 break
-            assert process.poll() is None and time.monotonic() < deadline, (folder / "error.log").read_text()
+            if process.poll() is not None or time.monotonic() > deadline:
+                log = folder / "error.log"
+                raise RuntimeError(f"nginx did not start: {log.read_text() if log.exists() else process.returncode}")
             time.sleep(0.1)
         yield f"http://127.0.0.1:{port}"
     finally:
