@@ -12,7 +12,8 @@ tokens, then masks each step's logits and advances it with each sampled token, a
 a terminated grammar masks nothing (its request is ending).
 
 Only kinds vLLM's xgrammar backend compiles as they are (a JSON schema, any JSON object, a
-regex), and only grammars it accepts (vLLM's own check, run on the request: a 400 otherwise, so a
+regex, an EBNF grammar: a choice comes as the grammar vLLM's backend makes of it), and only
+grammars it accepts (vLLM's own check, run on the request: a 400 otherwise, so a
 stream whose grammar vLLM gave to another backend ends with an error event, not other masks).
 """
 
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 KINDS = {"json": StructuredOutputOptions.JSON, "json_object": StructuredOutputOptions.JSON_OBJECT,
-         "regex": StructuredOutputOptions.REGEX}
+         "regex": StructuredOutputOptions.REGEX, "grammar": StructuredOutputOptions.GRAMMAR}
 
 
 @dataclasses.dataclass
@@ -84,7 +85,8 @@ class GrammarContinuation(LogitsProcessor):
         from vllm.sampling_params import StructuredOutputsParams
         from vllm.v1.structured_output.backend_xgrammar import validate_xgrammar_grammar
 
-        fields = {"json": {"json": arg["spec"]}, "json_object": {"json_object": True}, "regex": {"regex": arg["spec"]}}
+        fields = {"json": {"json": arg["spec"]}, "json_object": {"json_object": True}, "regex": {"regex": arg["spec"]},
+                  "grammar": {"grammar": arg["spec"]}}
         validate_xgrammar_grammar(SamplingParams(structured_outputs=StructuredOutputsParams(**fields[arg["kind"]])))
 
     def is_argmax_invariant(self) -> bool:

@@ -19,8 +19,8 @@ vLLM seeds a request's generator once, at its start, so the tokens after the fau
 fault-free run's. A stop string that would span the break is not seen. Tokens whose text the
 engine still held back (an unfinished UTF-8 character) are generated again, not counted as sent.
 
-Structured output (a JSON schema or object, as `response_format` or `structured_outputs`, or a
-regex) goes on in the grammar state the sent tokens put it in: the continuation carries the
+Structured output (a JSON schema or object, as `response_format` or `structured_outputs`, a
+regex, an EBNF grammar, a choice) goes on in the grammar state the sent tokens put it in: the continuation carries the
 grammar and those tokens in `vllm_xargs` instead of `structured_outputs`, and every engine's
 logits processor (engine/grammar_continuation.py) compiles it with vLLM's xgrammar backend and
 advances it over them first, so the continuation's masks are the ones vLLM's structured output
@@ -28,9 +28,8 @@ would have applied. A grammar vLLM's xgrammar check refuses (vLLM would have use
 backend) fails the continuation, and the stream ends with an error event.
 
 Not migrated (the stream ends with an error event, as before): several choices (`n` > 1, a list
-of prompts), logprobs, `echo`, tools, other structured outputs (a choice, a grammar, a structural
-tag, or options beside the grammar), stop strings (vLLM holds back characters, not tokens, that
-could start one), presence and frequency penalties (they count output tokens only: the sent ones
+of prompts), logprobs, `echo`, tools, a structural tag or options beside the grammar, stop
+strings (vLLM holds back characters, not tokens, that could start one), presence and frequency penalties (they count output tokens only: the sent ones
 would escape them), and an engine that hides token ids (a reasoning parser).
 """
 
@@ -92,6 +91,13 @@ def continued_grammar(body: dict[str, Any]) -> dict[str, str] | None:
             return {"kind": "json", "spec": spec if isinstance(spec, str) else json.dumps(spec)}
         if given == {"regex"} and isinstance(structured["regex"], str):
             return {"kind": "regex", "spec": structured["regex"]}
+        if given == {"grammar"} and isinstance(structured["grammar"], str):
+            return {"kind": "grammar", "spec": structured["grammar"]}
+        choices = structured.get("choice")
+        if given == {"choice"} and isinstance(choices, list) and all(isinstance(c, str) for c in choices):
+            from vllm.v1.structured_output.utils import choice_as_grammar
+
+            return {"kind": "grammar", "spec": choice_as_grammar(choices)}  # as vLLM's xgrammar backend has it
         return {"kind": "json_object", "spec": ""} if given == {"json_object"} else None
     return _NO_GRAMMAR
 

@@ -119,7 +119,8 @@ def test_a_stream_that_broke_after_its_last_token_is_closed_with_its_usage():
     (CHAT, {"messages": [], "stream": True, "response_format": {"type": "json_object"}}, True),  # the grammar goes on
     (CHAT, {"messages": [], "stream": True, "response_format": {"type": "structural_tag"}}, False),
     (COMPLETIONS, {"prompt": "a", "stream": True, "structured_outputs": {"regex": "[a-z]+"}}, True),
-    (COMPLETIONS, {"prompt": "a", "stream": True, "structured_outputs": {"choice": ["x", "y"]}}, False),
+    (COMPLETIONS, {"prompt": "a", "stream": True, "structured_outputs": {"choice": ["x", "y"]}}, True),
+    (COMPLETIONS, {"prompt": "a", "stream": True, "structured_outputs": {"choice": "x"}}, False),  # not a list
     (COMPLETIONS, {"prompt": "a", "stream": True,  # an option the continuation would not keep
                    "structured_outputs": {"json": {"type": "object"}, "disable_any_whitespace": True}}, False),
     (CHAT, {"messages": [], "stream": True, "response_format": {"type": "json_object"},
@@ -150,3 +151,36 @@ def test_a_structured_continuation_carries_its_grammar_and_the_tokens_sent():
     plain = StreamLedger.start(COMPLETIONS, {"model": "m", "prompt": "x", "stream": True}, 128)
     list(plain.feed(sse(completion_event("A", [10], prompt=[1]))))
     assert "vllm_xargs" not in plain.continuation()  # nothing to carry
+
+
+@pytest.mark.parametrize(("structured", "sent", "follows"), [
+    ({"choice": ["yes", "no way"]}, "no", True),  # part way into a choice: it goes on from there
+    ({"choice": ["yes", "no way"]}, "maybe", False),
+    ({"grammar": 'root ::= "a" ("b" | "c")+'}, "abcb", True),
+    ({"regex": "[0-9]+"}, "42", True),
+])
+def test_a_continued_grammar_compiles_as_vllm_would_and_starts_past_the_sent_text(structured, sent, follows):
+    """The grammar a continuation carries goes through vLLM's own xgrammar check and compiler (a
+    choice as the grammar vLLM's backend makes of it), and it takes the sent text exactly when
+    the text follows the grammar."""
+    import xgrammar
+    from vllm import SamplingParams
+
+    from engine.grammar_continuation import GrammarContinuation
+    from router.migration import continued_grammar
+
+    grammar = continued_grammar({"structured_outputs": structured})
+    arg = {**grammar, "sent": []}
+    GrammarContinuation.validate_params(SamplingParams(extra_args={GRAMMAR_ARG: json.dumps(arg)}))
+    compiled = (xgrammar.Grammar.from_ebnf(grammar["spec"]) if grammar["kind"] == "grammar"
+                else xgrammar.Grammar.from_regex(grammar["spec"]))
+    assert _accepts_prefix(compiled, sent) is follows
+
+
+def _accepts_prefix(grammar, text: str) -> bool:
+    """Whether `text` can begin a string of `grammar` (a byte-level matcher, no tokenizer)."""
+    import xgrammar
+
+    tokenizer = xgrammar.TokenizerInfo([chr(c) for c in range(32, 127)])
+    matcher = xgrammar.GrammarMatcher(xgrammar.GrammarCompiler(tokenizer).compile_grammar(grammar))
+    return all(matcher.accept_string(c) for c in text)
