@@ -23,6 +23,7 @@ import ray
 
 from deploy.admission_ledger import LEDGER_NAME
 from deploy.launcher import proven_actors
+from deploy.periodic import every
 from deploy.store_shards import STORE_SHARD_PREFIX
 from deploy.topology import ROLES
 from engine.lifecycle import InstanceState
@@ -108,15 +109,7 @@ class FleetFollower:
         self.store_endpoints = tuple(sorted(a["endpoint"] for a in live.values()))
 
     def start(self, interval_s: float = 2.0) -> None:
-        async def follow() -> None:
-            while True:
-                await asyncio.sleep(interval_s)
-                try:
-                    await self.sync()
-                except Exception:  # one failed look must not end the following
-                    log.exception("following the cluster's fleet failed")
-
-        self._task = asyncio.create_task(follow(), name="fleet-follower")
+        self._task = every(interval_s, self.sync, "following the cluster's fleet")
 
     async def stop(self) -> None:
         if self._task:

@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable
 import ray
 from rich.console import Console
 
+from deploy.periodic import every
 from kvstore.shard import StoreShardActor
 from security.credentials import ClusterCredentials
 
@@ -100,16 +101,7 @@ class StoreShards:
 
     def watch(self, interval_s: float = 5.0) -> None:
         """Reconcile the shards with the cluster's nodes every `interval_s`, until `stop()`."""
-
-        async def watch() -> None:
-            while True:
-                await asyncio.sleep(interval_s)
-                try:
-                    await self.reconcile()
-                except Exception:  # one failed pass must not end the watch
-                    log.exception("reconciling the KV store's shards failed")
-
-        self._watch = asyncio.create_task(watch(), name="store-shards")
+        self._watch = every(interval_s, self.reconcile, "reconciling the KV store's shards")
 
     async def stop(self, keep_serving: bool = False) -> None:
         """End the watch; close and end every shard unless `keep_serving` (a failed restart)."""
