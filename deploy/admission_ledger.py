@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import ray
 
-from router.admission import KeyLimits, Refusal, once, take_slot
+from router.admission import KeyLimits, Refusal, once
 from router.errors import RateLimited
 
 log = logging.getLogger(__name__)
@@ -96,9 +96,9 @@ class LedgerLimits:
         self.heartbeat_s = heartbeat_s
         self.call_timeout_s = call_timeout_s
         self.fallback = KeyLimits(*settings)
-        """The same limits on this router alone, while the ledger cannot be reached."""
+        """The same limits on this router's own books, while the ledger cannot be reached."""
         self.inflight: dict[str, int] = {}
-        """This router's requests in flight admitted by the ledger, per key (what it restates)."""
+        """This router's requests in flight, per key, however admitted: what it restates."""
         self._outage = False
         self._task: asyncio.Task[None] | None = None
 
@@ -108,21 +108,31 @@ class LedgerLimits:
         self.inflight[key] = self.inflight.get(key, 0) + 1
         try:
             refusal = await asyncio.wait_for(self.handle.acquire.remote(self.holder, key), self.call_timeout_s)
+            self._outage = False
         except (TimeoutError, ray.exceptions.RayError) as exc:
-            self.inflight[key] -= 1
             if not self._outage:
                 log.warning("admission ledger unreachable (%r): this router applies the limits alone", exc)
                 self._outage = True
-            return take_slot(self.fallback, key)
-        self._outage = False
+            refusal = self._alone(key)
+        except BaseException:  # cancelled (the client left): nothing was taken
+            self.inflight[key] -= 1
+            raise
         if refusal:
             self.inflight[key] -= 1
             raise RateLimited(refusal.message, retry_after_s=refusal.retry_after_s)
         return once(lambda: self._release(key))
 
+    def _alone(self, key: str) -> Refusal | None:
+        """The limits on this router's own books: every request it holds counts, however admitted."""
+        self.fallback.restate("", {**self.inflight, key: self.inflight[key] - 1})
+        return self.fallback.acquire(key)
+
     def _release(self, key: str) -> None:
         self.inflight[key] -= 1
-        self.handle.release.remote(self.holder, key)  # not awaited: the next heartbeat restates it anyway
+        try:  # not awaited: the next heartbeat restates this router's load anyway
+            self.handle.release.remote(self.holder, key)
+        except ray.exceptions.RayError:
+            pass
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._heartbeats(), name="admission-ledger-heartbeat")
@@ -131,12 +141,26 @@ class LedgerLimits:
         if self._task:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        self.handle.leave.remote(self.holder)
+        try:
+            self.handle.leave.remote(self.holder)
+        except ray.exceptions.RayError:
+            pass
 
     async def _heartbeats(self) -> None:
         while True:
             try:
                 await asyncio.wait_for(self.handle.heartbeat.remote(self.holder, dict(self.inflight)), self.heartbeat_s)
+            except ray.exceptions.RayActorError:  # ended (its owner stopped): a new one may stand
+                self.handle = await asyncio.to_thread(_current_ledger, self.handle)
             except (TimeoutError, ray.exceptions.RayError) as exc:
                 log.debug("admission ledger heartbeat failed: %r", exc)
             await asyncio.sleep(self.heartbeat_s)
+
+
+def _current_ledger(known):
+    """The cluster's ledger as Ray names it now (another launcher may have made a new one), else
+    the one known."""
+    try:
+        return ray.get_actor(LEDGER_NAME)
+    except ValueError:
+        return known

@@ -58,7 +58,7 @@ class FleetFollower:
 
     async def sync(self) -> None:
         """One look at the cluster: register, update and remove instances; follow the shards."""
-        handles = {name: ray.get_actor(name) for name in ray.util.list_named_actors() if name != LEDGER_NAME}
+        handles = await asyncio.to_thread(_named_actors)  # GCS calls: never on the router's event loop
         now = time.monotonic()
         unknown = {n: h for n, h in handles.items() if h._actor_id.hex() not in self._proven
                    and now - self._refused.get(h._actor_id.hex(), -REASK_S) >= REASK_S}
@@ -76,9 +76,11 @@ class FleetFollower:
     async def _follow_engines(self, engines: dict) -> None:
         answers = await asyncio.gather(*(asyncio.wait_for(h.describe.remote(), self.timeout_s)
                                          for h in engines.values()), return_exceptions=True)
-        seen = set()
+        kept = {n for n, info in zip(engines, answers, strict=True) if not isinstance(info, dict)}
+        # Named and proven, but not answering this time (busy, a slow node): kept as they are.
+        seen = set(kept)
         for name, info in zip(engines, answers, strict=True):
-            if not isinstance(info, dict) or (info.get("model"), info.get("served_model_name")) not in self.served:
+            if name in kept or (info.get("model"), info.get("served_model_name")) not in self.served:
                 continue
             state = InstanceState(info["state"])
             if state not in HOST_STATES:
@@ -115,3 +117,7 @@ class FleetFollower:
         if self._task:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+
+
+def _named_actors() -> dict[str, ray.actor.ActorHandle]:
+    return {name: ray.get_actor(name) for name in ray.util.list_named_actors() if name != LEDGER_NAME}

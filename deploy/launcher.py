@@ -367,20 +367,23 @@ async def _drained(instance: Instance, actor: ray.actor.ActorHandle | None, drai
             await asyncio.wait_for(actor.set_draining.remote(True), 10)
     deadline = time.monotonic() + drain_s
     while time.monotonic() < deadline:
-        if not instance.inflight and await _engine_idle(actor):
+        if not instance.inflight and await _engine_idle(actor, deadline - time.monotonic()):
             return True
         await asyncio.sleep(0.2)
-    return not instance.inflight
+    return not instance.inflight and await _engine_idle(actor, 1.0)
 
 
-async def _engine_idle(actor: ray.actor.ActorHandle | None) -> bool:
-    """Whether the engine runs or queues no request (one that cannot tell is as good as gone)."""
+async def _engine_idle(actor: ray.actor.ActorHandle | None, timeout_s: float) -> bool:
+    """Whether the engine runs or queues no request. An actor that is gone runs nothing; one that
+    does not answer in time (overloaded) is not idle."""
     if actor is None:
         return True
     try:
-        return await asyncio.wait_for(actor.requests_in_flight.remote(), 10) == 0
-    except Exception:
+        return await asyncio.wait_for(actor.requests_in_flight.remote(), max(timeout_s, 0.1)) == 0
+    except ray.exceptions.RayActorError:
         return True
+    except Exception:
+        return False
 
 
 async def _undrained(instance: Instance, actor: ray.actor.ActorHandle) -> None:

@@ -232,8 +232,9 @@ class EngineHost:
         async with self._client(10) as client:
             response = await client.get(f"{self.url}/metrics")
         response.raise_for_status()
+        gauges = ("vllm:num_requests_running", "vllm:num_requests_waiting")  # not ..._waiting_by_reason
         return int(sum(float(line.rsplit(" ", 1)[1]) for line in response.text.splitlines()
-                       if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting"))))
+                       if line.partition("{")[0].partition(" ")[0] in gauges))
 
     async def export_weights(self, use_nixl: bool = True, offer_file: bool = True) -> dict:
         """How a peer reads this instance's weights (shared memory on this node unless not

@@ -14,7 +14,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from router.admin import add_admin_routes
@@ -39,6 +39,7 @@ from router.protocol import ChatCompletionRequest, CompletionRequest, SamplingRe
 from router.proxy import Forwarder
 from router.status import ErrorLog, StartLog, serving_counts
 from router.status_page import add_status_page
+from router.streaming import EngineStream
 from router.tracing import NO_SPAN, RouterTracing
 from transport.zmq_curve import KV_EVENTS_PLANE
 
@@ -191,10 +192,12 @@ def _add_openai_routes(app: FastAPI, intake: Intake, analyzer: RequestAnalyzer, 
             if trace:
                 trace.fail(exc)
             raise
-        if isinstance(response, StreamingResponse):
+        if isinstance(response, EngineStream):
             response.body_iterator = release_after(response.body_iterator, release)
+            response.on_abandon.append(release)
             if trace:  # the request's span ends with the stream's last byte
                 response.body_iterator = trace.until_end(response.body_iterator)
+                response.on_abandon.append(lambda: trace.finish(499))
         else:
             release()
             if trace:

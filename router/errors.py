@@ -6,6 +6,8 @@ vLLM answer. "No instance" (503) is kept apart from "all overloaded" (429).
 
 from __future__ import annotations
 
+import json
+
 from fastapi.responses import JSONResponse
 
 
@@ -79,3 +81,9 @@ class EngineFailed(RouterError):
 
 def error_body(message: str, type_: str, status: int, param: str | None = None) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": status}}
+
+
+def stream_error_event(message: str) -> bytes:
+    """The server-sent events that end a broken stream: an OpenAI error (an engine's failure), and
+    [DONE]."""
+    return f"data: {json.dumps(error_body(message, EngineFailed.type, 502))}\n\ndata: [DONE]\n\n".encode()

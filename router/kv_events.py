@@ -84,14 +84,21 @@ class KVEventListener:
 
     def start(self) -> None:
         """Listen to every engine followed so far, catching up on their history."""
-        self._socket = self._context.socket(zmq.SUB)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.setsockopt(zmq.SUBSCRIBE, b"")
-        self._socket.setsockopt(zmq.MAXMSGSIZE, 64 * 1024**2)
-        connect_curve(self._socket, self.keys)
+        self._socket = self._open_socket()
         self._listen(delay_s=0.0)
-        for holder, endpoint in self._followed.items():
-            self._subscribe(holder, endpoint)
+        for holder in self._followed:
+            self._catch_up_later(holder)
+
+    def _open_socket(self) -> zmq.asyncio.Socket:
+        """The SUB socket, connected to every engine followed."""
+        socket = self._context.socket(zmq.SUB)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.SUBSCRIBE, b"")
+        socket.setsockopt(zmq.MAXMSGSIZE, 64 * 1024**2)
+        connect_curve(socket, self.keys)
+        for endpoint in self._followed.values():
+            socket.connect(endpoint)
+        return socket
 
     def follow(self, holder: str, endpoint: str | None) -> None:
         """Subscribe to `holder`'s events at `endpoint` (None: it publishes none) and catch up on
@@ -100,7 +107,8 @@ class KVEventListener:
             return
         self._followed[holder] = endpoint
         if self._socket is not None:
-            self._subscribe(holder, endpoint)
+            self._socket.connect(endpoint)
+            self._catch_up_later(holder)
 
     def unfollow(self, holder: str) -> None:
         endpoint = self._followed.pop(holder, None)
@@ -110,9 +118,7 @@ class KVEventListener:
             except zmq.ZMQError:  # never connected
                 pass
 
-    def _subscribe(self, holder: str, endpoint: str) -> None:
-        assert self._socket is not None
-        self._socket.connect(endpoint)
+    def _catch_up_later(self, holder: str) -> None:
         self._tasks = [t for t in self._tasks if not t.done()]
         self._tasks.append(asyncio.create_task(self.catch_up(holder), name=f"kv-catch-up-{holder}"))
 
@@ -128,6 +134,9 @@ class KVEventListener:
         self.restarts += 1
         log.error("the KV event listener failed; listening again in %g s", self.restart_delay_s,
                   exc_info=task.exception())
+        if self._socket is not None:  # a new socket: the old one may be what failed
+            self._socket.close(linger=0)
+        self._socket = self._open_socket()
         self._listen(self.restart_delay_s)
 
     async def stop(self) -> None:
@@ -165,7 +174,8 @@ class KVEventListener:
         if self._apply(holder, seq, batch):
             return
         await self.catch_up(holder, live_seq=seq)
-        self._apply(holder, seq, batch)
+        if self.replay_endpoint_of(holder) is not None:  # still registered after the replay's wait
+            self._apply(holder, seq, batch)
 
     async def catch_up(self, holder: str, live_seq: int | None = None) -> None:
         """Apply what `holder`'s replay buffer holds beyond the index's last batch. If the buffer
@@ -174,6 +184,8 @@ class KVEventListener:
         batch there is."""
         expected = self.index.expected_seq(holder)
         replayed = await self._replay(holder, expected)
+        if self.replay_endpoint_of(holder) is None:
+            return  # it left while the replay ran: its entries must not come back
         first = replayed[0][0] if replayed else live_seq
         if first is not None and first != expected:
             self.resyncs += 1

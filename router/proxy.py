@@ -16,24 +16,24 @@ which makes vLLM abort the request.
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
 
 import aiohttp
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
 from engine.environment import ENGINE_KEEP_ALIVE_S
 from prefill.handoff import PrefillClient
 from router import metrics
 from router.config import RouterConfig
-from router.errors import EngineFailed, error_body
+from router.errors import EngineFailed, stream_error_event
 from router.instances import CapacityQueue, Instance, InstanceRegistry, LatencyWindow, PendingPrefill
 from router.migration import StreamLedger, migratable, without_stalls
 from router.placement import Placement, PlacementReason, Placer
 from router.policies import RoutingRequest
+from router.streaming import EngineStream
 from router.tracing import NO_SPAN, EngineCall, RequestTrace, instance_attributes, placement_attributes
 
 log = logging.getLogger(__name__)
@@ -45,11 +45,6 @@ _LOCAL_PREFILL_LABELS = {PlacementReason.SHORT: "local", PlacementReason.NO_PREF
 
 class _RetryableEngineError(Exception):
     pass
-
-
-def _error_event(message: str) -> bytes:
-    """An OpenAI error event that ends a stream, and [DONE]."""
-    return f"data: {json.dumps(error_body(message, EngineFailed.type, 502))}\n\ndata: [DONE]\n\n".encode()
 
 
 class Forwarder:
@@ -204,7 +199,7 @@ class Forwarder:
             relay = (self._relay(instance, endpoint, upstream, first, chunks, started, call) if ledger is None
                      else self._migrating_relay(instance, endpoint, upstream, first, chunks, started, ledger, others,
                                                 call))
-            return StreamingResponse(relay, media_type="text/event-stream")
+            return EngineStream(relay, abandon=lambda: self._abandoned(instance, upstream, call))
         finally:
             prefill.done()
             if not handed_over:
@@ -265,7 +260,7 @@ class Forwarder:
         except (aiohttp.ClientError, TimeoutError) as exc:
             status = 502
             log.warning("stream from %s broke: %r", instance.instance_id, exc)
-            yield _error_event(f"the engine's stream broke: {exc!r}")
+            yield stream_error_event(f"the engine's stream broke: {exc!r}")
         finally:
             # A stream left early (client gone) is closed, not released: dropping the connection
             # makes vLLM abort the request.
@@ -311,7 +306,7 @@ class Forwarder:
                 except ValueError as exc:  # not an event stream: nothing to go on from
                     let_go(broken=True)
                     status = 502
-                    yield _error_event(f"the engine sent a malformed event: {exc}")
+                    yield stream_error_event(f"the engine sent a malformed event: {exc}")
                     return
                 if broke is None:
                     let_go(broken=False)
@@ -327,7 +322,7 @@ class Forwarder:
                     moved = await self._continue_elsewhere(endpoint, ledger, others, broke, call)
                 if moved is None:
                     status = 502
-                    yield _error_event(f"the engine's stream broke: {broke}")
+                    yield stream_error_event(f"the engine's stream broke: {broke}")
                     return
                 instance, upstream, first, chunks = moved
         finally:
@@ -378,6 +373,13 @@ class Forwarder:
                 if upstream is not None:
                     upstream.close()
                 self._leave(instance)
+
+    def _abandoned(self, instance: Instance, upstream: aiohttp.ClientResponse, call: EngineCall | None) -> None:
+        """A relay's clean-up when the client left before it began (router/streaming.py)."""
+        upstream.close()
+        self._leave(instance)
+        if call:
+            call.end(499)
 
     def _enter(self, instance: Instance) -> None:
         instance.inflight += 1

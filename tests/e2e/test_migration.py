@@ -162,7 +162,10 @@ def test_a_drained_instance_finishes_its_streams_then_stops(served_two):
     drained = httpx.post(f"{served_two.url}/admin/instances/{victim['instance_id']}/drain", headers=admin, timeout=10)
     assert drained.status_code == 202, drained.text
     states = {i["instance_id"]: i["state"] for i in served_two.instances()}
-    assert states.get(victim["instance_id"], "draining") == "draining"  # no new request goes there
+    assert states[victim["instance_id"]] == "draining", states  # its streams still run: it is there
+    during = httpx.post(f"{served_two.url}/v1/completions", timeout=120,  # served by the other one
+                        json={"model": MODEL, "prompt": "While one drains", "max_tokens": 4, "temperature": 0})
+    assert during.status_code == 200, during.text
     results = [s.result() for s in streams]
     assert all(not errors and usage["completion_tokens"] == MAX_TOKENS for _, usage, errors, _ in results), results
     assert _migrations(served_two) == migrations_before  # each ended where it ran

@@ -138,6 +138,13 @@ def test_two_routers_share_events_and_limits_and_one_can_die(model_dir, artifact
             assert all(s.whole for s in retried), [(s.error, s.completion_tokens) for s in retried]
             assert new == [200] * 8  # every new request, on the router that lives
             assert {h: n for h, n in matched(other, PROMPT, "tenant-0").items() if n >= blocks} == held
+            # ...and it still follows the engines' events: a new prompt's blocks, once its own
+            # speculative entries (2 s) are gone.
+            fresh = PROMPT.replace("Line", "Row")
+            assert httpx.post(f"{other.url}/v1/completions", headers=headers(KEYS[0]), timeout=60,
+                              json=body(fresh, 2, stream=False)).status_code == 200
+            time.sleep(3)
+            assert any(n >= blocks for n in matched(other, fresh, "tenant-0").values())
         finally:
             other.stop()
             owner.stop()

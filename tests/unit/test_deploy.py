@@ -373,11 +373,12 @@ async def test_under_max_awake_grows_at_once_never_wake_more_than_allowed(tmp_pa
 
 
 class SleepyActor:
-    """Stands in for an engine actor's `sleep` (the only call made here): it answers as told."""
+    """Stands in for an engine actor: its `sleep` answers as told, its engine runs nothing."""
 
     def __init__(self, error: Exception | None = None) -> None:
         self.error, self.calls = error, 0
         self.sleep = self
+        self.set_draining, self.requests_in_flight = _FakeRemote(lambda draining: None), _FakeRemote(lambda: 0)
 
     async def _answer(self):
         self.calls += 1

@@ -28,7 +28,10 @@ class _Method:
     def remote(self, *args) -> asyncio.Future:
         self.calls += 1
         future = asyncio.get_running_loop().create_future()
-        future.set_result(self.answer(*args))
+        try:
+            future.set_result(self.answer(*args))
+        except Exception as exc:  # as Ray raises an actor's error where its answer is awaited
+            future.set_exception(exc)
         return future
 
 
@@ -38,7 +41,13 @@ class FakeEngineActor:
                      "served_model_name": model[1], "kv_events_endpoint": None, "kv_events_replay_endpoint": None}
         self._actor_id = type("FakeActorId", (), {"hex": lambda _, name=name: f"id-{name}"})()
         self.prove = _Method(lambda nonce: credentials.prove("engine", nonce))
-        self.describe = _Method(lambda: dict(self.info))
+        self.answering = True
+        self.describe = _Method(self._describe)
+
+    def _describe(self) -> dict:
+        if not self.answering:
+            raise TimeoutError("a busy actor, a slow node")
+        return dict(self.info)
 
 
 @pytest.fixture
@@ -63,6 +72,11 @@ async def test_the_fleet_is_followed_as_its_owner_changes_it(actors):
     await follower.sync()
     states = {i.instance_id: i.state for i in registry.all()}
     assert states == {"tiny-colocated-0": InstanceState.DRAINING, "tiny-colocated-1": InstanceState.READY}
+
+    actors["tiny-colocated-1"].answering = False  # one look without its answer: nothing changes
+    await follower.sync()
+    assert {i.instance_id for i in registry.all()} == {"tiny-colocated-0", "tiny-colocated-1"}
+    actors["tiny-colocated-1"].answering = True
 
     registry.get("tiny-colocated-1").state = InstanceState.FAILED  # this router's health checks say so
     del actors["tiny-colocated-0"]  # stopped by its owner

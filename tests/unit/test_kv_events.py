@@ -376,3 +376,25 @@ async def test_malformed_messages_are_dropped_and_counted_and_the_listener_lives
     finally:
         pub.close()
         await listener.stop()
+
+
+async def test_an_instance_that_leaves_while_its_history_is_replayed_leaves_no_entries():
+    """The replay's answer arrives after the instance left (the registry removed it, the index
+    forgot it): applying it would bring back entries of an instance the router no longer has."""
+    known = {"engine-a": "tcp://127.0.0.1:1"}
+    index = KVIndex()
+    listener = listener_for(index, known.get)
+    answered = asyncio.Event()
+
+    async def slow_replay(holder: str, start: int):
+        await answered.wait()
+        return [(0, stored(1, 2))]
+
+    listener._replay = slow_replay
+    catching_up = asyncio.create_task(listener.catch_up("engine-a"))
+    await asyncio.sleep(0.05)
+    known.pop("engine-a")  # removed meanwhile (router/app.py: the index forgets it too)
+    index.remove_holder("engine-a")
+    answered.set()
+    await catching_up
+    assert index.match([1, 2]) == {} and index.holders() == []

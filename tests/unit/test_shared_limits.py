@@ -99,9 +99,31 @@ async def test_two_routers_share_one_keys_limit_and_a_router_alone_keeps_it_whil
     assert first.inflight == {"k": 0}
     await second.acquire("k")  # the released slot is the cluster's again
 
-    handle.dead[0] = True  # unreachable: each router applies the same limits on its own books
+    handle.dead[0] = True  # unreachable: each router applies the same limits on its own books,
+    with pytest.raises(RateLimited):  # its slots admitted by the ledger before the outage included
+        await second.acquire("k")
     alone = [await first.acquire("k"), await first.acquire("k")]
     with pytest.raises(RateLimited):
         await first.acquire("k")
+    assert first.inflight == {"k": 2}  # what its next heartbeat restates to the ledger
+
+    handle.dead[0] = False  # back: the heartbeats restate what each holds, however admitted
+    ledger = handle.acquire.call.__self__
+    for router in (first, second):
+        await handle.heartbeat.remote(router.holder, dict(router.inflight))
+    assert ledger.limits.inflight("k") == 4
     for release in alone:
         release()
+    assert first.inflight == {"k": 0} and ledger.limits.inflight("k") == 2
+
+
+async def test_an_admission_cancelled_while_the_ledger_answers_takes_nothing():
+    handle = FakeLedgerHandle(AdmissionLedger(None, 1))
+    handle.dead[0] = True  # an answer that does not come before the client leaves
+    limits = LedgerLimits(handle, (None, 1), call_timeout_s=10)
+    waiting = asyncio.create_task(limits.acquire("k"))
+    await asyncio.sleep(0.05)
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    assert limits.inflight == {"k": 0}
