@@ -136,7 +136,7 @@ async def test_a_launcher_adopts_only_actors_that_prove_the_cluster_secret(fake_
     registry = InstanceRegistry()
     launcher = Launcher(registry, CREDENTIALS)
     adopted = await launcher.adopt([config], keep_store=True)
-    assert adopted.instances == ("tiny-colocated-0",)
+    assert adopted == ("tiny-colocated-0",)
     assert [i.instance_id for i in registry.all()] == ["tiny-colocated-0"]
     assert launcher.store.shards == {}
     assert calls(ours) == ["prove", "describe"]
@@ -153,7 +153,7 @@ async def test_a_failed_router_restart_leaves_the_adopted_fleet_serving(fake_act
     await failed.shutdown(keep_adopted=True)
     assert calls(engine) == ["prove", "describe"] and calls(shard) == ["prove"]  # still there, untouched
     again = Launcher(InstanceRegistry(), CREDENTIALS)
-    assert (await again.adopt([config], keep_store=True)).instances == ("tiny-colocated-0",)
+    assert await again.adopt([config], keep_store=True) == ("tiny-colocated-0",)
     assert list(again.store.shards) == [f"{STORE_SHARD_PREFIX}node"]
     await again.shutdown()
     assert ended(engine) and ended(shard)
