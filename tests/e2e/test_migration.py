@@ -101,6 +101,7 @@ def test_a_killed_engine_costs_no_stream_and_no_token(served_two, structured, fa
     """Killed (SIGKILL: the connection breaks) or frozen (SIGSTOP: it stays open, silent, until
     the stall deadline)."""
     url = served_two.url
+    _wait_for_two_ready(served_two)
     reference = [Stream(url, k, structured) for k in range(len(PROMPTS))]
     expected = [s.result() for s in reference]
     assert all(usage["completion_tokens"] == MAX_TOKENS and not errors for _, usage, errors, _ in expected)
@@ -109,10 +110,10 @@ def test_a_killed_engine_costs_no_stream_and_no_token(served_two, structured, fa
 
     streams = [Stream(url, k, structured) for k in range(len(PROMPTS))]
     deadline = time.monotonic() + 60
-    while min(s.events for s in streams) < 5:  # every stream has sent tokens
+    while min(s.events for s in streams) < 3:  # every stream has sent tokens
         assert time.monotonic() < deadline
         time.sleep(0.005)
-    victim = max(served_two.instances(), key=lambda i: i["inflight"])
+    victim = max((i for i in served_two.instances() if i["state"] == "ready"), key=lambda i: i["inflight"])
     kill_engine(victim["url"], signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
     at_kill = [s.events for s in streams]
     try:
@@ -121,22 +122,27 @@ def test_a_killed_engine_costs_no_stream_and_no_token(served_two, structured, fa
         if fault == "frozen":
             kill_engine(victim["url"], signal.SIGCONT)  # it serves again once its health checks pass
 
-    # The fault hit streams in flight: the victim held some, none had finished.
-    assert victim["inflight"] >= 1 and max(at_kill) < MAX_TOKENS, (victim, at_kill)
+    # The fault hit streams in flight that had sent tokens: the victim held some (streams on the
+    # other instance may have finished meanwhile), and at least one of them was cut and continued.
+    assert victim["inflight"] >= 1 and min(at_kill) >= 3, (victim, at_kill)
+    assert _migrations(served_two) - migrations_before >= 1, at_kill
     assert [r[2] for r in results] == [[]] * len(streams)  # no error event
     assert [r[0] for r in results] == [e[0] for e in expected]  # the same text, token for token
     assert [r[1] for r in results] == [e[1] for e in expected]  # usage counted once
     assert [r[3] for r in results] == [e[3] for e in expected]
     assert all(len(s.ids) == 1 for s in streams)  # one stream, one id, as the client sees it
-    assert _migrations(served_two) - migrations_before >= victim["inflight"]
     deadline = time.monotonic() + 10  # the router's books: every stream left every instance it entered
     while any(i["inflight"] for i in served_two.instances()):
         assert time.monotonic() < deadline, served_two.instances()
         time.sleep(0.1)
-    # The pool controller brings the killed instance's capacity back before the next test.
+    _wait_for_two_ready(served_two)  # the pool controller brings the killed instance's capacity back
+
+
+def _wait_for_two_ready(server) -> None:
+    """Both instances serve (each test begins so: one that failed half-way leaves no cascade)."""
     deadline = time.monotonic() + 240
-    while sum(i["state"] == "ready" for i in served_two.instances()) < 2:
-        assert time.monotonic() < deadline, served_two.instances()
+    while sum(i["state"] == "ready" for i in server.instances()) < 2:
+        assert time.monotonic() < deadline, server.instances()
         time.sleep(0.5)
 
 
@@ -151,13 +157,14 @@ def test_a_drained_instance_finishes_its_streams_then_stops(served_two):
     instance takes no new request, its streams end whole where they are (none migrates), then it
     stops, and the pool gets its capacity back."""
     admin = served_two.credentials.admin_headers()
+    _wait_for_two_ready(served_two)
     migrations_before = _migrations(served_two)
     streams = [Stream(served_two.url, k) for k in range(len(PROMPTS))]
     deadline = time.monotonic() + 60
     while min(s.events for s in streams) < 3:
         assert time.monotonic() < deadline
         time.sleep(0.005)
-    victim = max(served_two.instances(), key=lambda i: i["inflight"])
+    victim = max((i for i in served_two.instances() if i["state"] == "ready"), key=lambda i: i["inflight"])
     assert victim["inflight"] >= 1, victim
     drained = httpx.post(f"{served_two.url}/admin/instances/{victim['instance_id']}/drain", headers=admin, timeout=10)
     assert drained.status_code == 202, drained.text
