@@ -99,6 +99,13 @@ def _add_cold_start_flags(parser: argparse.ArgumentParser) -> None:
         help="standby instances per pool (started without weights, activated in < 1 s)",
     )
     parser.add_argument(
+        "--preimported",
+        type=int,
+        default=0,
+        help="pre-imported server processes per pool (vLLM imported, no GPU memory held): a start from one "
+        "skips the imports; used after the standbys",
+    )
+    parser.add_argument(
         "--sleeping-standbys",
         action="store_true",
         help="standbys sleep until activated (vLLM sleep mode; CUDA, colocated): ~2 GiB of GPU memory each",

@@ -160,9 +160,11 @@ class Launcher:
         peer: dict | None = None,
         standby: bool = False,
         progress: bool = True,
+        preimported: bool = False,
     ) -> list[StartedInstance]:
         """Start one engine per (instance_id, config) concurrently, showing their progress; with
-        weights from `peer` (a descriptor of `peer_weights()`) or disk, or as standbys without.
+        weights from `peer` (a descriptor of `peer_weights()`) or disk, as standbys without, or
+        only up to their imports (`preimported`).
 
         An engine Ray cannot place within `placement_timeout_s` (no node offers its role's
         resource, and the autoscaler added none) fails the start; so does a failed engine. Only one
@@ -171,7 +173,8 @@ class Launcher:
             return []
         actors = {iid: self._create_actor(cfg, iid) for iid, cfg in configs}
         starts = {
-            iid: asyncio.ensure_future(actor.start.remote(standby=standby, peer=peer))
+            iid: asyncio.ensure_future(actor.preimport.remote() if preimported
+                                       else actor.start.remote(standby=standby, peer=peer))
             for iid, actor in actors.items()
         }
         deadline = time.monotonic() + placement_timeout_s + max(cfg.start_timeout_s for _, cfg in configs)
@@ -197,14 +200,18 @@ class Launcher:
             timeline = task.result()
             info = await actors[instance_id].describe.remote()
             started.append(self._register(instance_id, actors[instance_id], info, timeline))
-            path = "standby_start" if standby else timeline["details"].get("weights_source", "disk")
+            path = ("preimport" if preimported else "standby_start" if standby
+                    else timeline["details"].get("weights_source", "disk"))
             self._record(instance_id, path.split("/")[0], timeline)
         return started
 
-    async def start_standby(self, instance_id: str, config: EngineConfig) -> StartedInstance:
+    async def start_standby(self, instance_id: str, config: EngineConfig, preimported: bool = False
+                            ) -> StartedInstance:
         """An instance with everything but weights, registered as STANDBY, or SLEEPING with
-        `sleep_mode` (gets no traffic)."""
-        return (await self.start_instances([(instance_id, config)], standby=True, progress=False))[0]
+        `sleep_mode`; or, if `preimported`, a server process that has only imported vLLM, holding no
+        GPU memory (PREIMPORTED). Either gets no traffic until `activate()`."""
+        return (await self.start_instances([(instance_id, config)], standby=True, progress=False,
+                                           preimported=preimported))[0]
 
     async def activate(self, instance_id: str, peer: dict | None) -> dict:
         """Give a standby its weights (from `peer`, else disk) and put it in rotation."""
@@ -212,6 +219,7 @@ class Launcher:
         instance = self.registry.get(instance_id)
         if instance is None or not instance.state.is_standby:
             raise RuntimeError(f"{instance_id} is not a registered standby")
+        path = "preimported" if instance.state == InstanceState.PREIMPORTED else "standby"
         instance.state = InstanceState.LOADING  # no second activation of the same standby
         try:
             timeline = await record.actor.activate.remote(peer)
@@ -220,7 +228,7 @@ class Launcher:
             raise
         instance.state = InstanceState.READY
         record.timeline = timeline
-        self._record(instance_id, "standby", timeline)
+        self._record(instance_id, path, timeline)
         return timeline
 
     async def peer_weights(self, model: str) -> dict | None:

@@ -8,10 +8,12 @@ and grows the pool by the fastest path available:
   1. standby  - an instance started ahead with everything but weights (awake ones first, then
                 sleeping ones); activated with a ready peer's weights, its own host copy (an
                 instance put to sleep when idle), or disk: well under a second;
-  2. peer     - a new instance whose weights come from a ready peer instead of disk;
-  3. disk     - a new instance that reads the checkpoint itself.
+  2. pre-imported - a server process that has imported vLLM and waits, holding no GPU memory
+                (engine/preimport.py): a start without its imports;
+  3. peer     - a new instance whose weights come from a ready peer instead of disk;
+  4. disk     - a new instance that reads the checkpoint itself.
 
-Used standbys are replaced in the background. A pool shrinks to `min_ready` after `idle_s`
+Used standbys and pre-imported processes are replaced in the background. A pool shrinks to `min_ready` after `idle_s`
 without traffic: the instance leaving drains first (no new requests, then it finishes those it
 holds), then stops, or with `idle_sleeps` goes to sleep and waits as a standby that holds ~2 GiB
 of GPU memory. `min_ready=0` with a standby or `idle_sleeps` is scale-to-zero with a sub-second
@@ -25,6 +27,7 @@ sleep it also makes its host copy of the weights (7-9 s for an 8B), which that s
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import time
@@ -34,7 +37,7 @@ from typing import TYPE_CHECKING
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.config import EngineConfig
-from engine.lifecycle import InstanceState
+from engine.lifecycle import STANDBY_STATES, InstanceState
 from engine.roles import RoleSpec
 from router.instances import CapacityQueue, InstanceRegistry, LatencyWindow
 
@@ -58,6 +61,9 @@ class PoolSpec(BaseModel):
     max_ready: int = Field(1, ge=1)
     standby: int = Field(0, ge=0)
     """Standby instances kept ready to activate."""
+    preimported: int = Field(0, ge=0)
+    """Pre-imported server processes kept besides (InstanceState.PREIMPORTED): no GPU memory,
+    a start from one skips vLLM's imports."""
     standby_sleeps: bool = False
     """Standbys sleep until activated (EngineConfig.sleep_mode): ~2 GiB of GPU memory each
     instead of their share, a wake-up (~0.05 s on an H200) added to the activation."""
@@ -147,10 +153,8 @@ class PoolController:
         self._cores = itertools.cycle(core_sets or [None])
         self._ids = itertools.count()
         self._growing: dict[PoolKey, int] = dict.fromkeys(self.specs, 0)
-        self._standby_starting: dict[PoolKey, int] = dict.fromkeys(self.specs, 0)
-        self._standby_failures: dict[PoolKey, int] = dict.fromkeys(self.specs, 0)
-        self._standby_retry_at: dict[PoolKey, float] = dict.fromkeys(self.specs, 0.0)
-        """After a failed standby start, the next waits 2, 4, ... 60 s: no storm of starts."""
+        self._reserves = {(key, preimported): _Reserve() for key in self.specs for preimported in (False, True)}
+        """Each pool's standbys (False) and pre-imported processes (True) being started."""
         self._last_busy: dict[PoolKey, float] = dict.fromkeys(self.specs, time.monotonic())
         self._grown_at: dict[PoolKey, float] = dict.fromkeys(self.specs, 0.0)
         self._tasks: set[asyncio.Task] = set()
@@ -186,8 +190,8 @@ class PoolController:
         return [i for i in self.registry.all() if (i.model, i.role) == spec.key and i.state == state]
 
     def _standbys(self, spec: PoolSpec) -> list:
-        """Standbys of `spec`'s pool, awake ones first (they skip the wake-up)."""
-        return self._instances(spec, InstanceState.STANDBY) + self._instances(spec, InstanceState.SLEEPING)
+        """Standbys of `spec`'s pool, fastest to activate first: awake, asleep, pre-imported."""
+        return [i for state in STANDBY_STATES for i in self._instances(spec, state)]
 
     def _step(self, spec: PoolSpec) -> None:
         key = spec.key
@@ -204,10 +208,13 @@ class PoolController:
         if grow and len(ready) + self._growing[key] < spec.max_ready:
             self._growing[key] += 1
             self._spawn(self._grow(spec), f"grow-{spec.name}")
-        standbys = len(self._standbys(spec)) + self._standby_starting[key]
-        if standbys < spec.standby and time.monotonic() >= self._standby_retry_at[key]:
-            self._standby_starting[key] += 1
-            self._spawn(self._add_standby(spec), f"standby-{spec.name}")
+        for preimported, wanted in ((False, spec.standby), (True, spec.preimported)):
+            reserve = self._reserves[key, preimported]
+            kept = self._instances(spec, InstanceState.PREIMPORTED) if preimported else [
+                i for i in self._standbys(spec) if i.state != InstanceState.PREIMPORTED]
+            if len(kept) + reserve.starting < wanted and time.monotonic() >= reserve.retry_at:
+                reserve.starting += 1
+                self._spawn(self._add_standby(spec, preimported), f"standby-{spec.name}")
         idle = time.monotonic() - self._last_busy[key]
         if len(ready) > spec.min_ready and idle > spec.idle_s and not self._growing[key]:
             self._last_busy[key] = time.monotonic()
@@ -284,15 +291,27 @@ class PoolController:
         self._reserved += 1  # no await since the check: no other grow took this room
         return True
 
-    async def _add_standby(self, spec: PoolSpec) -> None:
-        key = spec.key
+    async def _add_standby(self, spec: PoolSpec, preimported: bool = False) -> None:
+        reserve = self._reserves[spec.key, preimported]
         try:
-            config = self._config(spec).model_copy(update={"sleep_mode": spec.standby_sleeps or spec.idle_sleeps})
-            await self.launcher.start_standby(self._new_id(spec), config)
-            self._standby_failures[key] = 0
+            sleeps = spec.idle_sleeps or (spec.standby_sleeps and not preimported)
+            config = self._config(spec).model_copy(update={"sleep_mode": sleeps})
+            await self.launcher.start_standby(self._new_id(spec), config, preimported=preimported)
+            reserve.failures = 0
         except Exception:
-            failures = self._standby_failures[key] = self._standby_failures[key] + 1
-            self._standby_retry_at[key] = time.monotonic() + min(60.0, 2.0**failures)
-            log.exception("starting a %s standby failed (%d in a row)", spec.name, failures)
+            reserve.failures += 1
+            reserve.retry_at = time.monotonic() + min(60.0, 2.0**reserve.failures)
+            log.exception("starting a %s %s failed (%d in a row)", spec.name,
+                          "pre-imported process" if preimported else "standby", reserve.failures)
         finally:
-            self._standby_starting[key] -= 1
+            reserve.starting -= 1
+
+
+@dataclasses.dataclass
+class _Reserve:
+    """Standbys (or pre-imported processes) of one pool being started. After a failed start the
+    next waits 2, 4, ... 60 s: no storm of starts."""
+
+    starting: int = 0
+    failures: int = 0
+    retry_at: float = 0.0

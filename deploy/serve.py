@@ -81,7 +81,8 @@ def serve(args: argparse.Namespace) -> int:
         models = resolve_models(args.model, args.served_model_name)
         topology = Topology.from_args(args.instances, args.prefill, args.decode, args.standby, args.max_instances,
                                       args.target_ttft, args.colocated, args.sleeping_standbys,
-                                      args.sleep_when_idle, tuple(name for _, name in models), args.max_awake)
+                                      args.sleep_when_idle, tuple(name for _, name in models), args.max_awake,
+                                      args.preimported)
         _check_gpu_sharing(args, topology)
         if args.router_only and args.address is None:
             raise ValueError("--router-only serves the engines of a running cluster: give its --address")

@@ -38,12 +38,15 @@ class Topology:
     max_awake: int | None = None
     """With sleep_when_idle: instances awake at most, across models (one GPU's worth): to wake
     one more, the pool controller first puts an idle one of another model to sleep."""
+    preimported: int = 0
+    """Pre-imported server processes per pool (PoolSpec.preimported)."""
 
     @classmethod
     def from_args(cls, instances: int, prefill: int, decode: int, standby: int = 0, max_instances: int = 0,
                   target_ttft_s: float | None = None, colocated: bool = False,
                   sleeping_standbys: bool = False, sleep_when_idle: bool = False,
-                  models: tuple[str, ...] = ("model",), max_awake: int | None = None) -> Topology:
+                  models: tuple[str, ...] = ("model",), max_awake: int | None = None,
+                  preimported: int = 0) -> Topology:
         if colocated and (prefill or decode):
             raise ValueError("--colocated and --prefill/--decode exclude each other")
         # A P/D engine's KV connector registers its KV cache's memory, which sleep would unmap.
@@ -60,19 +63,21 @@ class Topology:
             raise ValueError("--max-awake needs --sleep-when-idle and is at least 1")
         if max_awake is not None and standby:
             raise ValueError("--max-awake and --standby do not combine: the sleeping engines are the standbys")
-        if standby < 0 or max_instances < 0:
-            raise ValueError("--standby and --max-instances cannot be negative")
+        if standby < 0 or max_instances < 0 or preimported < 0:
+            raise ValueError("--standby, --preimported and --max-instances cannot be negative")
         if target_ttft_s is not None and target_ttft_s <= 0:
             raise ValueError("--target-ttft must be positive")
-        least = 0 if standby else 1  # a pool may start empty when a standby can serve it
+        least = 0 if standby or preimported else 1  # a pool may start empty when a standby can serve it
         if prefill or decode:
             if prefill < least or decode < least or prefill + decode == 0:
-                raise ValueError("a P/D topology needs --prefill >= 1 and --decode >= 1 (0 with --standby)")
-            return cls(0, prefill, decode, standby, max_instances, target_ttft_s, models=models)
+                raise ValueError("a P/D topology needs --prefill >= 1 and --decode >= 1 (0 with --standby "
+                                 "or --preimported)")
+            return cls(0, prefill, decode, standby, max_instances, target_ttft_s, models=models,
+                       preimported=preimported)
         if instances < least:
-            raise ValueError("--instances must be at least 1 (or 0 with --standby)")
+            raise ValueError("--instances must be at least 1 (or 0 with --standby or --preimported)")
         return cls(instances, 0, 0, standby, max_instances, target_ttft_s, sleeping_standbys, sleep_when_idle,
-                   models, max_awake)
+                   models, max_awake, preimported)
 
     def _counts(self) -> list[tuple[RoleSpec, int]]:
         if self.colocated or not (self.prefill or self.decode):
@@ -94,20 +99,21 @@ class Topology:
         return [
             PoolSpec(model=model, role=role, min_ready=0 if self.sleep_when_idle else count,
                      max_ready=max(count, self.max_instances, 1),
-                     standby=self.standby, target_ttft_s=self.target_ttft_s if role.prefills else None,
+                     standby=self.standby, preimported=self.preimported,
+                     target_ttft_s=self.target_ttft_s if role.prefills else None,
                      standby_sleeps=self.sleeping_standbys, idle_sleeps=self.sleep_when_idle)
             for model in self.models for role, count in self._counts()
         ]
 
     def engines_at_most(self) -> int:
-        return sum(pool.max_ready + pool.standby for pool in self.pools())
+        return sum(pool.max_ready + pool.standby + pool.preimported for pool in self.pools())
 
     def ray_resources(self) -> dict[str, float]:
         """A one-machine head offers the role resources the pools are placed by."""
         resources: dict[str, float] = collections.Counter()
         for pool in self.pools():
             if pool.role.ray_resource:
-                resources[pool.role.ray_resource] += pool.max_ready + pool.standby
+                resources[pool.role.ray_resource] += pool.max_ready + pool.standby + pool.preimported
         return dict(resources)
 
 

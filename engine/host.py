@@ -30,6 +30,7 @@ import httpx
 from engine.config import EngineConfig
 from engine.environment import KV_EVENTS_PLUGIN, engine_process_env, free_port, is_cpu_build
 from engine.lifecycle import InstanceState, StartTimeline
+from engine.preimport import PREIMPORTED_MARK
 from engine.process import GROUP_GUARD, die_with_parent, local_client, node_address
 from engine.server_command import kv_events_plugin_installed, server_command
 from engine.weights import new_weights_file
@@ -39,6 +40,7 @@ from security.credentials import EngineHostKeys
 # vLLM log lines that end a start-up stage, in the order they appear, with the seconds vLLM
 # itself reports where it does.
 STAGE_PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = (
+    ("preimport", re.compile(re.escape(PREIMPORTED_MARK))),
     ("spawn_and_import", re.compile(r"vLLM API server version|version \d+\.\d+")),
     ("engine_process", re.compile(r"Initializing a V1 LLM engine")),
     ("worker_start_and_weights", re.compile(r"Loading weights took (?P<s>[\d.]+) seconds")),
@@ -109,51 +111,38 @@ class EngineHost:
             "elapsed_s": time.time() - self.timeline.started_at,
         }
 
-    async def start(self, standby: bool = False, peer: dict | None = None) -> dict:
-        """Start the server and wait for /health. Then, unless `standby`, load the weights (from
-        `peer`, a descriptor of `export_weights()`, else from disk) and send a warm-up request.
-        Returns the timeline."""
-        if self.state not in (InstanceState.STOPPED, InstanceState.FAILED):
-            raise EngineStartError(f"{self.instance_id} is {self.state.value}; cannot start")
-        if self.config.sleep_mode and (is_cpu_build() or self.config.role.kv_transfer):
-            # P/D roles: their KV connector registers the KV cache's memory, which sleep unmaps.
-            raise EngineStartError("sleep mode needs a CUDA GPU and a colocated role")
-        if self.config.kv_events and not kv_events_plugin_installed():
-            raise EngineStartError(f"vLLM's plugin {KV_EVENTS_PLUGIN} is not installed (reinstall pdcluster): "
-                                   "vLLM's own KV event publisher would serve the engine's prompts to anyone")
+    async def preimport(self) -> dict:
+        """Start the server process only up to its imports (engine/preimport.py): it holds no GPU
+        memory and waits as PREIMPORTED until `start()` or `activate()`. Returns the timeline."""
+        self._check_startable()
         self.timeline = StartTimeline()
         self.state = InstanceState.LOADING
-        env = engine_process_env(self.host, self.config.kv_cache_gib, self.config.cpu_cores,
-                                 self.config.kv_hashing.seed)
-        # /collective_rpc and /reset_prefix_cache, for weights; like every route, behind the token
-        env["VLLM_SERVER_DEV_MODE"] = "1"
-        env.update(self.keys.engine.as_env())
-        env["VLLM_PLUGINS"] = KV_EVENTS_PLUGIN  # ours alone: KV events on the cluster's keys
-        if self.config.gpu_ids is not None:
-            env["CUDA_VISIBLE_DEVICES"] = self.config.gpu_ids
-        env[WEIGHTS_DIR_ENV] = str(self.config.weights_dir)
-        if self.weights_file is not None:
-            env[WEIGHTS_FILE_ENV] = str(self.weights_file)
-        env.update(self.config.role.env)
-        if self.config.otlp_traces_endpoint:  # vLLM's spans name their engine; gRPC, as the router's
-            env.update(OTEL_SERVICE_NAME="pdcluster-engine", OTEL_EXPORTER_OTLP_TRACES_PROTOCOL="grpc",
-                       OTEL_RESOURCE_ATTRIBUTES=f"pdcluster.instance_id={self.instance_id},"
-                                                f"pdcluster.role={self.config.role.name}")
-        if self.config.role.kv_transfer:
-            env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port(self.host))
-        command = server_command(self.config, self.host, self.port, self.instance_id, self.kv_events_endpoint,
-                                 self.kv_events_replay_endpoint)
-        self._process = subprocess.Popen(
-            ["bash", "-c", GROUP_GUARD, "pdcluster-engine", str(os.getpid()), *command],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            bufsize=1,
-            start_new_session=True,  # its own process group: stop() ends engine core and workers too
-            preexec_fn=die_with_parent,
-        )
-        threading.Thread(target=self._follow_log, args=(self._process,), daemon=True).start()
+        self._launch()
+
+        async def imported() -> None:
+            while not any(stage == "preimport" for stage, _ in self.timeline.marks):
+                if self._process is None or self._process.poll() is not None:
+                    raise EngineStartError("the vLLM server process exited during its imports")
+                await asyncio.sleep(0.05)
+            self.state = InstanceState.PREIMPORTED
+
+        await self._guarded(imported(), self.config.start_timeout_s, "pre-import")
+        return self.timeline.as_record()
+
+    async def start(self, standby: bool = False, peer: dict | None = None) -> dict:
+        """Start the server (or let a PREIMPORTED one go on) and wait for /health. Then, unless
+        `standby`, load the weights (from `peer`, a descriptor of `export_weights()`, else from
+        disk) and send a warm-up request. Returns the timeline."""
+        preimported = self.state == InstanceState.PREIMPORTED
+        if not preimported:
+            self._check_startable()
+        self.timeline = StartTimeline()
+        self.state = InstanceState.LOADING
+        if not preimported:
+            self._launch()
+        assert self._process is not None and self._process.stdin is not None
+        self._process.stdin.write("start\n")  # engine/preimport.py goes on from its imports
+        self._process.stdin.flush()
 
         async def bring_up() -> None:
             await self._wait_until_healthy()
@@ -171,12 +160,65 @@ class EngineHost:
         await self._guarded(bring_up(), self.config.start_timeout_s, "start")
         return self.timeline.as_record()
 
+    def _check_startable(self) -> None:
+        if self.state not in (InstanceState.STOPPED, InstanceState.FAILED):
+            raise EngineStartError(f"{self.instance_id} is {self.state.value}; cannot start")
+        if self.config.sleep_mode and (is_cpu_build() or self.config.role.kv_transfer):
+            # P/D roles: their KV connector registers the KV cache's memory, which sleep unmaps.
+            raise EngineStartError("sleep mode needs a CUDA GPU and a colocated role")
+        if self.config.kv_events and not kv_events_plugin_installed():
+            raise EngineStartError(f"vLLM's plugin {KV_EVENTS_PLUGIN} is not installed (reinstall pdcluster): "
+                                   "vLLM's own KV event publisher would serve the engine's prompts to anyone")
+
+    def _launch(self) -> None:
+        """The server process, with the engine's whole environment, stopped after its imports
+        until a line on its stdin (engine/preimport.py)."""
+        env = engine_process_env(self.host, self.config.kv_cache_gib, self.config.cpu_cores,
+                                 self.config.kv_hashing.seed)
+        # /collective_rpc and /reset_prefix_cache, for weights; like every route, behind the token
+        env["VLLM_SERVER_DEV_MODE"] = "1"
+        env.update(self.keys.engine.as_env())
+        env["VLLM_PLUGINS"] = KV_EVENTS_PLUGIN  # ours alone: KV events on the cluster's keys
+        if not is_cpu_build():
+            # The engine core forked from a forkserver that imported it ahead (engine/preimport.py),
+            # not spawned to import vLLM again. The CPU build insists on spawn (platforms/cpu.py).
+            env["VLLM_WORKER_MULTIPROC_METHOD"] = "forkserver"
+        if self.config.gpu_ids is not None:
+            env["CUDA_VISIBLE_DEVICES"] = self.config.gpu_ids
+        env[WEIGHTS_DIR_ENV] = str(self.config.weights_dir)
+        if self.weights_file is not None:
+            env[WEIGHTS_FILE_ENV] = str(self.weights_file)
+        env.update(self.config.role.env)
+        if self.config.otlp_traces_endpoint:  # vLLM's spans name their engine; gRPC, as the router's
+            env.update(OTEL_SERVICE_NAME="pdcluster-engine", OTEL_EXPORTER_OTLP_TRACES_PROTOCOL="grpc",
+                       OTEL_RESOURCE_ATTRIBUTES=f"pdcluster.instance_id={self.instance_id},"
+                                                f"pdcluster.role={self.config.role.name}")
+        if self.config.role.kv_transfer:
+            env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port(self.host))
+        command = server_command(self.config, self.host, self.port, self.instance_id, self.kv_events_endpoint,
+                                 self.kv_events_replay_endpoint)
+        self._process = subprocess.Popen(
+            ["bash", "-c", GROUP_GUARD, "pdcluster-engine", str(os.getpid()), *command],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+            start_new_session=True,  # its own process group: stop() ends engine core and workers too
+            preexec_fn=die_with_parent,
+        )
+        threading.Thread(target=self._follow_log, args=(self._process,), daemon=True).start()
+
     async def activate(self, peer: dict | None = None) -> dict:
-        """Turn a standby (awake or asleep) into a READY instance: its memory back if it sleeps,
-        weights (from `peer`, else the host copy a ready engine kept when it went to sleep, else
-        disk), a warm-up request. Returns the activation's timeline."""
+        """Turn a standby (awake, asleep or only imported) into a READY instance: started if only
+        imported, its memory back if it sleeps, weights (from `peer`, else the host copy a ready
+        engine kept when it went to sleep, else disk), a warm-up request. Returns the
+        activation's timeline."""
         if not self.state.is_standby:
             raise EngineStartError(f"{self.instance_id} is {self.state.value}, not standby")
+        if self.state == InstanceState.PREIMPORTED:
+            return await self.start(peer=peer)
         self.timeline = StartTimeline()
 
         async def wake_and_load() -> None:
@@ -347,6 +389,10 @@ class EngineHost:
         """The instance's state, re-checked against its process and /health."""
         if self.state == InstanceState.READY or self.state.is_standby:
             alive = self._process is not None and self._process.poll() is None
+            if self.state == InstanceState.PREIMPORTED:  # no server yet: its process is all there is
+                if not alive:
+                    self.state = InstanceState.FAILED
+                return self.describe()
             async with self._client(2.0) as client:
                 if not alive or not await self._healthy(client):
                     self.state = InstanceState.FAILED

@@ -14,6 +14,9 @@ class InstanceState(enum.StrEnum):
     SLEEPING = "sleeping"
     """A standby whose GPU memory is given back but for its CUDA context and graphs (vLLM's
     sleep mode, level 2): it holds ~2 GiB instead of its share of the GPU."""
+    PREIMPORTED = "preimported"
+    """A server process that has imported vLLM and waits to be started (engine/preimport.py):
+    no GPU memory, no weights; `activate()` starts it, saving a start its imports."""
     LOADING = "loading"
     WARMING = "warming"
     READY = "ready"
@@ -23,8 +26,13 @@ class InstanceState(enum.StrEnum):
 
     @property
     def is_standby(self) -> bool:
-        """Waiting for weights, awake or asleep: no traffic; `activate()` makes it READY."""
-        return self in (InstanceState.STANDBY, InstanceState.SLEEPING)
+        """Waiting, with no traffic, for `activate()` to make it READY: awake (everything but
+        weights), asleep, or only imported (the order in which a pool uses them)."""
+        return self in STANDBY_STATES
+
+
+STANDBY_STATES = (InstanceState.STANDBY, InstanceState.SLEEPING, InstanceState.PREIMPORTED)
+"""Standbys' states, fastest to activate first."""
 
 
 @dataclasses.dataclass

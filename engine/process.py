@@ -16,9 +16,11 @@ _PR_SET_PDEATHSIG = 1
 # that kills the whole group once the actor process is gone. Needed because Ray SIGKILLs a dead
 # actor's direct children (the shell, or before it the server), and vLLM's engine core and worker
 # outlive their server (seen: orphans holding 2 GB each). The watcher, orphaned, survives that.
+# The server keeps the shell's stdin (a background job's is /dev/null otherwise): it waits on it
+# for its start (engine/preimport.py).
 GROUP_GUARD = """
 actor=$1; shift
-"$@" & server=$!
+"$@" <&0 & server=$!
 ( trap "" TERM
   while kill -0 "$actor" 2>/dev/null && kill -0 "$server" 2>/dev/null; do sleep 1; done
   kill -KILL 0 ) &

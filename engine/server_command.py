@@ -1,6 +1,6 @@
-"""The vLLM OpenAI server command an engine of ours runs: dummy weights (the weight plane fills
-them), our worker extension, HTTP middleware and logits processor, KV events to the router, and
-the role's KV connector."""
+"""The vLLM OpenAI server command an engine of ours runs (its imports done ahead,
+engine/preimport.py): dummy weights (the weight plane fills them), our worker extension, HTTP
+middleware and logits processor, KV events to the router, and the role's KV connector."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import sys
 from engine.config import EngineConfig
 from engine.environment import GRAMMAR_LOGITS_PROCESSOR, KV_EVENTS_PLUGIN, is_cpu_build
 
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+"""vLLM's OpenAI server, run by engine/preimport.py once its imports are done and it is told to."""
 KV_EVENTS_PLUGIN_TARGET = "engine.kv_events:register"
 """What the entry point KV_EVENTS_PLUGIN names (pyproject.toml)."""
 
@@ -28,7 +30,7 @@ def server_command(config: EngineConfig, host: str, port: int, instance_id: str,
                    kv_events_endpoint: str | None, kv_events_replay_endpoint: str | None) -> list[str]:
     c = config
     command = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        sys.executable, "-m", "engine.preimport", SERVER_MODULE,
         "--model", str(c.model),
         "--served-model-name", c.served_model_name,
         "--host", host,

@@ -9,7 +9,9 @@ Three paths, each run `--runs` times, in one process (same machine state for all
   (c) standby - a STANDBY instance (started beforehand, untimed) activated with the weights of a
                 ready peer (shared memory on one node, CUDA IPC on a GPU), then the warm-up request;
   (d) sleeping - the same with a standby that sleeps until activated (vLLM's sleep mode, level 2;
-                CUDA only): its memory comes back, then the peer's weights, the warm-up request.
+                CUDA only): its memory comes back, then the peer's weights, the warm-up request;
+  (e) preimported - (b) from a server process that has imported vLLM beforehand and waits,
+                holding no GPU memory (engine/preimport.py; its import is not counted).
 The clock starts at the call and stops at the first streamed token of a request to the new
 instance. Paths (c) and (d) also check that the activated instance's greedy tokens equal the
 peer's, and on a GPU record the device memory the waiting standby held.
@@ -38,7 +40,7 @@ from engine.host import EngineHost
 from loadtest.output import write_results
 
 PROMPT = "The first token after a cold start"
-PATHS = ("plain", "disk", "standby", "sleeping")
+PATHS = ("plain", "disk", "preimported", "standby", "sleeping")
 
 
 async def first_token(url: str, model: str, max_tokens: int = 1, prompt: str = PROMPT,
@@ -90,17 +92,25 @@ async def plain_start(config: EngineConfig, cores: str) -> dict:
         process.wait()
 
 
-async def disk_start(config: EngineConfig, run: int) -> dict:
-    """(b): our EngineHost from nothing; weights from disk through the weight plane."""
-    host = EngineHost(config, f"cold-disk-{run}", host="127.0.0.1")
-    asked = time.perf_counter()
+async def fresh_start(config: EngineConfig, run: int, preimported: bool = False) -> dict:
+    """(b), or (e) if `preimported`: our EngineHost with no engine of ours before it; weights from
+    disk through the weight plane. (e) starts a process that imports vLLM first (untimed, as a
+    pool keeps them ahead) and records the GPU memory it held meanwhile."""
+    host = EngineHost(config, f"cold-{'preimported' if preimported else 'disk'}-{run}", host="127.0.0.1")
     try:
-        record = await host.start()
+        extra = {}
+        if preimported:
+            used_before = gpu_memory_used()
+            extra["preimport_s"] = (await host.preimport())["total_s"]
+            if used_before is not None:
+                extra["waiting_gpu_bytes"] = gpu_memory_used() - used_before
+        asked = time.perf_counter()
+        record = await (host.activate() if preimported else host.start())
         before_token = time.perf_counter() - asked
         await first_token(host.url, config.served_model_name, headers=host.auth_headers)
         total = time.perf_counter() - asked
         record["stages_s"]["first_token"] = total - before_token
-        return {**record, "first_token_s": total}
+        return {**record, **extra, "first_token_s": total}
     finally:
         await host.stop()
 
@@ -154,15 +164,16 @@ async def bench(
     peer_config = config.model_copy(update={"cpu_cores": cores[0]})
     new_config = config.model_copy(update={"cpu_cores": cores[1]})
     peer = EngineHost(peer_config, "cold-peer", host="127.0.0.1")
-    await peer.start()
+    if {"standby", "sleeping"} & set(paths):
+        await peer.start()
     results: dict[str, list[dict]] = {path: [] for path in paths}
     try:
         for run in range(runs):
             for path in paths:
                 if path == "plain":
                     record = await plain_start(new_config, cores[1])
-                elif path == "disk":
-                    record = await disk_start(new_config, run)
+                elif path in ("disk", "preimported"):
+                    record = await fresh_start(new_config, run, preimported=path == "preimported")
                 else:
                     record = await standby_start(new_config, peer, run, check_tokens=8, sleep=path == "sleeping")
                 results[path].append(record)

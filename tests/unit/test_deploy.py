@@ -224,10 +224,18 @@ class RecordingLauncher:
         self.registry = registry
         """Where it marks the instances it puts to sleep, as the launcher does (None: nowhere)."""
         self.standby_configs, self.activated, self.slept, self.stopped, self.peers_asked = [], [], [], [], []
+        self.preimported_configs, self.activated_from = [], []
         self.most_awake = 0
 
-    async def start_standby(self, instance_id, config):
-        self.standby_configs.append(config)
+    async def start_standby(self, instance_id, config, preimported=False):
+        from engine.lifecycle import InstanceState
+
+        (self.preimported_configs if preimported else self.standby_configs).append(config)
+        if self.registry is not None:  # registered as the launcher does
+            state = (InstanceState.PREIMPORTED if preimported else
+                     InstanceState.SLEEPING if config.sleep_mode else InstanceState.STANDBY)
+            self.registry.add(Instance(instance_id, config.role, f"http://127.0.0.1:{len(self.registry.all())}",
+                                       state, model=config.served_model_name))
 
     async def peer_weights(self, model):
         self.peers_asked.append(model)
@@ -241,6 +249,7 @@ class RecordingLauncher:
         self.activated.append(instance_id)
         if self.registry is not None:  # waking takes a moment, as it does
             instance = self.registry.get(instance_id)
+            self.activated_from.append(instance.state)
             instance.state = InstanceState.LOADING
             self.most_awake = max(self.most_awake, awake_count(self.registry))
             await asyncio.sleep(0.05)
@@ -286,6 +295,40 @@ async def test_a_pool_starts_sleeping_standbys_and_activates_an_awake_one_first(
     controller._growing[spec.key] += 1
     await controller._grow(spec)
     assert launcher.activated == ["awake"]  # no wake-up to wait for
+
+
+async def test_a_pool_keeps_preimported_processes_and_uses_them_after_standbys(tmp_path):
+    """Awake standby > sleeping one > pre-imported process (issue #23), each kind kept to its count."""
+    import asyncio
+
+    from deploy.pool import PoolController
+    from engine.lifecycle import InstanceState
+    from router.instances import CapacityQueue, InstanceRegistry
+
+    registry = InstanceRegistry()
+    launcher = RecordingLauncher(registry)
+    spec = PoolSpec(model="m", role=COLOCATED, min_ready=0, max_ready=3, standby=1, preimported=2,
+                    standby_sleeps=True)
+    controller = PoolController(launcher, registry, CapacityQueue(1, 1.0), [spec], engine_configs(tmp_path, "m"))
+    for _ in range(4):  # one start of each kind per step, up to its count
+        controller._step(spec)
+        await asyncio.sleep(0.01)
+    assert [c.sleep_mode for c in launcher.standby_configs] == [True]
+    assert [c.sleep_mode for c in launcher.preimported_configs] == [False, False]  # nothing to wake
+    registry.add(Instance("awake", COLOCATED, "http://127.0.0.1:9", InstanceState.STANDBY, model="m"))
+    for _ in range(4):
+        controller._growing[spec.key] += 1
+        await controller._grow(spec)
+    assert launcher.activated_from == [InstanceState.STANDBY, InstanceState.SLEEPING,
+                                       InstanceState.PREIMPORTED, InstanceState.PREIMPORTED]
+
+
+def test_preimported_processes_count_among_the_engines_a_head_places():
+    topology = Topology.from_args(0, 0, 0, preimported=2, max_instances=2)  # scale-to-zero on them
+    assert [(p.min_ready, p.preimported) for p in topology.pools()] == [(0, 2)]
+    assert topology.engines_at_most() == 4
+    with pytest.raises(ValueError, match="--preimported"):
+        Topology.from_args(1, 0, 0, preimported=-1)
 
 
 def test_several_models_get_pools_of_their_own_and_ids_that_name_them():

@@ -5,6 +5,8 @@
 #   test:   tests/conformance/test_conformance_gpu.py (disk, CUDA IPC standby, sleeping standby)
 #   cold1b: loadtest.cold_start, the tied ~1B Llama, standby vs sleeping, CUDA graphs
 #   cold8b: the same on a random 8B Llama (built on the GPU in its own process, 16 GB)
+#   fresh1b|fresh8b: loadtest.cold_start from nothing: plain vLLM, ours from disk, ours from a
+#           pre-imported process (engine/preimport.py), CUDA graphs; and vLLM's import profile
 #   swap1b|swap8b: loadtest.model_swap, four distinct checkpoints (derive_checkpoints: the output
 #           head re-drawn, every other file hard-linked), one awake at a time, CUDA graphs
 set -eo pipefail
@@ -22,9 +24,13 @@ case "$1" in
   cold8b) build llama8b
           python3 -m loadtest.cold_start --model /tmp/models/llama8b --no-eager --paths standby,sleeping \
             --runs "${RUNS:-2}" --out "${OUT:-/tmp}/cold_start-m8b-sleeping.json" ;;
+  fresh1b|fresh8b) name=llama${1#fresh}; build "$name"  # from nothing: plain vLLM, ours, ours pre-imported
+          python3 -X importtime -c "import vllm.entrypoints.openai.api_server" 2> "${OUT:-/tmp}/importtime.txt"
+          python3 -m loadtest.cold_start --model "/tmp/models/$name" --no-eager --paths "${PATHS:-plain,disk,preimported}" \
+            --runs "${RUNS:-2}" --out "${OUT:-/tmp}/cold_start-m${1#fresh}-fresh.json" ;;
   swap1b|swap8b) name=llama${1#swap}; build "$name"
           models=$(python3 -c "import sys; from pathlib import Path; from engine.models import derive_checkpoints; print(','.join(map(str, derive_checkpoints(Path(sys.argv[1]), 4))))" "/tmp/models/$name")
           python3 -m loadtest.model_swap --models "$models" $([ -n "$EAGER" ] || echo --no-eager) --rounds "${ROUNDS:-8}" \
             --out "${OUT:-/tmp}/model_swap-m${1#swap}.json" ;;
-  *) echo "usage: $0 test|cold1b|cold8b|swap1b|swap8b" >&2; exit 2 ;;
+  *) echo "usage: $0 test|cold1b|cold8b|fresh1b|fresh8b|swap1b|swap8b" >&2; exit 2 ;;
 esac
