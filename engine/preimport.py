@@ -35,9 +35,12 @@ def _start_forkserver() -> None:
     (vllm/entrypoints/openai/api_server.py, build_async_engine_client), which it starts at the
     engine's start and which then imports vLLM again. Started here, ahead, the forkserver is
     running when vLLM asks for it, and vLLM's own `ensure_running()` keeps it. The start method
-    itself is left for vLLM to set (setting it twice raises)."""
+    is left for vLLM to set: vLLM sets it without `force`, which raises once it is set, and
+    starting the forkserver sets it (multiprocessing.spawn.get_preparation_data asks for it), so
+    it is unset again."""
     multiprocessing.set_forkserver_preload(list(ENGINE_CORE_MODULES))
     multiprocessing.forkserver.ensure_running()
+    multiprocessing.set_start_method(None, force=True)
 
 
 def main(argv: list[str]) -> int:

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from engine.preimport import PREIMPORTED_MARK
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -20,23 +22,30 @@ def child(path):
     open(path, "w").write(__name__)
 
 if __name__ == "__main__":
-    process = multiprocessing.get_context("spawn").Process(target=child, args=(sys.argv[2],))
+    method = sys.argv[3]
+    if method == "forkserver":  # as vLLM's server does it (build_async_engine_client)
+        multiprocessing.set_start_method("forkserver")
+    process = multiprocessing.get_context(method).Process(target=child, args=(sys.argv[2],))
     process.start()
     process.join(60)
     open(sys.argv[1], "w").write(json.dumps({"argv": sys.argv, "child_exit": process.exitcode}))
 '''
 
 
-def _gated(tmp_path: Path, *args: str) -> subprocess.Popen[str]:
+def _gated(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     (tmp_path / "probe_server.py").write_text(SERVER)
-    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}
+    env = {**os.environ, **(env or {}), "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}
     return subprocess.Popen([sys.executable, "-m", "engine.preimport", "probe_server", *args], env=env, cwd=tmp_path,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
 
-def test_the_server_runs_only_when_told_and_as_python_m_would_run_it(tmp_path):
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_the_server_runs_only_when_told_and_as_python_m_would_run_it(tmp_path, method):
+    """With forkserver (vLLM's engine core on CUDA) the gate starts the forkserver ahead, and the
+    server sets the start method as vLLM does, unhindered."""
     out, child_out = tmp_path / "out.json", tmp_path / "child.txt"
-    process = _gated(tmp_path, str(out), str(child_out))
+    process = _gated(tmp_path, str(out), str(child_out), method,
+                     env={"VLLM_WORKER_MULTIPROC_METHOD": method})
     assert process.stdout.readline().strip() == "imported"  # the module itself, imported first
     assert process.stdout.readline().strip() == PREIMPORTED_MARK
     assert not out.exists()  # imported, not run
@@ -44,15 +53,15 @@ def test_the_server_runs_only_when_told_and_as_python_m_would_run_it(tmp_path):
     process.stdin.flush()
     assert process.wait(60) == 0
     result = json.loads(out.read_text())
-    assert result["argv"][1:] == [str(out), str(child_out)]
-    # A spawned child imports the server module again as its main, not the gate: it does not
-    # wait for a start of its own.
+    assert result["argv"][1:] == [str(out), str(child_out), method]
+    # A child imports the server module again as its main, not the gate: it does not wait for a
+    # start of its own.
     assert result["child_exit"] == 0 and child_out.read_text() == "__mp_main__"
 
 
 def test_end_of_input_ends_the_process_without_running_the_server(tmp_path):
     out = tmp_path / "out.json"
-    process = _gated(tmp_path, str(out), str(tmp_path / "child.txt"))
+    process = _gated(tmp_path, str(out), str(tmp_path / "child.txt"), "spawn")
     assert process.stdout.readline().strip() == "imported"
     process.stdin.close()  # its owner is gone
     assert process.wait(60) == 0
