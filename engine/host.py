@@ -180,9 +180,10 @@ class EngineHost:
         env.update(self.keys.engine.as_env())
         env["VLLM_PLUGINS"] = KV_EVENTS_PLUGIN  # ours alone: KV events on the cluster's keys
         if not is_cpu_build():
-            # The engine core forked from a forkserver that imported it ahead (engine/preimport.py),
-            # not spawned to import vLLM again. The CPU build insists on spawn (platforms/cpu.py).
-            env["VLLM_WORKER_MULTIPROC_METHOD"] = "forkserver"
+            # The engine core forked from the server process, which imported it ahead
+            # (engine/preimport.py), not spawned to import vLLM again: vLLM's own default, which
+            # its command line turns to spawn. The CPU build insists on spawn (platforms/cpu.py).
+            env["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
         if self.config.gpu_ids is not None:
             env["CUDA_VISIBLE_DEVICES"] = self.config.gpu_ids
         env[WEIGHTS_DIR_ENV] = str(self.config.weights_dir)
