@@ -100,7 +100,7 @@ async def fresh_start(config: EngineConfig, run: int, preimported: bool = False)
     try:
         extra = {}
         if preimported:
-            used_before = gpu_memory_used()
+            used_before = await settled_gpu_memory_used()
             extra["preimport_s"] = (await host.preimport())["total_s"]
             if used_before is not None:
                 extra["waiting_gpu_bytes"] = gpu_memory_used() - used_before
@@ -126,6 +126,19 @@ def gpu_memory_used() -> int | None:
         return None
 
 
+async def settled_gpu_memory_used(timeout_s: float = 30.0) -> int | None:
+    """gpu_memory_used() once two readings 0.5 s apart agree: a process killed just before (the
+    previous path's server) gives its memory back over seconds."""
+    deadline, last = time.monotonic() + timeout_s, gpu_memory_used()
+    while last is not None and time.monotonic() < deadline:
+        await asyncio.sleep(0.5)
+        now = gpu_memory_used()
+        if now == last:
+            break
+        last = now
+    return last
+
+
 async def standby_start(config: EngineConfig, peer: EngineHost, run: int, check_tokens: int,
                         sleep: bool = False) -> dict:
     """(c), or (d) if `sleep`: activate a standby with the peer's weights; the standby's own
@@ -133,7 +146,7 @@ async def standby_start(config: EngineConfig, peer: EngineHost, run: int, check_
     config = config.model_copy(update={"sleep_mode": sleep})
     standby = EngineHost(config, f"cold-{'sleeping' if sleep else 'standby'}-{run}", host="127.0.0.1")
     try:
-        used_before = gpu_memory_used()
+        used_before = await settled_gpu_memory_used()
         untimed = await standby.start(standby=True)
         used_waiting = gpu_memory_used()
         descriptor = await peer.export_weights(use_nixl=False)
