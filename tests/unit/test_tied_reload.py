@@ -40,6 +40,8 @@ def test_the_tied_head_multiplies_by_the_reloaded_weights():
         model.embed_tokens.weight.copy_(torch.randn(64, 32))  # the reload writes the shared weight
     hidden = torch.randn(3, 32)
     want = hidden @ model.lm_head.weight.T
+    # What vLLM's reload alone leaves: the head's processed copy still holds the dummy weights.
+    assert not torch.allclose(model.logits(hidden), want, atol=1e-3)
     assert sorted(reprocess_tied_layers(model)) == ["embed_tokens", "lm_head"]
     torch.testing.assert_close(model.logits(hidden), want)
 
