@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from machine import unless_ci
 
 pytestmark = pytest.mark.slow
 SCRIPT = Path(__file__).with_name("ray_up_scenario.py")
@@ -61,8 +62,8 @@ def two_hosts_apart(cluster: str, stranger: str) -> Iterator[None]:
 
 
 @pytest.mark.timeout(1500)
-@pytest.mark.skipif(os.geteuid() != 0 or not all(map(shutil.which, ("ip", "unshare", "nsenter"))),
-                    reason="needs root, iproute2, unshare and nsenter")
+@unless_ci(os.geteuid() == 0 and all(map(shutil.which, ("ip", "unshare", "nsenter"))),
+           "needs root, iproute2, unshare and nsenter")
 def test_pdcluster_up_on_a_local_cluster_attacked_from_another_host(tmp_path, tiny_model):
     ensure_packages()
     cluster, stranger = f"pdcluster-{os.getpid()}", f"pdcluster-{os.getpid()}-stranger"

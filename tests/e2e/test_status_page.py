@@ -31,7 +31,7 @@ HOSTILE_MODEL = "<img src=x onerror=\"document.title='pwned'\">"
 @contextlib.contextmanager
 def chromium_page(credentials: dict[str, str] | None) -> Iterator:
     """A page of a Chromium with a fresh profile; `credentials` answer the page's Basic challenge."""
-    sync_api = pytest.importorskip("playwright.sync_api")
+    from playwright import sync_api  # the dev extra's: its absence is an error, not a skip
     if not CHROMIUM.exists():
         pytest.fail(f"no {CHROMIUM}: apt-get install -y --no-install-recommends chromium")
     with sync_api.sync_playwright() as playwright, tempfile.TemporaryDirectory(prefix="chromium-") as profile:

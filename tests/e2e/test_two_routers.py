@@ -14,11 +14,12 @@ import time
 
 import httpx
 import pytest
+from machine import unless_ci
 
 from loadtest.balancer import balancer
 from loadtest.local_cluster import LocalServer, RayHead
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(shutil.which("nginx") is None, reason="needs Debian's nginx")]
+pytestmark = [pytest.mark.slow, unless_ci(shutil.which("nginx") is not None, "needs Debian's nginx (make test)")]
 KEYS = [f"sk-two-routers-{k}" for k in range(12)]
 PROMPT = " ".join(f"Line {k}: two routers read the same engines' events." for k in range(24))
 # SmolLM2: its streams take seconds on these cores (the tiny model's end in a fraction of one, before
