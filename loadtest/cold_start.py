@@ -271,9 +271,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cores", default="0,1", help="CPU cores of the peer and of the new instance")
     parser.add_argument("--paths", default="plain,disk,standby", help=f"which of {','.join(PATHS)} to run")
     parser.add_argument("--out", type=Path, default=None, help="JSON path (PNG beside it)")
+    parser.add_argument("--engine-log-dir", type=Path, default=None, help="keep each engine's whole log there")
     args = parser.parse_args(argv)
     config = EngineConfig(model=args.model, served_model_name=args.model.name, enforce_eager=not args.no_eager,
-                          gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len)
+                          gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
+                          log_dir=args.engine_log_dir)
     cores = tuple(args.cores.split(","))
     paths = tuple(args.paths.split(","))
     if not set(paths) <= set(PATHS):
