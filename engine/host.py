@@ -31,11 +31,12 @@ from engine.config import EngineConfig
 from engine.environment import KV_EVENTS_PLUGIN, engine_process_env, free_port, is_cpu_build
 from engine.lifecycle import InstanceState, StartTimeline
 from engine.preimport import PREIMPORTED_MARK
-from engine.process import GROUP_GUARD, die_with_parent, local_client, node_address
+from engine.process import GROUP_GUARD, die_with_parent, local_client
 from engine.server_command import kv_events_plugin_installed, server_command
 from engine.weights import new_weights_file
 from engine.worker_extension import WEIGHTS_DIR_ENV, WEIGHTS_FILE_ENV
 from security.credentials import EngineHostKeys
+from transport.address import node_address
 
 # vLLM log lines that end a start-up stage, in the order they appear, with the seconds vLLM
 # itself reports where it does.
@@ -140,11 +141,11 @@ class EngineHost:
         self.state = InstanceState.LOADING
         if not preimported:
             self._launch()
-        assert self._process is not None and self._process.stdin is not None
-        self._process.stdin.write("start\n")  # engine/preimport.py goes on from its imports
-        self._process.stdin.flush()
 
         async def bring_up() -> None:
+            assert self._process is not None and self._process.stdin is not None
+            self._process.stdin.write("start\n")  # engine/preimport.py goes on from its imports
+            self._process.stdin.flush()
             await self._wait_until_healthy()
             if standby:
                 # Lazy first-request work does not depend on the weights: pay it now, not on activation.
