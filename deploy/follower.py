@@ -26,7 +26,7 @@ from deploy.launcher import proven_actors
 from deploy.periodic import every
 from deploy.store_shards import STORE_SHARD_PREFIX
 from deploy.topology import ROLES
-from engine.lifecycle import InstanceState
+from engine.lifecycle import STANDBY_STATES, InstanceState
 from engine.roles import Role
 from router.instances import Instance, InstanceRegistry
 from security.credentials import ClusterCredentials
@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 # (its health checks), which a host that still says "ready" does not overrule.
 REASK_S = 60.0
 """How long an actor that did not prove the secret is left alone before it is asked again."""
-HOST_STATES = {InstanceState.READY, InstanceState.DRAINING, InstanceState.SLEEPING, InstanceState.STANDBY}
+HOST_STATES = {InstanceState.READY, InstanceState.DRAINING, *STANDBY_STATES}
 
 
 class FleetFollower:

@@ -26,7 +26,7 @@ BAR_WIDTH = 48
 STAGE_STYLES = ("blue", "green", "yellow", "magenta", "red", "cyan", "bright_black", "bright_blue",
                 "bright_green", "bright_magenta")
 STATE_STYLES = {"ready": "green", "ok": "green", "loading": "yellow", "warming": "yellow",
-                "draining": "yellow", "standby": "bright_black", "sleeping": "bright_black",
+                "draining": "yellow", "standby": "bright_black", "sleeping": "bright_black", "preimported": "bright_black",
                 "failed": "red", "stopped": "red", "unavailable": "red"}
 
 

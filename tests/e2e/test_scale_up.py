@@ -10,6 +10,7 @@ import time
 
 import httpx
 import pytest
+from oracle import assert_conforms
 
 from loadtest.local_cluster import LocalServer
 
@@ -63,6 +64,23 @@ def test_a_burst_on_an_empty_pool_is_queued_and_served_by_the_activated_standby(
     assert "ready" in states
     paths = [json.loads(line)["path"] for line in start_log.read_text().splitlines()]
     assert "standby_start" in paths and "standby" in paths, paths
+
+
+def test_a_pool_of_one_preimported_process_serves_a_burst_as_plain_vllm(artifacts, oracle, tmp_path):
+    """Scale-to-zero on a pre-imported process (issue #23): vLLM imported, no engine started; the
+    burst waits in the queue while the pool starts it, and the engine answers as plain vLLM."""
+    start_log = tmp_path / "starts.jsonl"
+    args = ["--model", "tiny", "--instances", "0", "--preimported", "1", "--max-instances", "1",
+            "--queue-timeout", str(QUEUE_TIMEOUT_S), "--start-log", str(start_log)]
+    preimported = lambda server: any(i["state"] == "preimported" for i in server.instances())  # noqa: E731
+    with LocalServer(args, artifacts / "serve-preimported.log", ready=preimported) as server:
+        health = httpx.get(f"{server.url}/health", timeout=5).json()
+        assert health["ready_instances"] == 0 and health["standby_instances"] == 1  # not down
+        results = asyncio.run(burst(server.url))
+        assert [status for status, _, _ in results] == [200] * len(PROMPTS), results
+        assert_conforms(server.url, "tiny", oracle("tiny"))
+    paths = [json.loads(line)["path"] for line in start_log.read_text().splitlines()]
+    assert paths[:2] == ["preimport", "preimported"], paths  # imported ahead, then started for the burst
 
 
 def test_first_tokens_later_than_the_target_grow_the_pool(artifacts, tmp_path):
