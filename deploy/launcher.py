@@ -32,6 +32,7 @@ from rich.live import Live
 from rich.table import Table
 
 from deploy.admission_ledger import LEDGER_NAME
+from deploy.draining import drained, end_engines, undrained
 from deploy.placement import placement_options
 from deploy.store_shards import STORE_SHARD_PREFIX, StoreShards
 from deploy.topology import ROLES
@@ -128,7 +129,7 @@ class Launcher:
             self._adopted.add(name)
             self._register(name, actor, info, {})
             adopted.append(name)
-        await _end_engines(ended)
+        await end_engines(ended)
         self.store.adopt(shards, keep_store)
         self.console.print(f"adopted {len(adopted)} engine(s) {adopted} and {len(self.store.shards)} store shard(s) "
                            f"in {time.monotonic() - started:.2f} s; stopped {len(ended)} engine(s) that did not fit")
@@ -256,12 +257,12 @@ class Launcher:
         is left then goes on elsewhere, router/migration.py), stop its engine, end its actor."""
         instance = self.registry.get(instance_id)
         if instance is not None:
-            await _drained(instance, self._actors.get(instance_id), drain_s)
+            await drained(instance, self._actors.get(instance_id), drain_s)
         actor = self._actors.pop(instance_id, None)
         self.instances.pop(instance_id, None)
         self._descriptors.pop(instance_id, None)
         if actor is not None:
-            await _end_engines([actor])
+            await end_engines([actor])
         self.registry.remove(instance_id)
 
     async def sleep_instance(self, instance_id: str, drain_s: float) -> None:
@@ -272,14 +273,14 @@ class Launcher:
         instance, record = self.registry.get(instance_id), self.instances.get(instance_id)
         if instance is None or record is None or instance.state != InstanceState.READY:
             return
-        if not await _drained(instance, record.actor, drain_s):
-            await _undrained(instance, record.actor)
+        if not await drained(instance, record.actor, drain_s):
+            await undrained(instance, record.actor)
             return
         self._descriptors.pop(instance_id, None)
         try:
             timeline = await record.actor.sleep.remote()
         except SleepRefused:
-            await _undrained(instance, record.actor)
+            await undrained(instance, record.actor)
             raise
         except Exception:
             await self.stop_instance(instance_id)  # half asleep, or gone: not to be served again
@@ -331,7 +332,7 @@ class Launcher:
         """Stop every engine this launcher created and the store's shards; with `keep_adopted`
         (a router restart that failed) leave what it adopted serving, for the next attempt."""
         kept = self._adopted if keep_adopted else set()
-        await _end_engines([a for name, a in self._actors.items() if name not in kept])
+        await end_engines([a for name, a in self._actors.items() if name not in kept])
         for instance_id in self._actors:
             self.registry.remove(instance_id)
         self._actors.clear()
@@ -340,12 +341,6 @@ class Launcher:
         if kept:
             log.warning("left %d adopted engine(s) and the store's shards serving: %s", len(kept), sorted(kept))
         await self.store.stop(keep_serving=bool(kept))
-
-
-def _move(instance: Instance, expected: InstanceState, to: InstanceState) -> None:
-    """`instance` to state `to` if it is still in `expected` (a health check may have moved it)."""
-    if instance.state == expected:
-        instance.state = to
 
 
 async def proven_actors(credentials: ClusterCredentials, handles: dict[str, ray.actor.ActorHandle],
@@ -364,45 +359,3 @@ async def proven_actors(credentials: ClusterCredentials, handles: dict[str, ray.
             log.warning("named actor %s does not hold the cluster's secret: not adopted, left alone", name)
     return proven
 
-
-async def _drained(instance: Instance, actor: ray.actor.ActorHandle | None, drain_s: float) -> bool:
-    """Out of rotation (DRAINING, here and at its host, where every other router of the cluster
-    reads it) until it runs no request, whichever router sent it (the engine's own count), or
-    `drain_s` passed; whether it is idle."""
-    instance.state = InstanceState.DRAINING
-    if actor is not None:
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(actor.set_draining.remote(True), 10)
-    deadline = time.monotonic() + drain_s
-    while time.monotonic() < deadline:
-        if not instance.inflight and await _engine_idle(actor, deadline - time.monotonic()):
-            return True
-        await asyncio.sleep(0.2)
-    return not instance.inflight and await _engine_idle(actor, 1.0)
-
-
-async def _engine_idle(actor: ray.actor.ActorHandle | None, timeout_s: float) -> bool:
-    """Whether the engine runs or queues no request. An actor that is gone runs nothing; one that
-    does not answer in time (overloaded) is not idle."""
-    if actor is None:
-        return True
-    try:
-        return await asyncio.wait_for(actor.requests_in_flight.remote(), max(timeout_s, 0.1)) == 0
-    except ray.exceptions.RayActorError:
-        return True
-    except Exception:
-        return False
-
-
-async def _undrained(instance: Instance, actor: ray.actor.ActorHandle) -> None:
-    """Back into rotation after a drain that did not end in a stop or a sleep."""
-    _move(instance, InstanceState.DRAINING, InstanceState.READY)
-    with contextlib.suppress(Exception):
-        await asyncio.wait_for(actor.set_draining.remote(False), 10)
-
-
-async def _end_engines(actors: list[ray.actor.ActorHandle]) -> None:
-    """Stop the engines' processes (concurrently, 30 s at most), then end their actors."""
-    await asyncio.gather(*(asyncio.wait_for(a.stop.remote(), 30) for a in actors), return_exceptions=True)
-    for actor in actors:
-        ray.kill(actor)

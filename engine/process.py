@@ -46,10 +46,3 @@ def local_client(timeout_s: float, headers: dict[str, str]) -> httpx.AsyncClient
     activation makes three clients on its way to READY."""
     return httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), verify=_ssl_context(), trust_env=False,
                              headers=headers)
-
-
-def node_address() -> str:
-    """The address this process's Ray node uses (loopback on a one-machine cluster)."""
-    import ray
-
-    return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"

@@ -31,6 +31,7 @@ import numpy as np
 from kvstore import protocol
 from kvstore.chunk_store import PAGE_BYTES, ChunkStore, ShardStats
 from security.credentials import CurveKeys, ShardKeys, runtime_dir, write_private
+from transport.address import node_address
 from transport.nixl import Extent, new_agent
 from transport.zmq_curve import Gate, serve_curve
 
@@ -215,8 +216,6 @@ class StoreShardActor:
 
     def __init__(self, capacity_bytes: int, keys: ShardKeys, ttl_s: float = 30.0, fault_injection: bool = False):
         import ray
-
-        from engine.process import node_address
 
         self._keys = keys
         name = ray.get_runtime_context().get_actor_name() or f"unnamed-{os.getpid()}"

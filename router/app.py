@@ -10,6 +10,7 @@ import contextlib
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -40,7 +41,8 @@ from router.proxy import Forwarder
 from router.status import ErrorLog, StartLog, serving_counts
 from router.status_page import add_status_page
 from router.streaming import EngineStream
-from router.tracing import NO_SPAN, RouterTracing
+from router.tracing import NO_SPAN, RequestTrace, RouterTracing
+from security.credentials import ClusterCredentials
 from transport.zmq_curve import KV_EVENTS_PLANE
 
 log = logging.getLogger(__name__)
@@ -77,13 +79,7 @@ def build_app(
     credentials = config.credentials()
     index = KVIndex(config.max_index_blocks_per_instance, config.speculative_ttl_s)
     registry.on_remove.append(index.remove_holder)  # a departed instance's blocks route nothing
-    context = PolicyContext(
-        index=index, store_holders=frozenset({STORE_HOLDER} if store_endpoints else ()),
-        prefill_tokens_per_s=config.prefill_tokens_per_s, fetch_cost=config.fetch_cost,
-    )
-    placer = Placer(PlacementSettings(config.remote_prefill_min_tokens, config.remote_prefill_max_queued_tokens),
-                    make_policy(config.policy, context), make_policy(config.policy, context),
-                    index=index, store_holders=context.store_holders)
+    placer = _placer(config, index, store_endpoints)
     limits = limits or LocalLimits(KeyLimits(config.rate_limit_per_s, config.max_concurrency_per_key))
     admission = Admission(config.api_keys, limits, credentials.tenant_salt)
     if admission.open:
@@ -93,11 +89,7 @@ def build_app(
     forwarder = Forwarder(config, registry, placer, queue, credentials.engine_headers())
     monitor = HealthMonitor(registry, config.health_interval_s, config.health_timeout_s,
                             config.health_failure_threshold, credentials.engine_headers())
-    listener = KVEventListener(index, registry.replay_endpoint_of, credentials.curve(KV_EVENTS_PLANE))
-    for instance in registry.all():  # registered before the router was built (started, adopted)
-        listener.follow(instance.instance_id, instance.kv_events_endpoint)
-    registry.on_add.append(lambda instance: listener.follow(instance.instance_id, instance.kv_events_endpoint))
-    registry.on_remove.append(listener.unfollow)
+    listener = _kv_event_listener(registry, index, credentials)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -131,6 +123,30 @@ def build_app(
     add_admin_routes(app, credentials, analyzer, intake.admit, store_endpoints)
     add_status_page(app, credentials)
     return app
+
+
+def _placer(config: RouterConfig, index: KVIndex, store_endpoints: tuple[str, ...]) -> Placer:
+    """The placement step with the configured policy for both the serving and the prefill choice,
+    the store counted as a holder when there is one."""
+    context = PolicyContext(
+        index=index, store_holders=frozenset({STORE_HOLDER} if store_endpoints else ()),
+        prefill_tokens_per_s=config.prefill_tokens_per_s, fetch_cost=config.fetch_cost,
+    )
+    return Placer(PlacementSettings(config.remote_prefill_min_tokens, config.remote_prefill_max_queued_tokens),
+                  make_policy(config.policy, context), make_policy(config.policy, context),
+                  index=index, store_holders=context.store_holders)
+
+
+def _kv_event_listener(registry: InstanceRegistry, index: KVIndex,
+                       credentials: ClusterCredentials) -> KVEventListener:
+    """The listener that feeds `index`, following the KV events of every instance `registry`
+    holds, now and from now on."""
+    listener = KVEventListener(index, registry.replay_endpoint_of, credentials.curve(KV_EVENTS_PLANE))
+    for instance in registry.all():  # registered before the router was built (started, adopted)
+        listener.follow(instance.instance_id, instance.kv_events_endpoint)
+    registry.on_add.append(lambda instance: listener.follow(instance.instance_id, instance.kv_events_endpoint))
+    registry.on_remove.append(listener.unfollow)
+    return listener
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -170,6 +186,8 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 
 def _add_openai_routes(app: FastAPI, intake: Intake, analyzer: RequestAnalyzer, forwarder: Forwarder) -> None:
+    """POST /v1/completions and /v1/chat/completions (admission, analysis, forwarding), GET
+    /v1/models and /health."""
     config, registry, tracing = app.state.config, app.state.registry, app.state.tracing
 
     def serving(model: str):
@@ -192,16 +210,7 @@ def _add_openai_routes(app: FastAPI, intake: Intake, analyzer: RequestAnalyzer, 
             if trace:
                 trace.fail(exc)
             raise
-        if isinstance(response, EngineStream):
-            response.body_iterator = release_after(response.body_iterator, release)
-            response.on_abandon.append(release)
-            if trace:  # the request's span ends with the stream's last byte
-                response.body_iterator = trace.until_end(response.body_iterator)
-                response.on_abandon.append(lambda: trace.finish(499))
-        else:
-            release()
-            if trace:
-                trace.finish(response.status_code)
+        _release_when_done(response, release, trace)
         return response
 
     @app.post("/v1/completions", responses=ERROR_RESPONSES, openapi_extra=_body_schema(CompletionRequest))
@@ -230,3 +239,18 @@ def _add_openai_routes(app: FastAPI, intake: Intake, analyzer: RequestAnalyzer, 
         body = {"status": "ok" if status == 200 else "unavailable", "ready_instances": ready,
                 "standby_instances": standby}
         return JSONResponse(body, status)
+
+
+def _release_when_done(response: Response, release: Callable[[], None], trace: RequestTrace | None) -> None:
+    """Give the request's slot back and end its span when `response` is done: a stream's at its
+    last byte or when its client leaves, any other's now."""
+    if isinstance(response, EngineStream):
+        response.body_iterator = release_after(response.body_iterator, release)
+        response.on_abandon.append(release)
+        if trace:  # the request's span ends with the stream's last byte
+            response.body_iterator = trace.until_end(response.body_iterator)
+            response.on_abandon.append(lambda: trace.finish(499))
+    else:
+        release()
+        if trace:
+            trace.finish(response.status_code)
