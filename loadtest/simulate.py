@@ -3,7 +3,8 @@ index.
 
     pdcluster simulate --trace ../shared/traces/mooncake_conversation_trace.jsonl \
         [--policy kv_aware ...] [--instances 8 --cache-blocks 1000 --prefill-rate 20000 --speed 1
-         --store-blocks 0 --fetch-cost 0.05] [--prefill-instances 0 --remote-prefill-min-tokens 256]
+         --store-blocks 0 --fetch-cost 0.05] [--prefill-instances 0 --remote-prefill-min-tokens 256
+         --remote-prefill-max-queued-tokens N]
 
 A Mooncake record is (timestamp ms, input_length, output_length, hash_ids), each hash id naming
 one 512-token block of the prompt, chained: equal ids mean equal prefixes. Each simulated
@@ -15,7 +16,9 @@ fetched tokens) / prefill rate. The instances publish what they store and evict 
 `Placer` (router/placement.py) with policies built by the same `make_policy`. With
 `--prefill-instances N` the `--instances` are decode instances and N prefill instances join them:
 a request the placer prefills remotely is computed there, and its KV (every prompt block) is
-handed to the decode instance at `fetch-cost` of computing it. Decode itself is not simulated.
+handed to the decode instance at `fetch-cost` of computing it; with
+`--remote-prefill-max-queued-tokens` a decode instance prefills itself while the chosen prefill
+instance has more queued (the router's `local_busy`). Decode itself is not simulated.
 
 Prints, per policy, the prefix hit rate ((cached + fetched) / prompt tokens), TTFT p50/p90/p99
 and the load imbalance (max / mean requests per instance); writes JSON and a PNG.
@@ -110,6 +113,7 @@ class SimConfig:
     fetch_cost: float = 0.05
     prefill_instances: int = 0
     remote_prefill_min_tokens: int = 256
+    remote_prefill_max_queued_tokens: int | None = None
 
 
 class _SimInstance:
@@ -152,8 +156,8 @@ def simulate(
         prefill_tokens_per_s=config.prefill_rate,
         fetch_cost=config.fetch_cost,
     )
-    placer = Placer(PlacementSettings(config.remote_prefill_min_tokens), make_policy(policy_name, context),
-                    make_policy(policy_name, context))
+    settings = PlacementSettings(config.remote_prefill_min_tokens, config.remote_prefill_max_queued_tokens)
+    placer = Placer(settings, make_policy(policy_name, context), make_policy(policy_name, context))
     sims = _fleet(config)
     servers = [s.instance for s in sims.values() if s.instance.role.serves_clients]
     prefillers = [s.instance for s in sims.values() if s.instance.role.takes_remote_prefills]
@@ -286,6 +290,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-instances", type=int, default=0,
                         help="P/D: this many prefill instances; --instances are then decode instances")
     parser.add_argument("--remote-prefill-min-tokens", type=int, default=256)
+    parser.add_argument("--remote-prefill-max-queued-tokens", type=int, default=None,
+                        help="P/D: when the prefill instance has more prompt tokens queued, decode prefills locally")
     parser.add_argument("--out", type=Path, default=Path("results"), help="folder for JSON and PNG")
 
 
@@ -293,7 +299,7 @@ def run(args: argparse.Namespace) -> int:
     console = Console()
     trace = load_trace(args.trace, args.speed)
     config = SimConfig(args.instances, args.cache_blocks, args.prefill_rate, args.store_blocks, args.fetch_cost,
-                       args.prefill_instances, args.remote_prefill_min_tokens)
+                       args.prefill_instances, args.remote_prefill_min_tokens, args.remote_prefill_max_queued_tokens)
     results = [simulate(trace, name, config) for name in args.policy]
     title = (f"{args.trace.name}: {len(trace)} requests, {config.instances} instances x {config.cache_blocks} "
              f"blocks, {config.prefill_rate:g} tok/s, store {config.store_blocks} blocks")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 
@@ -73,3 +74,19 @@ def test_pd_places_long_prompts_on_prefill_instances_and_short_ones_on_decode():
     assert result["remote_prefills"] == 1
     # 2 s to compute 2048 tokens on the prefill instance, then 0.1 s to hand 2048 tokens over.
     assert result["ttfts_s"] == pytest.approx([2.0 + 0.05 * 2048 / 1024, 100 / 1024])
+
+
+def test_pd_prefills_locally_while_the_prefill_instance_is_busy():
+    """With `remote_prefill_max_queued_tokens` the simulator's placement sees the prefill
+    instance's queue, as the router's does (`local_busy`): two long prompts arriving together,
+    the first is prefilled remotely, the second by the decode instance while the first is queued."""
+    trace = [record(0, (1, 2, 3, 4)), record(0, (5, 6, 7, 8))]
+    config = SimConfig(instances=1, cache_blocks=100, prefill_rate=1024, prefill_instances=1,
+                       remote_prefill_min_tokens=256, fetch_cost=0.05)
+    assert simulate(trace, "least_loaded", config, progress=False)["remote_prefills"] == 2
+    busy = dataclasses.replace(config, remote_prefill_max_queued_tokens=1024)
+    result = simulate(trace, "least_loaded", busy, progress=False)
+    assert result["remote_prefills"] == 1
+    # The second prompt waits for the handed-over first one on the decode instance (2.1 s), then
+    # computes its 2048 tokens there (2 s).
+    assert result["ttfts_s"] == pytest.approx([2.0 + 0.05 * 2048 / 1024, 2.1 + 2.0])
