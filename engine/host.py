@@ -19,7 +19,6 @@ import collections
 import contextlib
 import json
 import os
-import re
 import signal
 import subprocess
 import threading
@@ -28,27 +27,14 @@ import time
 import httpx
 
 from engine.config import EngineConfig
-from engine.environment import KV_EVENTS_PLUGIN, engine_process_env, free_port, is_cpu_build
+from engine.environment import KV_EVENTS_PLUGIN, free_port, is_cpu_build
 from engine.lifecycle import InstanceState, StartTimeline
-from engine.preimport import PREIMPORTED_MARK
 from engine.process import GROUP_GUARD, die_with_parent, local_client
-from engine.server_command import kv_events_plugin_installed, server_command
+from engine.server_command import kv_events_plugin_installed, server_command, server_env
 from engine.weights import new_weights_file
-from engine.worker_extension import WEIGHTS_DIR_ENV, WEIGHTS_FILE_ENV
 from security.credentials import EngineHostKeys
 from transport.address import node_address
 
-# vLLM log lines that end a start-up stage, in the order they appear, with the seconds vLLM
-# itself reports where it does.
-STAGE_PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = (
-    ("preimport", re.compile(re.escape(PREIMPORTED_MARK))),
-    ("spawn_and_import", re.compile(r"vLLM API server version|version \d+\.\d+")),
-    ("engine_process", re.compile(r"Initializing a V1 LLM engine")),
-    ("worker_start_and_weights", re.compile(r"Loading weights took (?P<s>[\d.]+) seconds")),
-    ("graph_capture", re.compile(r"Graph capturing finished in (?P<s>[\d.]+) secs")),
-    ("kv_cache_and_profile", re.compile(r"init engine .* took (?P<s>[\d.]+) s")),
-    ("api_server", re.compile(r"Application startup complete")),
-)
 LOG_TAIL_LINES = 200
 
 
@@ -174,29 +160,7 @@ class EngineHost:
     def _launch(self) -> None:
         """The server process, with the engine's whole environment, stopped after its imports
         until a line on its stdin (engine/preimport.py)."""
-        env = engine_process_env(self.host, self.config.kv_cache_gib, self.config.cpu_cores,
-                                 self.config.kv_hashing.seed)
-        # /collective_rpc and /reset_prefix_cache, for weights; like every route, behind the token
-        env["VLLM_SERVER_DEV_MODE"] = "1"
-        env.update(self.keys.engine.as_env())
-        env["VLLM_PLUGINS"] = KV_EVENTS_PLUGIN  # ours alone: KV events on the cluster's keys
-        if not is_cpu_build():
-            # The engine core forked from the server process, which imported it ahead
-            # (engine/preimport.py), not spawned to import vLLM again: vLLM's own default, which
-            # its command line turns to spawn. The CPU build insists on spawn (platforms/cpu.py).
-            env["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
-        if self.config.gpu_ids is not None:
-            env["CUDA_VISIBLE_DEVICES"] = self.config.gpu_ids
-        env[WEIGHTS_DIR_ENV] = str(self.config.weights_dir)
-        if self.weights_file is not None:
-            env[WEIGHTS_FILE_ENV] = str(self.weights_file)
-        env.update(self.config.role.env)
-        if self.config.otlp_traces_endpoint:  # vLLM's spans name their engine; gRPC, as the router's
-            env.update(OTEL_SERVICE_NAME="pdcluster-engine", OTEL_EXPORTER_OTLP_TRACES_PROTOCOL="grpc",
-                       OTEL_RESOURCE_ATTRIBUTES=f"pdcluster.instance_id={self.instance_id},"
-                                                f"pdcluster.role={self.config.role.name}")
-        if self.config.role.kv_transfer:
-            env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port(self.host))
+        env = server_env(self.config, self.host, self.instance_id, self.keys.engine, self.weights_file)
         command = server_command(self.config, self.host, self.port, self.instance_id, self.kv_events_endpoint,
                                  self.kv_events_replay_endpoint)
         self._process = subprocess.Popen(
@@ -365,12 +329,7 @@ class EngineHost:
         if log_file is not None:
             log_file.write(line)
         self._log_tail.append(line.rstrip())
-        for stage, pattern in STAGE_PATTERNS:
-            match = pattern.search(line)
-            if match:
-                self.timeline.mark(stage)
-                if "s" in match.groupdict():
-                    self.timeline.details[f"{stage}_reported_s"] = float(match["s"])
+        self.timeline.mark_from_log(line)
 
     async def _wait_until_healthy(self) -> None:
         async with self._client(5.0) as client:

@@ -1,10 +1,13 @@
-"""Instance states and the timeline of a start, stage by stage."""
+"""Instance states and the timeline of a start, stage by stage (read off the server's log)."""
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import re
 import time
+
+from engine.preimport import PREIMPORTED_MARK
 
 
 class InstanceState(enum.StrEnum):
@@ -35,6 +38,19 @@ STANDBY_STATES = (InstanceState.STANDBY, InstanceState.SLEEPING, InstanceState.P
 """Standbys' states, fastest to activate first."""
 
 
+# Log lines that end a start-up stage, in the order they appear, with the seconds vLLM itself
+# reports where it does.
+STAGE_PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = (
+    ("preimport", re.compile(re.escape(PREIMPORTED_MARK))),
+    ("spawn_and_import", re.compile(r"vLLM API server version|version \d+\.\d+")),
+    ("engine_process", re.compile(r"Initializing a V1 LLM engine")),
+    ("worker_start_and_weights", re.compile(r"Loading weights took (?P<s>[\d.]+) seconds")),
+    ("graph_capture", re.compile(r"Graph capturing finished in (?P<s>[\d.]+) secs")),
+    ("kv_cache_and_profile", re.compile(r"init engine .* took (?P<s>[\d.]+) s")),
+    ("api_server", re.compile(r"Application startup complete")),
+)
+
+
 @dataclasses.dataclass
 class StartTimeline:
     """Seconds since the start was asked for at which each stage ended, in order."""
@@ -47,6 +63,15 @@ class StartTimeline:
         """Record that `stage` ended now (each stage once; later marks of it are ignored)."""
         if all(name != stage for name, _ in self.marks):
             self.marks.append((stage, time.time() - self.started_at))
+
+    def mark_from_log(self, line: str) -> None:
+        """Mark the stage a line of the server's log ends, if it ends one (STAGE_PATTERNS)."""
+        for stage, pattern in STAGE_PATTERNS:
+            match = pattern.search(line)
+            if match:
+                self.mark(stage)
+                if "s" in match.groupdict():
+                    self.details[f"{stage}_reported_s"] = float(match["s"])
 
     def stages(self) -> dict[str, float]:
         """Duration of each stage: the time from the previous mark to its own."""

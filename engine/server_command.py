@@ -1,15 +1,25 @@
 """The vLLM OpenAI server command an engine of ours runs (its imports done ahead,
-engine/preimport.py): dummy weights (the weight plane fills them), our worker extension, HTTP
-middleware and logits processor, KV events to the router, and the role's KV connector."""
+engine/preimport.py), and its environment: dummy weights (the weight plane fills them), our
+worker extension, HTTP middleware and logits processor, KV events to the router, and the role's
+KV connector."""
 
 from __future__ import annotations
 
 import importlib.metadata
 import json
 import sys
+from pathlib import Path
 
 from engine.config import EngineConfig
-from engine.environment import GRAMMAR_LOGITS_PROCESSOR, KV_EVENTS_PLUGIN, is_cpu_build
+from engine.environment import (
+    GRAMMAR_LOGITS_PROCESSOR,
+    KV_EVENTS_PLUGIN,
+    engine_process_env,
+    free_port,
+    is_cpu_build,
+)
+from engine.worker_extension import WEIGHTS_DIR_ENV, WEIGHTS_FILE_ENV
+from security.credentials import EngineKeys
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 """vLLM's OpenAI server, run by engine/preimport.py once its imports are done and it is told to."""
@@ -78,3 +88,31 @@ def kv_transfer_config(config: EngineConfig) -> dict:
                 "kv_connector_extra_config": {"endpoints": list(config.kv_store_endpoints),
                                               "timeout_s": config.kv_store_timeout_s}}
     return {**shared, "kv_connector": "NixlConnector", "kv_buffer_device": "cpu" if is_cpu_build() else "cuda"}
+
+
+def server_env(config: EngineConfig, host: str, instance_id: str, keys: EngineKeys,
+               weights_file: Path | None) -> dict[str, str]:
+    """The server process's whole environment (engine_process_env: scrubbed of credentials but
+    the engine's own `keys`)."""
+    env = engine_process_env(host, config.kv_cache_gib, config.cpu_cores, config.kv_hashing.seed)
+    # /collective_rpc and /reset_prefix_cache, for weights; like every route, behind the token
+    env["VLLM_SERVER_DEV_MODE"] = "1"
+    env.update(keys.as_env())
+    env["VLLM_PLUGINS"] = KV_EVENTS_PLUGIN  # ours alone: KV events on the cluster's keys
+    if not is_cpu_build():
+        # The engine core forked from the server process, which imported it ahead
+        # (engine/preimport.py), not spawned to import vLLM again: vLLM's own default, which its
+        # command line turns to spawn. The CPU build insists on spawn (platforms/cpu.py).
+        env["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
+    if config.gpu_ids is not None:
+        env["CUDA_VISIBLE_DEVICES"] = config.gpu_ids
+    env[WEIGHTS_DIR_ENV] = str(config.weights_dir)
+    if weights_file is not None:
+        env[WEIGHTS_FILE_ENV] = str(weights_file)
+    env.update(config.role.env)
+    if config.otlp_traces_endpoint:  # vLLM's spans name their engine; gRPC, as the router's
+        env.update(OTEL_SERVICE_NAME="pdcluster-engine", OTEL_EXPORTER_OTLP_TRACES_PROTOCOL="grpc",
+                   OTEL_RESOURCE_ATTRIBUTES=f"pdcluster.instance_id={instance_id},pdcluster.role={config.role.name}")
+    if config.role.kv_transfer:
+        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port(host))
+    return env

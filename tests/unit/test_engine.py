@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from deploy.placement import cpu_core_sets
 from engine.config import EngineConfig
 from engine.environment import engine_env, engine_process_env
-from engine.host import STAGE_PATTERNS
+from engine.lifecycle import STAGE_PATTERNS
 from engine.lifecycle import StartTimeline
 
 
