@@ -11,8 +11,7 @@ from pydantic import ValidationError
 from deploy.placement import cpu_core_sets
 from engine.config import EngineConfig
 from engine.environment import engine_env, engine_process_env
-from engine.lifecycle import STAGE_PATTERNS
-from engine.lifecycle import StartTimeline
+from engine.lifecycle import STAGE_PATTERNS, StartTimeline
 
 
 def test_engine_config_rejects_a_folder_without_a_model(tmp_path):
