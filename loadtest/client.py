@@ -31,6 +31,9 @@ class RequestResult:
     text: str = ""
     error: str | None = None
     """None, or the kind of failure: "http_<status>", "timeout", "connection", "stream"."""
+    response_id: str | None = None
+    """The id on the stream's events (the router's GET /admin/instances lists the streams each
+    instance serves by it)."""
 
     @property
     def ok(self) -> bool:
@@ -78,6 +81,8 @@ async def stream_request(session: aiohttp.ClientSession, url: str, body: dict,
                 if "error" in event:
                     result.error = "stream"
                     break
+                if result.response_id is None:
+                    result.response_id = event.get("id")
                 now = time.perf_counter() - started
                 piece = _token_text(event)
                 if piece is not None:

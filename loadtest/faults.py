@@ -10,17 +10,22 @@ rebuilds its KV index) while they run, then sends a follow-up batch to see the s
 where they run, none migrated); `router-killed-of-two` runs two routers (`--router-only` for the
 second) behind nginx (loadtest/balancer.py), kills the one that owns the fleet, and sends each
 cut stream again once, as a client would.
-An engine that serves streams (decode, colocated) is killed only once at least half the burst
-has sent tokens and it holds some of them (none within 60 s: the run is an error); the row says
-how many it held and each open stream's tokens so far, and how many streams' texts equal the
-same burst's without a fault (sent first; the streams the victim held go on elsewhere,
-router/migration.py; in `structured-stream-killed` they carry a regex, whose grammar goes on
-from the sent tokens: engine/grammar_continuation.py);
-P/D scenarios also report what the store still holds in flight afterwards (leases, reserved
-bytes: both must be back at 0). Every request is classified:
-completed (all its tokens), failed clean (an OpenAI-style HTTP error or an error event closing
-the stream), dropped (connection cut or stream ended short) or hung (no end within the client's
-timeout; must be 0). Prints a table, writes JSON.
+An engine that serves streams (decode, colocated; drained too), and the router that owns the
+fleet in `router-killed-of-two`, is hit only once at least half the burst is open with tokens
+sent and the victim relays some of those open streams: which ones, the router's GET
+/admin/instances says (each instance's migratable streams, by the id the client sees on every
+event). None within 60 s: the row is an error. The row says how many open streams were on the
+victim at the kill and how many tokens each of those had received, and how many streams' texts
+equal the same burst's without a fault (sent first; the streams the victim held go on
+elsewhere, router/migration.py; in `structured-stream-killed` they carry a regex, in
+`decode-killed-mid-json-stream` a JSON schema as `response_format`, whose grammar goes on from
+the sent tokens: engine/grammar_continuation.py); P/D scenarios also report what the store still
+holds in flight afterwards (leases, reserved bytes: both must be back at 0). Every request is
+classified: completed (all its tokens), failed clean (an OpenAI-style HTTP error or an error
+event closing the stream), dropped (connection cut or stream ended short) or hung (no end within
+the client's timeout). Each scenario states its goals (GOALS; every one: nothing hung, the
+follow-up batch served whole); a row that misses one, or whose fault hit nothing, makes the
+exit status 1. Prints a table, writes JSON.
 """
 
 from __future__ import annotations
@@ -67,10 +72,23 @@ class Scenario:
     grammar's state (engine/grammar_continuation.py)."""
     drained: bool = False
     """A planned shrink instead of a kill: the victim is drained (POST /admin/instances/ID/drain)."""
+    json_schema: dict | None = None
+    """Chats answering in this JSON schema (`response_format`), instead of completions."""
+    goals: tuple[str, ...] = ()
+    """What the row must show (GOALS), beyond what every row must (ALWAYS)."""
+
+    @property
+    def endpoint(self) -> str:
+        return "/v1/chat/completions" if self.json_schema else "/v1/completions"
 
     def body(self, prompt: str) -> dict:
-        body = {"model": "tiny", "prompt": prompt, "max_tokens": self.max_tokens, "temperature": 0,
-                "ignore_eos": True}
+        body = {"model": "tiny", "max_tokens": self.max_tokens, "temperature": 0, "ignore_eos": True}
+        if self.json_schema:
+            body["messages"] = [{"role": "user", "content": prompt}]
+            body["response_format"] = {"type": "json_schema",
+                                       "json_schema": {"name": "answer", "schema": self.json_schema}}
+        else:
+            body["prompt"] = prompt
         if self.regex:
             body["structured_outputs"] = {"regex": self.regex}
         return body
@@ -84,41 +102,87 @@ class Scenario:
 # Where a killed engine's streams go on elsewhere: in float32 the continuation's recomputed
 # prefix gives the same greedy tokens as the fault-free run (router/migration.py).
 FLOAT32 = ("--dtype", "float32")
+JSON_SCHEMA = {"type": "object", "required": ["title", "words"],
+               "properties": {"title": {"type": "string"}, "words": {"type": "array", "items": {"type": "string"}}}}
+# Each goal: what it says, and whether a row meets it.
+GOALS = {
+    "all_completed": ("every stream completed (in router-killed-of-two, after one retry of a cut one)",
+                      lambda row: row["completed"] == row["sent"]),
+    "equal_to_no_fault": ("every stream's text equals the fault-free run's",
+                          lambda row: row.get("equal_to_no_fault") == row["sent"]),
+    "migrated": ("the kill cut a stream that went on elsewhere (migrated >= 1)", lambda row: row.get("migrated", 0) >= 1),
+    "none_migrated": ("no stream migrated (a drained instance finishes its own)", lambda row: row.get("migrated") == 0),
+    "store_settled": ("the store holds nothing in flight afterwards",
+                      lambda row: all(held == 0 for held in row["store_in_flight_after"])),
+    "engines_kept": ("the restarted router kept the engines and knows again the blocks it knew",
+                     lambda row: row["engines_kept"] and row["index_blocks_after_restart"] >= row["index_blocks_before"]),
+    "index_kept": ("the surviving router's index did not shrink",
+                   lambda row: row["surviving_index_blocks"]["after"] >= row["surviving_index_blocks"]["before"]),
+}
+ALWAYS = {
+    "nothing hung": lambda row: row["hung"] == 0,
+    "the follow-up batch served whole": lambda row: row["follow_up_completed"] == row["follow_up_sent"],
+}
+MIGRATION_GOALS = ("all_completed", "equal_to_no_fault", "migrated")
 SCENARIOS = {
     "prefill-killed-mid-transfer": Scenario(
         "prefill-killed-mid-transfer",
         ("--prefill", "1", "--decode", "1", "--remote-prefill-min-tokens", "0"),
-        "prefill", 1.0, 400, 16,
+        "prefill", 1.0, 400, 16, goals=("all_completed", "store_settled"),
     ),
     "decode-killed-mid-stream": Scenario(
         "decode-killed-mid-stream",
         ("--prefill", "1", "--decode", "2", "--remote-prefill-min-tokens", "0", *FLOAT32),
-        "decode", 0.0, 40, 128,
+        "decode", 0.0, 40, 128, goals=(*MIGRATION_GOALS, "store_settled"),
+    ),
+    # P/D through the store, chats in a JSON schema (`response_format`): the continuation on the
+    # other decode instance carries the schema's grammar in the state the sent tokens left it.
+    "decode-killed-mid-json-stream": Scenario(
+        "decode-killed-mid-json-stream",
+        ("--prefill", "1", "--decode", "2", "--remote-prefill-min-tokens", "0", *FLOAT32),
+        "decode", 0.0, 40, 256, json_schema=JSON_SCHEMA, goals=(*MIGRATION_GOALS, "store_settled"),
     ),
     "store-shard-killed": Scenario(
         "store-shard-killed",
         ("--prefill", "1", "--decode", "1", "--remote-prefill-min-tokens", "0"),
-        "store", 1.0, 400, 16,
+        "store", 1.0, 400, 16, goals=("all_completed",),
     ),
     "colocated-killed-mid-stream": Scenario(
         "colocated-killed-mid-stream", ("--instances", "2", *FLOAT32), "colocated", 0.0, 40, 512,
+        goals=MIGRATION_GOALS,
     ),
     "structured-stream-killed": Scenario(
         # Unbounded, so each stream runs to max_tokens (xgrammar does not hold `{600}` exactly: seen)
         "structured-stream-killed", ("--instances", "2", *FLOAT32), "colocated", 0.0, 40, 512, regex="[a-z ]+",
+        goals=MIGRATION_GOALS,
     ),
     "instance-drained-under-load": Scenario(
         "instance-drained-under-load", ("--instances", "2", *FLOAT32), "colocated", 0.0, 40, 512, drained=True,
+        goals=("all_completed", "none_migrated"),
     ),
     # Two routers behind nginx on a Ray cluster of their own; the one that owns the fleet is killed.
-    "router-killed-of-two": Scenario("router-killed-of-two", ("--instances", "2"), "router-of-two", 0.0, 40, 512),
-    # On a Ray cluster of its own (as on a `ray up` head), so the engines outlive the router.
+    "router-killed-of-two": Scenario("router-killed-of-two", ("--instances", "2"), "router-of-two", 0.0, 40, 512,
+                                     goals=("all_completed", "index_kept")),
+    # On a Ray cluster of its own (as on a `ray up` head), so the engines outlive the router. The
+    # streams in flight are cut (their connections end at the router): no goal on them.
     "router-restarted": Scenario(
         "router-restarted",
         ("--prefill", "1", "--decode", "1", "--remote-prefill-min-tokens", "0"),
-        "router", 2.0, 400, 64,
+        "router", 2.0, 400, 64, goals=("engines_kept",),
     ),
 }
+
+
+class NoFaultHit(RuntimeError):
+    """The victim never held open streams that had sent tokens: the run proves nothing."""
+
+
+def missed_goals(scenario: Scenario, row: dict) -> list[str]:
+    """The goals `row` misses, in words (none: it met them all)."""
+    if "error" in row:
+        return [row["error"]]
+    checks = {**ALWAYS, **{GOALS[name][0]: GOALS[name][1] for name in scenario.goals}}
+    return [goal for goal, met in checks.items() if not met(row)]
 
 
 def kill_engine(url: str, signum: int = signal.SIGKILL) -> None:
@@ -172,7 +236,7 @@ async def streams(url: str, prompts: list[str], scenario: Scenario,
                 live.append(result)
             try:
                 async with asyncio.timeout(HANG_TIMEOUT_S):
-                    await stream_request(session, f"{url}/v1/completions", body, result)
+                    await stream_request(session, f"{url}{scenario.endpoint}", body, result)
             except TimeoutError:
                 return Outcome("hung", "timeout", result.text)
             return Outcome(classify(result, scenario), result.error or "", result.text)
@@ -189,18 +253,33 @@ def tally(outcomes: list[Outcome]) -> dict:
     }
 
 
-async def streams_on_victim(server: LocalServer, victim_id: str, live: list[RequestResult], count: int) -> dict:
-    """Waits until at least half the burst has sent tokens and the victim serves some of it:
-    what the kill will hit (the victim's streams, every open stream's tokens so far)."""
-    deadline = time.monotonic() + 60
+def open_streams(live: list[RequestResult]) -> list[RequestResult]:
+    """The streams that have received tokens and not ended."""
+    return [r for r in live if r.chunk_times_s and r.e2e_s is None]
+
+
+async def streams_on_victim(server: LocalServer, live: list[RequestResult], count: int,
+                            victim_id: str | None = None, within_s: float = 60.0) -> dict:
+    """Waits until at least half the burst is open with tokens received and the victim relays
+    some of those open streams (`victim_id`: that instance, as `server` routes to it; None:
+    `server`, the router itself); returns what the kill will hit: how many open streams were on
+    the victim and how many tokens each of them had received. The streams an instance serves are
+    the router's (GET /admin/instances, `streams`: the migratable ones, by the id every event of
+    theirs carries); read before the kill, which follows with no wait in between."""
+    deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
-        streaming = [len(r.chunk_times_s) for r in live if r.chunk_times_s and r.e2e_s is None]
-        on_victim = next(i["inflight"] for i in await asyncio.to_thread(server.instances)
-                         if i["instance_id"] == victim_id)
-        if len(streaming) >= count / 2 and on_victim:
-            return {"streams_on_victim_at_kill": on_victim, "tokens_sent_at_kill": sorted(streaming)}
+        instances = await asyncio.to_thread(server.instances)
+        relayed = {s["id"] for i in instances if victim_id in (None, i["instance_id"]) for s in i["streams"]}
+        streaming = open_streams(live)
+        hit = [r for r in streaming if r.response_id in relayed]
+        if len(streaming) >= count / 2 and hit:
+            inflight = sum(i["inflight"] for i in instances if victim_id in (None, i["instance_id"]))
+            return {"streams_open_at_kill": len(streaming), "streams_on_victim_at_kill": len(hit),
+                    "tokens_each_victim_stream_had": sorted(len(r.chunk_times_s) for r in hit),
+                    "victim_inflight_at_kill": inflight}
         await asyncio.sleep(0.05)
-    raise RuntimeError(f"no kill: the victim held no streams with tokens sent within 60 s ({victim_id})")
+    raise NoFaultHit(f"no fault: within {within_s:g} s, half the burst was never open with tokens while the victim "
+                     f"({victim_id or 'the router'}) relayed some of those streams")
 
 
 def migrations(server: LocalServer) -> int:
@@ -259,7 +338,7 @@ async def run_scenario(server: LocalServer, scenario: Scenario, requests: int) -
     load.add_done_callback(lambda _: load_ended.set_result(time.monotonic()))
     hit: dict = {}
     if scenario.kills_streams:
-        hit = await streams_on_victim(server, victim["instance_id"], live, requests)
+        hit = await streams_on_victim(server, live, requests, victim["instance_id"])
     else:
         await asyncio.sleep(scenario.kill_after_s)
     killed_at = time.monotonic()
@@ -290,7 +369,8 @@ async def run_scenario(server: LocalServer, scenario: Scenario, requests: int) -
         hit["equal_to_no_fault"] = sum(o.text == n.text for o, n in zip(outcomes, no_fault, strict=True))
         hit["migrated"] = migrations(server) - migrations_before
     return {
-        "scenario": scenario.name, "victim": victim["instance_id"], "sent": requests, **tally(outcomes), **hit,
+        "scenario": scenario.name, "victim": victim["instance_id"], "sent": requests,
+        "max_tokens": scenario.max_tokens, **tally(outcomes), **hit,
         "burst_end_after_kill_s": round(drained_s, 2),
         "follow_up_completed": followed["completed"], "follow_up_sent": len(follow_up),
         "follow_up_errors": followed["errors"],
@@ -300,19 +380,15 @@ async def run_scenario(server: LocalServer, scenario: Scenario, requests: int) -
 
 async def run_two_routers(owner: LocalServer, other: LocalServer, front: str, scenario: Scenario,
                           requests: int) -> dict:
-    """The burst through the balancer; the fleet's owner router SIGKILLed once half of it has
-    tokens; each cut stream sent again once (as a client retries); then new requests."""
+    """The burst through the balancer; the fleet's owner router SIGKILLed once half of it is open
+    with tokens and the owner relays some of those; each cut stream sent again once (as a client
+    retries); then new requests."""
     prompts = prompts_of(requests, scenario, seed=1)
     no_fault = await streams(front, prompts, scenario)
     blocks_before = index_blocks(other)
     live: list[RequestResult] = []
     load = asyncio.create_task(streams(front, prompts, scenario, live))
-    deadline = time.monotonic() + 60
-    while sum(bool(r.chunk_times_s) for r in live) < requests / 2:
-        if time.monotonic() > deadline:
-            raise RuntimeError("no kill: half the burst never had tokens within 60 s")
-        await asyncio.sleep(0.05)
-    tokens = sorted(len(r.chunk_times_s) for r in live if r.chunk_times_s and r.e2e_s is None)
+    hit = await streams_on_victim(owner, live, requests)
     owner.kill()
     outcomes = await load
     cut = [k for k, o in enumerate(outcomes) if o.kind != "completed"]
@@ -321,7 +397,7 @@ async def run_two_routers(owner: LocalServer, other: LocalServer, front: str, sc
         outcomes[k] = again
     follow_up = await burst(front, 8, scenario, seed=2)
     return {"scenario": scenario.name, "victim": "router (the fleet's owner)", "sent": requests,
-            "tokens_sent_at_kill": tokens, "cut_by_kill": len(cut), **tally(outcomes),
+            "max_tokens": scenario.max_tokens, **hit, "cut_by_kill": len(cut), **tally(outcomes),
             "equal_to_no_fault": sum(o.text == n.text for o, n in zip(outcomes, no_fault, strict=True)),
             "follow_up_completed": tally(follow_up)["completed"], "follow_up_sent": len(follow_up),
             "follow_up_errors": tally(follow_up)["errors"],
@@ -352,32 +428,49 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.scenario or list(SCENARIOS):
         scenario = SCENARIOS[name]
         console.print(f"[bold]{name}[/]: starting pdcluster serve {' '.join(scenario.serve_args)}")
-        if scenario.victim_role == "router-of-two":
-            rows.append(two_routers_row(scenario, args.requests))
-            console.print(rows[-1])
-            continue
-        log = Path("results") / f"faults-{name}.log"
-        with contextlib.ExitStack() as stack:
-            serve_args = ["--model", "tiny", *scenario.serve_args]
-            if scenario.victim_role == "router":
-                head = stack.enter_context(RayHead(resources={"prefill": 2, "decode": 2}))
-                serve_args += ["--address", head.address]
-            server = stack.enter_context(LocalServer(serve_args, log))
-            rows.append(asyncio.run(run_scenario(server, scenario, args.requests)))
+        try:
+            rows.append(run_row(scenario, args.requests))
+        except NoFaultHit as exc:  # an error, not a pass; the other scenarios still run
+            rows.append({"scenario": name, "error": str(exc)})
+        rows[-1]["missed_goals"] = missed_goals(scenario, rows[-1])
         console.print(rows[-1])
-    table = Table(title="faults: an engine, the store shard or a router SIGKILLed (or an engine drained) under load")
-    columns = ("scenario", "sent", "streams_on_victim_at_kill", "cut_by_kill", "migrated", "completed",
-               "equal_to_no_fault", "failed_clean", "dropped", "hung", "follow_up_completed", "store_in_flight_after")
-    for column in columns:
-        table.add_column(column)
-    for row in rows:
-        table.add_row(*(str(row.get(c, "-")) if c != "follow_up_completed" else f"{row[c]}/{row['follow_up_sent']}"
-                        for c in columns))
-    console.print(table)
+    console.print(table_of(rows))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(rows, indent=2))
     console.print(f"wrote {args.out}")
-    return 0 if all(row.get("hung", 0) == 0 for row in rows) else 1
+    missed = [row["scenario"] for row in rows if row["missed_goals"]]
+    if missed:
+        console.print(f"[bold red]goals missed[/]: {', '.join(missed)}")
+    return 1 if missed else 0
+
+
+def run_row(scenario: Scenario, requests: int) -> dict:
+    if scenario.victim_role == "router-of-two":
+        return two_routers_row(scenario, requests)
+    with contextlib.ExitStack() as stack:
+        serve_args = ["--model", "tiny", *scenario.serve_args]
+        if scenario.victim_role == "router":
+            head = stack.enter_context(RayHead(resources={"prefill": 2, "decode": 2}))
+            serve_args += ["--address", head.address]
+        server = stack.enter_context(LocalServer(serve_args, Path("results") / f"faults-{scenario.name}.log"))
+        return asyncio.run(run_scenario(server, scenario, requests))
+
+
+def table_of(rows: list[dict]) -> Table:
+    table = Table(title="faults: an engine, the store shard or a router SIGKILLed (or an engine drained) under load")
+    columns = ("scenario", "sent", "streams_on_victim_at_kill", "tokens_each_victim_stream_had", "cut_by_kill",
+               "migrated", "completed", "equal_to_no_fault", "failed_clean", "dropped", "hung", "follow_up",
+               "store_in_flight_after", "missed_goals")
+    for column in columns:
+        table.add_column(column)
+    for row in rows:
+        cells = {**row, "follow_up": f"{row['follow_up_completed']}/{row['follow_up_sent']}" if "follow_up_sent" in row
+                 else "-", "missed_goals": "; ".join(row["missed_goals"]) or "none"}
+        tokens = row.get("tokens_each_victim_stream_had")
+        if tokens:
+            cells["tokens_each_victim_stream_had"] = f"{tokens[0]}-{tokens[-1]}"
+        table.add_row(*(str(cells.get(c, "-")) for c in columns))
+    return table
 
 
 if __name__ == "__main__":

@@ -57,12 +57,15 @@ def _add_cluster_routes(routes: APIRouter, app: FastAPI, store_endpoints: tuple[
 
     @routes.get("/admin/instances")
     async def instances() -> dict:
-        """The instances behind this router (for `pdcluster status` and benchmarks)."""
+        """The instances behind this router (for `pdcluster status` and benchmarks). `streams`:
+        the migratable streams this router relays from each now, by the id their client sees on
+        every event, with the tokens sent so far (what a fault there would hit: loadtest.faults)."""
         return {
             "instances": [
                 {"instance_id": i.instance_id, "role": i.role.name, "url": i.url,
                  "state": i.state.value, "inflight": i.inflight, "index_blocks": index.num_blocks(i.instance_id),
-                 "kv_events_endpoint": i.kv_events_endpoint, "kv_events_replay_endpoint": i.kv_events_replay_endpoint}
+                 "kv_events_endpoint": i.kv_events_endpoint, "kv_events_replay_endpoint": i.kv_events_replay_endpoint,
+                 "streams": [{"id": s.stream_id, "tokens_sent": len(s.sent_token_ids)} for s in i.streams]}
                 for i in registry.all()
             ],
         }

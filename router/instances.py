@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import httpx
 
@@ -20,6 +21,9 @@ from engine.lifecycle import InstanceState
 from engine.roles import RoleSpec
 from router import metrics
 from router.errors import NoInstance
+
+if TYPE_CHECKING:
+    from router.migration import StreamLedger
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +49,10 @@ class Instance:
     """Monotonic time until which no remote prefill is sent here (the circuit is open)."""
     model: str = dataclasses.field(kw_only=True)
     """The served model name: only requests for it come here."""
+    streams: set[StreamLedger] = dataclasses.field(default_factory=set, compare=False, repr=False)
+    """The migratable streams the router relays from it now (router/proxy.py), a continued one
+    from the instance it went on to: which streams a fault there hits (GET /admin/instances
+    lists each one's id and tokens sent). Other requests count in `inflight` only."""
 
 
 class PendingPrefill:

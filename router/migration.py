@@ -107,7 +107,7 @@ def _is_set(value: Any) -> bool:
     return value is not None and value is not False and not (isinstance(value, list | str | dict) and not value)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # one per stream, hashed by identity: an instance holds a set of them
 class StreamLedger:
     """A migratable stream's record: the events' common fields, the prompt's token ids, the
     tokens whose text the client has, and whether the stream has finished."""
@@ -183,6 +183,12 @@ class StreamLedger:
             self.sent_token_ids += self.held_token_ids  # its text is all out now
             self.held_token_ids = []
             self.finished = True
+
+    @property
+    def stream_id(self) -> str | None:
+        """The id the client sees on every event (the first stream's, continuations included);
+        None before the first event."""
+        return (self.head or {}).get("id")
 
     def can_continue(self) -> bool:
         return self.prompt_token_ids is not None and self.head is not None and not self.done

@@ -289,9 +289,11 @@ class Forwarder:
                 upstream.close()
             else:
                 upstream.release()
+            instance.streams.discard(ledger)
             self._leave(instance)
             instance = None
 
+        instance.streams.add(ledger)  # here, not before: a relay that never starts never leaves
         try:
             while True:
                 try:
@@ -325,6 +327,7 @@ class Forwarder:
                     yield stream_error_event(f"the engine's stream broke: {broke}")
                     return
                 instance, upstream, first, chunks = moved
+                instance.streams.add(ledger)
         finally:
             if instance is not None:  # the client left mid-stream
                 let_go(broken=True)
