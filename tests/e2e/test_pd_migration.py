@@ -1,0 +1,189 @@
+"""A decode engine killed mid-stream under P/D (every prompt prefilled by the prefill instance, KV
+handed over through the store shard): the streams it held go on on the other decode instance,
+and every client gets the text, token ids and usage of the same streams without the fault, a
+JSON-schema chat (`response_format`) included, whose grammar goes on in the state the sent tokens
+left it (router/migration.py, engine/grammar_continuation.py). The continuation's prompt is
+mostly a store hit, not a recompute.
+
+Its own module fixture: one prefill and two decode instances (tiny model, float32 as in
+test_migration.py: in float32 the continuation's one-prefill recompute of the sent tokens gives
+the greedy tokens the step-by-step decode gave). A P/D pair with one decode instance has nowhere
+to continue a stream (a prefill instance serves no client, a standby is not ready), so it is
+three engine starts and a store shard, plus the replacement decode the pool controller begins
+after the kill (stopped with the fixture, as test_pd.py's killed prefill is).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+from loadtest.faults import kill_engine
+from loadtest.scrape import scrape
+
+pytestmark = pytest.mark.slow
+MAX_TOKENS = 512
+# ~600 prompt tokens each, distinct from their first words: whole store chunks (256 tokens) that
+# only that stream's prompt has.
+FILLER = " ".join(f"line {k}: the quick brown fox jumps over the lazy dog." for k in range(60))
+PROMPTS = [f"{opener} {FILLER}" for opener in ("The river Thames.", "How a bicycle works.",
+                                               "A lighthouse keeper's story.", "A letter to the committee.")]
+PLAIN, JSON_SCHEMA_CHATS = (0, 1), (2, 3)
+SCHEMA = {"type": "object", "required": ["title", "words"],
+          "properties": {"title": {"type": "string"}, "words": {"type": "array", "items": {"type": "string"}}}}
+
+
+@pytest.fixture(scope="module")
+def served_pd_two_decodes(tiny_model, artifacts):
+    from loadtest.local_cluster import LocalServer
+
+    args = ["--model", "tiny", "--prefill", "1", "--decode", "2", "--remote-prefill-min-tokens", "0",
+            "--dtype", "float32", "--kv-cache-gib", "1"]
+    server = LocalServer(args, artifacts / "serve-pd-migration.log").start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def body(k: int) -> tuple[str, dict]:
+    """Completions (PLAIN) and chats in a JSON schema (JSON_SCHEMA_CHATS): greedy, every token
+    owed, usage at the end; one of each asks for token ids."""
+    common = {"model": "tiny", "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "stream": True,
+              "stream_options": {"include_usage": True}}
+    if k % 2:
+        common["return_token_ids"] = True
+    if k in PLAIN:
+        return "/v1/completions", {**common, "prompt": PROMPTS[k]}
+    return "/v1/chat/completions", {
+        **common, "messages": [{"role": "user", "content": PROMPTS[k]}],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}}
+
+
+class Stream:
+    """One streamed request, read on a thread: its id, text, token ids, usage, tokens so far, errors."""
+
+    def __init__(self, url: str, k: int):
+        self.endpoint, self.body = body(k)
+        self.url, self.id, self.ids, self.text, self.usage = url, None, set(), "", None
+        self.token_ids: list[int] = []
+        self.tokens, self.errors, self.ended = 0, [], False
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        try:
+            with httpx.Client(timeout=120) as client, client.stream(
+                "POST", f"{self.url}{self.endpoint}", json=self.body
+            ) as response:
+                if response.status_code != 200:
+                    self.errors.append(f"HTTP {response.status_code}: {response.read()!r}")
+                    return
+                for line in response.iter_lines():
+                    if line.startswith("data: {"):
+                        self._event(json.loads(line[len("data: "):]))
+        except Exception as exc:  # the test reads it: a thread's exception would vanish
+            self.errors.append(repr(exc))
+        finally:
+            self.ended = True
+
+    def _event(self, event: dict) -> None:
+        if "error" in event:
+            self.errors.append(event)
+            return
+        self.id = self.id or event["id"]
+        self.ids.add(event["id"])
+        if event.get("usage"):
+            self.usage = {k: event["usage"][k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+        for choice in event["choices"]:
+            piece = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
+            self.tokens += bool(piece)
+            self.text += piece or ""
+            self.token_ids += choice.get("token_ids") or []
+
+    def result(self) -> tuple:
+        self.thread.join(180)
+        return self.text, self.usage, self.errors, self.token_ids
+
+
+def started_one_by_one(url: str) -> list[Stream]:
+    """Each stream started once the one before has a token (so the router counts it where it
+    runs): the first two go to different decode instances (the fewest in flight; in the fault run
+    the same ones again, where their prefixes are), the third joins one of them, which then
+    holds a plain stream and a JSON-schema one."""
+    streams = []
+    for k in range(len(PROMPTS)):
+        streams.append(Stream(url, k))
+        deadline = time.monotonic() + 60
+        while not streams[-1].tokens:
+            assert time.monotonic() < deadline and not streams[-1].ended, streams[-1].errors
+            time.sleep(0.005)
+    return streams
+
+
+def decodes(server) -> list[dict]:
+    return [i for i in server.instances() if i["role"] == "decode" and i["state"] == "ready"]
+
+
+def test_a_killed_decode_engines_streams_go_on_on_the_other_with_the_fault_free_text(served_pd_two_decodes):
+    server = served_pd_two_decodes
+    admin, engine = server.credentials.admin_headers(), server.credentials.engine_headers()
+    reference = started_one_by_one(server.url)
+    expected = [s.result() for s in reference]
+    assert all(not errors and usage["completion_tokens"] == MAX_TOKENS for _, usage, errors, _ in expected), expected
+    assert len(expected[1][3]) == MAX_TOKENS and not expected[0][3]  # token ids for who asked only
+    router_before = scrape(server.url, ("pdcluster_router_",), headers=admin)
+
+    streams = started_one_by_one(server.url)
+    deadline = time.monotonic() + 60
+    while True:  # every stream has tokens, none has ended, and one decode holds a stream of each kind
+        assert time.monotonic() < deadline, ([s.tokens for s in streams], decodes(server))
+        assert not any(s.ended for s in streams), "a stream ended before the kill: raise MAX_TOKENS"
+        held = {i["instance_id"]: [k for k, s in enumerate(streams) if s.id in {x["id"] for x in i["streams"]}]
+                for i in decodes(server)}
+        both = [name for name, ks in held.items() if set(ks) & set(PLAIN) and set(ks) & set(JSON_SCHEMA_CHATS)]
+        if min(s.tokens for s in streams) >= 3 and both:
+            break
+        time.sleep(0.01)
+    victim = next(i for i in decodes(server) if i["instance_id"] == both[0])
+    (survivor,) = [i for i in decodes(server) if i["instance_id"] != victim["instance_id"]]
+    survivor_before = scrape(survivor["url"], ("vllm:prompt_tokens",), headers=engine)
+    on_victim = held[victim["instance_id"]]
+    assert not any(streams[k].ended for k in on_victim)
+    kill_engine(victim["url"])
+    at_kill = [streams[k].tokens for k in on_victim]
+    results = [s.result() for s in streams]
+
+    assert [r[2] for r in results] == [[]] * len(streams)  # no error event
+    assert [r[0] for r in results] == [e[0] for e in expected]  # the same text, token for token
+    assert [r[1] for r in results] == [e[1] for e in expected]  # usage counted once
+    assert [r[3] for r in results] == [e[3] for e in expected]
+    assert all(len(s.ids) == 1 for s in streams)  # one stream, one id, as the client sees it
+    router_after = scrape(server.url, ("pdcluster_router_",), headers=admin)
+
+    def grew(name: str) -> float:
+        return router_after.get(name, 0.0) - router_before.get(name, 0.0)
+
+    # The fault hit streams in flight that had sent tokens (at_kill), each went on once; every
+    # stream of the run was prefilled by the prefill instance (P/D, not a decode prefilling itself).
+    assert grew("pdcluster_router_migrations_total") == len(on_victim), (on_victim, at_kill)
+    assert grew("pdcluster_router_remote_prefill_seconds_count") >= len(streams)
+    deadline = time.monotonic() + 15  # the router's books and the store's: nothing left held
+    while True:
+        listed = server.instances()
+        (shard,) = httpx.get(f"{server.url}/admin/store", headers=admin, timeout=10).json()["shards"]
+        if not any(i["inflight"] or i["streams"] for i in listed) and not shard["leases"] + shard["reserved_bytes"]:
+            break
+        assert time.monotonic() < deadline, (listed, shard)
+        time.sleep(0.2)
+    # The continuations' prompts (prompt + sent tokens) on the survivor: their whole store chunks
+    # of the original prompt were hits (the prefill instance stored them), not recomputed.
+    survivor_after = scrape(survivor["url"], ("vllm:prompt_tokens",), headers=engine)
+    name = "vllm:prompt_tokens_cached_total"  # local and external (store) hits, in tokens
+    cached = survivor_after.get(name, 0.0) - survivor_before.get(name, 0.0)
+    whole_chunks = sum((expected[k][1]["prompt_tokens"] - 1) // 256 * 256 for k in on_victim)
+    assert cached >= whole_chunks > 0, (cached, whole_chunks, survivor_before, survivor_after)
