@@ -398,3 +398,120 @@ async def test_an_instance_that_leaves_while_its_history_is_replayed_leaves_no_e
     answered.set()
     await catching_up
     assert index.match([1, 2]) == {} and index.holders() == []
+
+
+REPLAY_FUZZ = 10_000
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+ZMTP_CURVE_GREETING = b"\xff" + b"\x00" * 8 + b"\x7f" + b"\x03\x00" + b"CURVE".ljust(20, b"\x00") + b"\x00" * 32
+
+
+def replay_dealer(context, endpoint: str, keys):
+    """A DEALER socket at an engine's replay socket, as the router's replay client opens it (keys:
+    the plane's, a stranger's, or None for no CURVE at all)."""
+    import zmq
+
+    socket = context.socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.RCVHWM, 0)  # every answer kept until read
+    if keys is not None:
+        connect_curve(socket, keys)
+    socket.connect(endpoint)
+    return socket
+
+
+def random_replay_request(rng, n: int) -> list[bytes]:
+    """What a DEALER sends an engine's replay socket (its ROUTER adds the sender's identity):
+    random frame counts and bytes; requests shaped right (an empty frame, then a start of any
+    length, an empty one, negative ones); now and then a megabyte."""
+    if n % 5 == 0:
+        return [b"", rng.randbytes(rng.choice((0, 1, 7, 8, 9, 64)))]
+    if n % 5 == 1:
+        return [rng.choice((b"", b"\x00")), rng.randrange(-2**63, 0).to_bytes(8, "big", signed=True)]
+    if n % 1000 == 2:
+        return [b"", rng.randbytes(1_000_000)]
+    return [rng.randbytes(rng.randrange(0, 40)) for _ in range(rng.choice((1, 2, 2, 3, 4)))]
+
+
+async def test_malformed_replay_requests_leave_the_publisher_replaying_and_publishing(endpoints, caplog):
+    """An engine's replay socket (a ROUTER that vLLM serves in its publishing thread), as our
+    publisher binds it. Strangers (no CURVE, another cluster's keys, the server's public key with a
+    key pair of their own, random bytes at the port with and without a ZMTP greeting) reach no
+    code: no answer, not one message taken. A member's 10,000 random requests, sent 250 at a time
+    (each lot answered before the next: every one is taken off the socket, those shaped as
+    requests answered). After all of that the router's own replay client catches up on the
+    engine's history and the engine's next batch reaches the router's index."""
+    import contextlib
+    import dataclasses
+    import logging
+    import random
+    import socket
+
+    import zmq
+
+    from engine.kv_events import _gates
+
+    pub, replay = endpoints
+    engine = publisher(pub, replay, "engine-a")
+    context = zmq.Context()
+    rng = random.Random(19)
+    sockets = []  # closed before the context ends, however the test ends
+    try:
+        for k in (1, 2, 3):  # the history a router catches up on
+            engine.publish(stored(k))
+        gate = _gates[id(engine._ctx)]
+        refused = gate.refused
+        other_cluster = ClusterCredentials.generate().curve(KV_EVENTS_PLANE)
+        for keys in (None, other_cluster, dataclasses.replace(other_cluster, server_public=KEYS.server_public)):
+            sockets.append(stranger := replay_dealer(context, replay, keys))
+            for n in range(500):  # under the socket's high-water mark: none blocks
+                with contextlib.suppress(zmq.Again):
+                    stranger.send_multipart(random_replay_request(rng, n), zmq.NOBLOCK)
+        host, port = replay.removeprefix("tcp://").split(":")
+        for n in range(200):
+            with socket.create_connection((host, int(port)), timeout=2) as raw:
+                raw.sendall((ZMTP_CURVE_GREETING if n % 2 else b"") + rng.randbytes(rng.randrange(1, 512)))
+        await until(lambda: gate.refused > refused)  # the ZAP handler turned the own key pair away
+        await asyncio.sleep(0.5)
+        assert [s.poll(0) for s in sockets] == [0, 0, 0]  # no answer
+        assert engine.replay_requests == 0  # and not one message of theirs reached vLLM's code
+
+        caplog.set_level(logging.ERROR, logger="vllm.distributed.kv_events")  # a warning per malformed one
+        sockets.append(member := replay_dealer(context, replay, KEYS))
+        sent = 0
+        for lot in range(REPLAY_FUZZ // 250):
+            requests = [random_replay_request(rng, n) for n in range(lot * 250, (lot + 1) * 250)]
+            requests.append([b"", (2**64 - 1).to_bytes(8, "big")])  # a request past the history: the lot's end
+            for frames in requests:
+                member.send_multipart(frames)
+            sent += len(requests)
+            ends = sum(len(frames) == 2 for frames in requests)  # each request shaped right: one end marker
+            deadline = time.monotonic() + 20
+            while ends:
+                assert member.poll(max(0, int((deadline - time.monotonic()) * 1000))), \
+                    f"lot {lot}: {ends} answers missing; {engine.replay_requests} of {sent} taken"
+                answer = member.recv_multipart()
+                ends -= answer[2] == END_SEQ
+        assert engine.replay_requests == sent == REPLAY_FUZZ + REPLAY_FUZZ // 250
+        assert engine._thread.is_alive()
+
+        index = KVIndex()
+        listener = listener_for(index, {"engine-a": replay}.get)
+        listener.follow("engine-a", pub)
+        listener.start()
+        try:
+            await until(lambda: index.expected_seq("engine-a") == 3)  # replayed: nothing was published since
+            assert index.match([1, 2, 3]) == {"engine-a": 3} and listener.resyncs == 0
+            for k in range(4, 50):  # live now (a batch the SUB side missed is replayed at the next)
+                engine.publish(stored(k))
+                with contextlib.suppress(AssertionError):
+                    await until(lambda k=k: index.expected_seq("engine-a") == k, timeout_s=0.5)
+                    break
+            assert index.match(list(range(1, k + 1))) == {"engine-a": k}
+            assert engine.replay_requests > sent  # the router's replay took the same road
+        finally:
+            await listener.stop()
+    finally:
+        for each in sockets:
+            each.close(0)
+        context.term()
+        engine.shutdown()
