@@ -11,11 +11,14 @@ import itertools
 import os
 import signal
 import time
+import uuid
 
 import httpx
 import pytest
+from fastapi.testclient import TestClient
 from oracle import assert_conforms
 
+from decode.role import DECODE
 from kvstore import protocol
 from kvstore.client import request_once
 from loadtest.arrivals import FixedConcurrency
@@ -24,6 +27,10 @@ from loadtest.report import summarize
 from loadtest.runner import Limits, run_load
 from loadtest.scrape import scrape
 from loadtest.workloads import RandomLengths
+from prefill.role import PREFILL
+from router.app import build_app
+from router.config import RouterConfig, ServedModel
+from router.instances import Instance, InstanceRegistry
 from transport.zmq_curve import STORE_PLANE
 
 pytestmark = pytest.mark.slow
@@ -182,6 +189,61 @@ def test_one_tenants_store_chunks_are_invisible_to_another(served_pd):
              headers=engine)  # tenant A's prefill: its chunks go to the store
     assert external_hits(salt_b) == 0
     assert external_hits(salt_a) > 500
+
+
+def test_through_the_router_one_tenants_store_chunks_are_invisible_to_another(served_pd, tiny_model):
+    """Attack 3 as tenants make it: two API keys on a router in front of this module's P/D engines
+    and store shard (docs/security.md). Tenant A's request is prefilled remotely: its chunks go to
+    the store, and the decode instance loads them. Then, the decode instance's own cache emptied,
+    tenant B's identical prompt goes to the decode instance with no remote prefill (as when no
+    prefill instance is ready), which looks the prompt up in the store itself: it loads none of
+    A's chunks, while A's second request, the same way, loads them. (In a remote prefill the
+    decode instance loads what the prefill instance just stored for that same request, B's own
+    chunks too: its counter tells nothing there.) The routers are the app `pdcluster serve`
+    builds (router/app.py), run here so that the fixture's own, keyless router stays as this
+    module's other tests use it; no engine more is started. Times are reported, not asserted."""
+    credentials = served_pd.credentials
+    engine = credentials.engine_headers()
+    instances = {i["role"]: i for i in served_pd.instances()}
+    decode = instances["decode"]["url"]
+    body = {"model": "tiny", "prompt": f"Tenant A's private prompt {uuid.uuid4()}. " + LONG, "max_tokens": 1,
+            "temperature": 0}
+    names = ("vllm:external_prefix_cache_hits_total", "vllm:prefix_cache_hits_total")
+
+    def router(*roles) -> TestClient:
+        registry = InstanceRegistry()
+        for role in roles:
+            registry.add(Instance(instances[role.name]["instance_id"], role, instances[role.name]["url"], model="tiny"))
+        config = RouterConfig(models=(ServedModel(name="tiny", max_model_len=4096, tokenizer=tiny_model),),
+                              api_keys={"key-a": "tenant-a", "key-b": "tenant-b"}, remote_prefill_min_tokens=0,
+                              cluster_secret=credentials.secret.hex(), health_interval_s=60)
+        return TestClient(build_app(config, registry, store_endpoints=(store_shard(served_pd)["endpoint"],)))
+
+    def sent(client: TestClient, key: str) -> tuple[float, float, float]:
+        """One request of `key`'s tenant: the decode instance's hits from the store (its
+        connector) and from its own cache, and the seconds to the answer (one token)."""
+        before = scrape(decode, names, headers=engine)
+        started = time.perf_counter()
+        response = client.post("/v1/completions", json=body, headers={"authorization": f"Bearer {key}"})
+        seconds = time.perf_counter() - started
+        assert response.status_code == 200, response.text
+        after = scrape(decode, names, headers=engine)
+        external, own = (after.get(n, 0.0) - before.get(n, 0.0) for n in names)
+        return external, own, seconds
+
+    with router(PREFILL, DECODE) as pd, router(DECODE) as decode_only:
+        a_external, _, a_first_s = sent(pd, "key-a")
+        assert a_external > 500, f"A's first request: {a_external:g} tokens from the store (a remote prefill)"
+        deadline = time.monotonic() + 30  # refused while blocks are held (a request just finishing)
+        while not httpx.post(f"{decode}/reset_prefix_cache", headers=engine, timeout=10).json()["success"]:
+            assert time.monotonic() < deadline, "the decode instance's prefix cache was never reset"
+            time.sleep(0.2)
+        b_external, b_own, b_s = sent(decode_only, "key-b")
+        a_again_external, a_again_own, a_again_s = sent(decode_only, "key-a")
+    timing = (f"answers of one token: A's first {a_first_s * 1e3:.0f} ms (remote prefill), B's {b_s * 1e3:.0f} ms "
+              f"(computed), A's second {a_again_s * 1e3:.0f} ms (loaded); not asserted")
+    assert (b_external, b_own) == (0, 0), f"B: {b_external:g} tokens from the store, {b_own:g} cached; {timing}"
+    assert a_again_external > 500, f"A again: {a_again_external:g} from the store, {a_again_own:g} cached; {timing}"
 
 
 def test_a_killed_prefill_costs_no_request(served, served_pd):
