@@ -21,6 +21,13 @@ paths. The result adds the traced router's added time and its ratio to the untra
 `--attackers N` adds a second measurement through the router while N clients send it the largest
 chat prompts a body may hold, in a loop (each is refused with a 400 after the router tokenized
 it; docs/security.md, attack 5): what such clients cost everyone else's time to first token.
+The JSON's `attack` holds the quiet and attacked median, p90 and p99 (medians of runs), their
+ratios and `p99_within_2x` (issue #19's goal); `attack_per_run` each run's, with the attackers'
+answers by HTTP status (the attack ran, and was refused). The e2e test (tests/e2e/test_openai_api.py)
+asserts what holds on any machine and leaves this measurement here: on a 2-core machine the
+attack's tokenizing takes one of the two cores, so the ratio says as much about the machine.
+
+    python -m loadtest.router_overhead --attackers 3 --rounds 200 --runs 3 --out results/router_overhead_attack.json
 """
 
 from __future__ import annotations
@@ -28,7 +35,6 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import json
 import statistics
 import threading
 import time
@@ -43,6 +49,7 @@ from rich.table import Table
 from engine.environment import free_port
 from loadtest.local_cluster import LocalServer
 from loadtest.otlp_receiver import OTLPReceiver
+from loadtest.output import write_results
 from router.metrics import percentile
 from security.credentials import ClusterCredentials
 
@@ -121,10 +128,13 @@ def attacked_ttft(router_url: str, model: str, rounds: int, attackers: int) -> d
         for _ in range(5):
             timed_stream(client, router_url, body)
         quiet = [timed_stream(client, router_url, body)[0] for _ in range(rounds)]
-        with huge_prompt_attack(router_url, model, attackers):
+        with huge_prompt_attack(router_url, model, attackers) as answers:
             attacked = [timed_stream(client, router_url, body)[0] for _ in range(rounds)]
-    return {name: {"median_ms": statistics.median(v) * 1e3, "p90_ms": percentile(v, 90) * 1e3,
-                   "p99_ms": percentile(v, 99) * 1e3} for name, v in (("quiet", quiet), ("attacked", attacked))}
+    return {
+        **{name: {"median_ms": statistics.median(v) * 1e3, "p90_ms": percentile(v, 90) * 1e3,
+                  "p99_ms": percentile(v, 99) * 1e3} for name, v in (("quiet", quiet), ("attacked", attacked))},
+        "attack_answers": {str(status): count for status, count in sorted(answers.items())},
+    }
 
 
 async def null_engine_app(scope, receive, send) -> None:
@@ -336,12 +346,12 @@ def main(argv: list[str] | None = None) -> int:
         result["attack"] = {phase: {stat: statistics.median(a[phase][stat] for a in attacks)
                                     for stat in ("median_ms", "p90_ms", "p99_ms")}
                             for phase in ("quiet", "attacked")}
+        result["attack"]["ratio"] = {stat: result["attack"]["attacked"][stat] / result["attack"]["quiet"][stat]
+                                     for stat in ("median_ms", "p90_ms", "p99_ms")}
+        result["attack"]["p99_within_2x"] = result["attack"]["ratio"]["p99_ms"] <= 2
         result["attack_per_run"] = attacks
     print_table(result, console)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    plot(result, args.out.with_suffix(".png"))
-    console.print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+    write_results(args.out, result, lambda png: plot(result, png))  # the JSON even without matplotlib
     return 0
 
 
