@@ -80,7 +80,8 @@ def test_a_pool_of_one_preimported_process_serves_a_burst_as_plain_vllm(artifact
         assert [status for status, _, _ in results] == [200] * len(PROMPTS), results
         assert_conforms(server.url, "tiny", oracle("tiny"))
     paths = [json.loads(line)["path"] for line in start_log.read_text().splitlines()]
-    assert paths[:2] == ["preimport", "preimported"], paths  # imported ahead, then started for the burst
+    # Imported ahead, started for the burst; the pool imports a replacement meanwhile.
+    assert paths[0] == "preimport" and "preimported" in paths and paths.count("preimport") >= 2, paths
 
 
 def test_first_tokens_later_than_the_target_grow_the_pool(artifacts, tmp_path):
