@@ -265,6 +265,23 @@ class Launcher:
             await end_engines([actor])
         self.registry.remove(instance_id)
 
+    async def reap(self, instance_id: str) -> bool:
+        """Stop an instance whose engine process has exited (killed, crashed) or whose actor is
+        gone, so that its place (its GPU, its role's resource) is free for a replacement; True if
+        it did. One that is only unresponsive (frozen, overloaded) is left: it may come back."""
+        actor = self._actors.get(instance_id)
+        try:
+            info = await asyncio.wait_for(actor.describe.remote(), 10) if actor is not None else None
+        except ray.exceptions.RayActorError:  # the actor itself is gone
+            info = None
+        except Exception:  # no answer: not known to be dead
+            return False
+        if info is not None and not info.get("exited"):
+            return False
+        log.warning("%s: its engine is gone; stopping it to free its place", instance_id)
+        await self.stop_instance(instance_id)
+        return True
+
     async def sleep_instance(self, instance_id: str, drain_s: float) -> None:
         """Take a ready instance out of rotation, let it finish what it holds, and put it to sleep
         (EngineHost.sleep): it waits as a SLEEPING standby that `activate()` wakes. One still busy
@@ -332,7 +349,10 @@ class Launcher:
         """Stop every engine this launcher created and the store's shards; with `keep_adopted`
         (a router restart that failed) leave what it adopted serving, for the next attempt."""
         kept = self._adopted if keep_adopted else set()
-        await end_engines([a for name, a in self._actors.items() if name not in kept])
+        for name, actor in self._actors.items():
+            if name not in self.instances:  # its start is cut short (it may wait for a place): no stop to ask
+                ray.kill(actor)
+        await end_engines([a for name, a in self._actors.items() if name not in kept and name in self.instances])
         for instance_id in self._actors:
             self.registry.remove(instance_id)
         self._actors.clear()

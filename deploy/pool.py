@@ -45,6 +45,7 @@ if TYPE_CHECKING:  # deploy.launcher imports ray, which must not happen before u
     from deploy.launcher import Launcher
 
 log = logging.getLogger(__name__)
+REAP_EVERY_S = 5.0
 PoolKey = tuple[str, RoleSpec]
 """A pool: its model's served name and its role."""
 
@@ -159,6 +160,8 @@ class PoolController:
         self._grown_at: dict[PoolKey, float] = dict.fromkeys(self.specs, 0.0)
         self._tasks: set[asyncio.Task] = set()
         self._loop: asyncio.Task | None = None
+        self._reap_asked_at: dict[str, float] = {}
+        """When each failed instance was last asked whether its engine is gone (every REAP_EVERY_S)."""
 
     def start(self) -> None:
         self._loop = asyncio.create_task(self._run(), name="pool-controller")
@@ -195,6 +198,7 @@ class PoolController:
 
     def _step(self, spec: PoolSpec) -> None:
         key = spec.key
+        self._reap_failed(spec)
         ready = self._instances(spec, InstanceState.READY)
         inflight = sum(i.inflight for i in ready)
         # Requests wait for serving instances; without prefill instances decode prefills locally.
@@ -223,6 +227,17 @@ class PoolController:
                 self._spawn(self._sleep(leaving.instance_id, spec.drain_s), f"sleep-{spec.name}")
             else:
                 self._spawn(self.launcher.stop_instance(leaving.instance_id, spec.drain_s), f"shrink-{spec.name}")
+
+    def _reap_failed(self, spec: PoolSpec) -> None:
+        """Failed instances whose engine is gone are stopped, so that their replacements (the
+        pool grows below min_ready) can take their place; asked at most every REAP_EVERY_S."""
+        now = time.monotonic()
+        for instance in self._instances(spec, InstanceState.FAILED):
+            if now - self._reap_asked_at.get(instance.instance_id, 0.0) >= REAP_EVERY_S:
+                self._reap_asked_at[instance.instance_id] = now
+                self._spawn(self.launcher.reap(instance.instance_id), f"reap-{instance.instance_id}")
+        for instance_id in [i for i in self._reap_asked_at if self.registry.get(i) is None]:
+            del self._reap_asked_at[instance_id]  # gone: forgotten
 
     def _new_id(self, spec: PoolSpec) -> str:
         return f"{self.id_prefix(spec.model)}{spec.role.name}-{int(time.time())}-{next(self._ids)}"

@@ -94,6 +94,7 @@ class EngineHost:
             "max_model_len": self.config.max_model_len,
             "kv_events_replay_endpoint": self.kv_events_replay_endpoint,
             "pid": self._process.pid if self._process else None,
+            "exited": self._process is not None and self._process.poll() is not None,
             "last_stage": self.timeline.marks[-1][0] if self.timeline.marks else "",
             "elapsed_s": time.time() - self.timeline.started_at,
         }

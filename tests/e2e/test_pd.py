@@ -247,7 +247,8 @@ def test_through_the_router_one_tenants_store_chunks_are_invisible_to_another(se
 
 
 def test_a_killed_prefill_costs_no_request(served, served_pd):
-    """Runs last in this module: it takes the prefill instance away for good."""
+    """Runs last in this module: it kills the prefill instance. Its actor, which held the one
+    `prefill` resource of this head, is reaped, and the pool starts a replacement there."""
     bodies = [{"prompt": f"Killed prefill {k}. " + LONG * 2} for k in range(4)]
     expected = [generate(served.url, b) for b in bodies]
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
@@ -258,3 +259,7 @@ def test_a_killed_prefill_costs_no_request(served, served_pd):
     assert results == expected
     after = [generate(served_pd.url, b) for b in bodies[:1]]  # and the next one prefills locally
     assert after == expected[:1]
+    deadline = time.monotonic() + 240
+    while not [i for i in served_pd.instances() if i["role"] == "prefill" and i["state"] == "ready"]:
+        assert time.monotonic() < deadline, served_pd.instances()
+        time.sleep(1)

@@ -224,7 +224,7 @@ class RecordingLauncher:
         self.registry = registry
         """Where it marks the instances it puts to sleep, as the launcher does (None: nowhere)."""
         self.standby_configs, self.activated, self.slept, self.stopped, self.peers_asked = [], [], [], [], []
-        self.preimported_configs, self.activated_from = [], []
+        self.preimported_configs, self.activated_from, self.reaped = [], [], []
         self.most_awake = 0
 
     async def start_standby(self, instance_id, config, preimported=False):
@@ -255,6 +255,12 @@ class RecordingLauncher:
             await asyncio.sleep(0.05)
             instance.state = InstanceState.READY
         return {"total_s": 0.0}
+
+    async def reap(self, instance_id):
+        self.reaped.append(instance_id)
+        if self.registry is not None:
+            self.registry.remove(instance_id)
+        return True
 
     async def sleep_instance(self, instance_id, drain_s):
         from engine.lifecycle import InstanceState
@@ -321,6 +327,27 @@ async def test_a_pool_keeps_preimported_processes_and_uses_them_after_standbys(t
         await controller._grow(spec)
     assert launcher.activated_from == [InstanceState.STANDBY, InstanceState.SLEEPING,
                                        InstanceState.PREIMPORTED, InstanceState.PREIMPORTED]
+
+
+async def test_a_failed_instance_is_asked_about_and_reaped_once_its_engine_is_gone(tmp_path):
+    """A killed engine's actor holds its place (a GPU, its role's resource) until stopped: the
+    pool asks the launcher to reap failed instances (it stops only those whose engine exited)."""
+    import asyncio
+
+    from deploy.pool import PoolController
+    from engine.lifecycle import InstanceState
+    from router.instances import CapacityQueue, InstanceRegistry
+
+    registry = InstanceRegistry()
+    launcher = RecordingLauncher(registry)
+    spec = PoolSpec(model="m", role=DECODE, min_ready=1, max_ready=1)
+    controller = PoolController(launcher, registry, CapacityQueue(1, 1.0), [spec], engine_configs(tmp_path, "m"))
+    registry.add(Instance("dead", DECODE, "http://127.0.0.1:1", InstanceState.FAILED, model="m"))
+    registry.add(Instance("live", DECODE, "http://127.0.0.1:2", model="m"))
+    controller._step(spec)
+    controller._step(spec)  # asked once, not on every step
+    await asyncio.sleep(0.01)
+    assert launcher.reaped == ["dead"] and [i.instance_id for i in registry.all()] == ["live"]
 
 
 def test_preimported_processes_count_among_the_engines_a_head_places():
