@@ -261,8 +261,11 @@ def open_streams(live: list[RequestResult]) -> list[RequestResult]:
 async def streams_on_victim(server: LocalServer, live: list[RequestResult], count: int,
                             victim_id: str | None = None, within_s: float = 60.0) -> dict:
     """Waits until at least half the burst is open with tokens received and the victim relays
-    some of those open streams (`victim_id`: that instance, as `server` routes to it; None:
-    `server`, the router itself); returns what the kill will hit: how many open streams were on
+    some of those open streams and holds nothing else (`victim_id`: that instance, as `server`
+    routes to it; None: `server`, the router itself): a request whose engine dies before its first
+    token fails cleanly by design (it may be what killed the engine: it is not tried on another),
+    so a kill then would test that, not migration. Returns what the kill will hit: how many open
+    streams were on
     the victim and how many tokens each of them had received. The streams an instance serves are
     the router's (GET /admin/instances, `streams`: the migratable ones, by the id every event of
     theirs carries); read before the kill, which follows with no wait in between."""
@@ -272,14 +275,14 @@ async def streams_on_victim(server: LocalServer, live: list[RequestResult], coun
         relayed = {s["id"] for i in instances if victim_id in (None, i["instance_id"]) for s in i["streams"]}
         streaming = open_streams(live)
         hit = [r for r in streaming if r.response_id in relayed]
-        if len(streaming) >= count / 2 and hit:
-            inflight = sum(i["inflight"] for i in instances if victim_id in (None, i["instance_id"]))
+        inflight = sum(i["inflight"] for i in instances if victim_id in (None, i["instance_id"]))
+        if len(streaming) >= count / 2 and hit and len(hit) >= inflight:
             return {"streams_open_at_kill": len(streaming), "streams_on_victim_at_kill": len(hit),
                     "tokens_each_victim_stream_had": sorted(len(r.chunk_times_s) for r in hit),
                     "victim_inflight_at_kill": inflight}
         await asyncio.sleep(0.05)
     raise NoFaultHit(f"no fault: within {within_s:g} s, half the burst was never open with tokens while the victim "
-                     f"({victim_id or 'the router'}) relayed some of those streams")
+                     f"({victim_id or 'the router'}) relayed some of those streams and nothing else")
 
 
 def migrations(server: LocalServer) -> int:

@@ -27,20 +27,23 @@ def stream(response_id: str, tokens: int, ended: bool = False) -> RequestResult:
 
 
 async def test_the_kill_counts_only_the_victims_open_streams_that_have_tokens():
-    live = [stream("a", 5), stream("b", 3), stream("c", 9, ended=True), stream("d", 0), stream("e", 2)]
-    router = FakeRouter({"victim": ["a", "c", "d"], "other": ["b", "e"]})
+    live = [stream("a", 5), stream("b", 3), stream("c", 9, ended=True), stream("d", 0), stream("e", 2),
+            stream("f", 4)]
+    router = FakeRouter({"victim": ["a", "f"], "other": ["b", "d", "e"]})
     hit = await faults.streams_on_victim(router, live, count=6, victim_id="victim", within_s=1)
-    # "c" ended (not open), "d" has no token yet: of the victim's, only "a" is hit
-    assert hit == {"streams_open_at_kill": 3, "streams_on_victim_at_kill": 1, "tokens_each_victim_stream_had": [5],
-                   "victim_inflight_at_kill": 3}
+    # "c" ended (not open), "b", "d" and "e" are elsewhere: of the victim's, "a" and "f" are hit
+    assert hit == {"streams_open_at_kill": 4, "streams_on_victim_at_kill": 2, "tokens_each_victim_stream_had": [4, 5],
+                   "victim_inflight_at_kill": 2}
+    router = FakeRouter({"victim": ["a", "b", "e", "f"]})
     everything = await faults.streams_on_victim(router, live, count=6, within_s=1)  # the router itself
-    assert everything["tokens_each_victim_stream_had"] == [2, 3, 5]
+    assert everything["tokens_each_victim_stream_had"] == [2, 3, 4, 5]
 
 
 @pytest.mark.parametrize("live", [
     [stream("a", 5), stream("b", 3)],  # half the burst open, none of them on the victim
     [stream("c", 9, ended=True), stream("c2", 9, ended=True), stream("b", 3)],  # the victim's have ended
     [stream("c", 1), stream("x", 0), stream("y", 0), stream("z", 0)],  # on the victim, but not half the burst open
+    [stream("c", 1), stream("c2", 2), stream("x", 0), stream("b", 3)],  # the victim also holds one with no token
 ])
 async def test_no_open_stream_with_tokens_on_the_victim_is_an_error(live):
     router = FakeRouter({"victim": ["c", "c2", "x"], "other": ["a", "b"]})
