@@ -239,7 +239,7 @@ async def _start_fleet(launcher, registry, engine_configs, router_config, topolo
     router's app and the pool controller (started); returns both."""
     from deploy.placement import cpu_core_sets
     from deploy.pool import PoolController
-    from router.app import build_app
+    from router.app import build_app, import_ahead
     from router.kv_events import STORE_HOLDER
     from router.status import StartLog
 
@@ -263,8 +263,12 @@ async def _start_fleet(launcher, registry, engine_configs, router_config, topolo
     cores = cpu_core_sets(topology.engines_at_most(), os.cpu_count() or 1) if is_cpu_build() and not address else []
     configs = [(instance_id, config.model_copy(update={"role": role, "cpu_cores": cores[k] if cores else None}))
                for k, (instance_id, role, config) in enumerate(roles)]
-    await _start_initial(launcher, configs, placement_timeout_s, topology.max_awake,
-                         one_by_one=any(c.gpu_share < 1 for c in engine_configs))
+    imported = asyncio.create_task(asyncio.to_thread(import_ahead))  # the router's, while engines start
+    try:
+        await _start_initial(launcher, configs, placement_timeout_s, topology.max_awake,
+                             one_by_one=any(c.gpu_share < 1 for c in engine_configs))
+    finally:
+        await imported
     app = build_app(router_config, registry, store_endpoints=shards, starts=starts, limits=limits)
     launcher.store.on_restart.append(lambda: app.state.index.clear(STORE_HOLDER))
     app.state.retire = lambda instance_id: launcher.stop_instance(instance_id, drain_s=SHUTDOWN_DRAIN_S)

@@ -69,6 +69,14 @@ def _body_schema(model: type[SamplingRequest]) -> dict:
     return {"requestBody": {"content": content, "required": True}}
 
 
+def import_ahead() -> None:
+    """Import what `build_app` imports lazily (transformers' tokenizers, vLLM's hashing and KV
+    event types: seconds), e.g. in a thread while the engines start."""
+    import transformers  # noqa: F401
+    import vllm.distributed.kv_events  # noqa: F401
+    import vllm.utils.hashing  # noqa: F401
+
+
 def build_app(
     config: RouterConfig, registry: InstanceRegistry, store_endpoints: tuple[str, ...] = (),
     starts: StartLog | None = None, limits: Limits | None = None,

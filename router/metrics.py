@@ -4,6 +4,7 @@ percentile that the router's own signals and every report use."""
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -170,3 +171,13 @@ def requests_answered() -> int:
     """Requests the engines answered through this router (errors the router answers itself are
     counted by router.status.ErrorLog)."""
     return int(sum(_totals(REQUESTS).values()))
+
+
+def observe_request(endpoint: str, status: int, started: float, first_byte: bool) -> None:
+    """Record a request the engines answered (`started`: its time.perf_counter() at arrival);
+    `first_byte` when its end was also its first byte (not streamed)."""
+    elapsed = time.perf_counter() - started
+    if first_byte:
+        TIME_TO_FIRST_BYTE.labels(endpoint).observe(elapsed)
+    REQUEST_LATENCY.labels(endpoint).observe(elapsed)
+    REQUESTS.labels(endpoint, str(status)).inc()

@@ -242,7 +242,7 @@ class Forwarder:
             raise EngineFailed("the engine's answer broke off") from None
         finally:
             upstream.release()
-        self._observe(endpoint, upstream.status, started, first_byte=True)
+        metrics.observe_request(endpoint, upstream.status, started, first_byte=True)
         if trace:  # not streamed: the whole answer is its first byte
             trace.first_byte(call)
         return Response(content, upstream.status, media_type="application/json")
@@ -269,7 +269,7 @@ class Forwarder:
             else:
                 upstream.close()
             self._leave(instance)
-            self._observe(endpoint, status, started, first_byte=False)
+            metrics.observe_request(endpoint, status, started, first_byte=False)
             if call:
                 call.end(status)
 
@@ -331,7 +331,7 @@ class Forwarder:
         finally:
             if instance is not None:  # the client left mid-stream
                 let_go(broken=True)
-            self._observe(endpoint, status, started, first_byte=False)
+            metrics.observe_request(endpoint, status, started, first_byte=False)
             if call:
                 call.span.set_attribute("pdcluster.migrations", migrations)
                 call.end(status)
@@ -391,13 +391,3 @@ class Forwarder:
     def _leave(self, instance: Instance) -> None:
         instance.inflight -= 1
         metrics.INFLIGHT.labels(instance.instance_id).set(instance.inflight)
-
-    @staticmethod
-    def _observe(endpoint: str, status: int, started: float, first_byte: bool) -> None:
-        """Record a finished request; `first_byte` when its end was also its first byte (not streamed)."""
-        elapsed = time.perf_counter() - started
-        if first_byte:
-            metrics.TIME_TO_FIRST_BYTE.labels(endpoint).observe(elapsed)
-        metrics.REQUEST_LATENCY.labels(endpoint).observe(elapsed)
-        metrics.REQUESTS.labels(endpoint, str(status)).inc()
-
