@@ -271,7 +271,10 @@ async def streams_on_victim(server: LocalServer, live: list[RequestResult], coun
     theirs carries); read before the kill, which follows with no wait in between."""
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
-        instances = await asyncio.to_thread(server.instances)
+        try:
+            instances = await asyncio.to_thread(server.instances)
+        except httpx.TimeoutException:  # a router busy relaying the burst answers late: ask again
+            continue
         relayed = {s["id"] for i in instances if victim_id in (None, i["instance_id"]) for s in i["streams"]}
         streaming = open_streams(live)
         hit = [r for r in streaming if r.response_id in relayed]
