@@ -26,6 +26,27 @@ def stream(response_id: str, tokens: int, ended: bool = False) -> RequestResult:
     return result
 
 
+@pytest.fixture(autouse=True)
+def engines_running(monkeypatch) -> dict[str, int]:
+    """What each stand-in engine generates now (vLLM's num_requests_running): all it holds."""
+    running: dict[str, int] = {}
+    monkeypatch.setattr(faults, "engine_running",
+                        lambda router, instance_id: running.get(instance_id, len(router.streams[instance_id])))
+    return running
+
+
+async def test_the_kill_waits_for_the_engine_to_be_generating_the_streams(engines_running):
+    """A stream the engine has finished may still be in the sockets: a kill would not cut it."""
+    live = [stream("a", 5), stream("b", 3)]
+    router = FakeRouter({"victim": ["a"], "other": ["b"]})
+    engines_running["victim"] = 0
+    with pytest.raises(faults.NoFaultHit):
+        await faults.streams_on_victim(router, live, count=2, victim_id="victim", within_s=0.2)
+    engines_running["victim"] = 1
+    hit = await faults.streams_on_victim(router, live, count=2, victim_id="victim", within_s=1)
+    assert hit["victim_engine_running_at_kill"] == 1
+
+
 async def test_the_kill_counts_only_the_victims_open_streams_that_have_tokens():
     live = [stream("a", 5), stream("b", 3), stream("c", 9, ended=True), stream("d", 0), stream("e", 2),
             stream("f", 4)]
@@ -33,7 +54,7 @@ async def test_the_kill_counts_only_the_victims_open_streams_that_have_tokens():
     hit = await faults.streams_on_victim(router, live, count=6, victim_id="victim", within_s=1)
     # "c" ended (not open), "b", "d" and "e" are elsewhere: of the victim's, "a" and "f" are hit
     assert hit == {"streams_open_at_kill": 4, "streams_on_victim_at_kill": 2, "tokens_each_victim_stream_had": [4, 5],
-                   "victim_inflight_at_kill": 2}
+                   "victim_inflight_at_kill": 2, "victim_engine_running_at_kill": 2}
     router = FakeRouter({"victim": ["a", "b", "e", "f"]})
     everything = await faults.streams_on_victim(router, live, count=6, within_s=1)  # the router itself
     assert everything["tokens_each_victim_stream_had"] == [2, 3, 4, 5]
