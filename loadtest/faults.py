@@ -262,9 +262,10 @@ async def streams_on_victim(server: LocalServer, live: list[RequestResult], coun
                             victim_id: str | None = None, within_s: float = 60.0) -> dict:
     """Waits until at least half the burst is open with tokens received and the victim relays
     some of those open streams and holds nothing else (`victim_id`: that instance, as `server`
-    routes to it; None: `server`, the router itself), and, for an engine, until that engine is
-    still generating every one of them (vLLM's `num_requests_running`: a stream the engine has
-    finished may still be in the sockets' buffers, which a kill would not cut). A request whose
+    routes to it; None: `server`, the router itself), and, for an engine, while that engine is
+    still generating some of them (vLLM's `num_requests_running`: a stream the engine has
+    finished may still be in the sockets' buffers, which a kill does not cut: the row's
+    `migrated` says how many were). A request whose
     engine dies before its first token fails cleanly by design (it may be what killed the engine:
     it is not tried on another), so a kill then would test that, not migration. Returns what the
     kill will hit: how many open streams were on the victim and how many tokens each had
@@ -282,13 +283,13 @@ async def streams_on_victim(server: LocalServer, live: list[RequestResult], coun
         streaming = open_streams(live)
         hit = [r for r in streaming if r.response_id in relayed]
         inflight = sum(i["inflight"] for i in instances if victim_id in (None, i["instance_id"]))
-        if len(streaming) >= count / 2 and hit and len(hit) >= inflight and (running is None or running >= len(hit)):
+        if len(streaming) >= count / 2 and hit and len(hit) >= inflight and (running is None or running >= 1):
             return {"streams_open_at_kill": len(streaming), "streams_on_victim_at_kill": len(hit),
                     "tokens_each_victim_stream_had": sorted(len(r.chunk_times_s) for r in hit),
                     "victim_inflight_at_kill": inflight, "victim_engine_running_at_kill": running}
         await asyncio.sleep(0.05)
     raise NoFaultHit(f"no fault: within {within_s:g} s, half the burst was never open with tokens while the victim "
-                     f"({victim_id or 'the router'}) relayed some of those streams, still generating them, "
+                     f"({victim_id or 'the router'}) relayed some of those streams, still generating some, "
                      "and nothing else")
 
 

@@ -36,7 +36,8 @@ def engines_running(monkeypatch) -> dict[str, int]:
 
 
 async def test_the_kill_waits_for_the_engine_to_be_generating_the_streams(engines_running):
-    """A stream the engine has finished may still be in the sockets: a kill would not cut it."""
+    """A stream the engine has finished may still be in the sockets: a kill would not cut it.
+    The kill waits for one the engine still generates."""
     live = [stream("a", 5), stream("b", 3)]
     router = FakeRouter({"victim": ["a"], "other": ["b"]})
     engines_running["victim"] = 0
