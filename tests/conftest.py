@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from unittest import mock
 
 import pytest
 
@@ -81,21 +80,3 @@ def served(tiny_model):
     server = LocalServer(["--model", "tiny", "--kv-cache-gib", "1"], ARTIFACTS / "serve-colocated.log")
     with server:
         yield server
-
-
-@pytest.fixture(scope="module")
-def served_pd(tiny_model):
-    """One prefill and one decode instance (tiny model) behind the router, KV handed over through
-    the store shard; every request is prefilled remotely (threshold 0). The shard honours fault
-    injection (tests damage stored chunks). Module-scoped: it stops once test_pd.py is done, so
-    at most three engines run at once."""
-    from deploy.serve import STORE_FAULT_INJECTION_ENV
-    from loadtest.local_cluster import LocalServer
-
-    args = ["--model", "tiny", "--prefill", "1", "--decode", "1", "--remote-prefill-min-tokens", "0"]
-    with mock.patch.dict(os.environ, {STORE_FAULT_INJECTION_ENV: "1"}):
-        server = LocalServer(args, ARTIFACTS / "serve-pd.log").start()
-    try:
-        yield server
-    finally:
-        server.stop()

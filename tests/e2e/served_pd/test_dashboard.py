@@ -26,7 +26,7 @@ from engine.environment import free_port
 
 pytestmark = [pytest.mark.slow,
               unless_ci(shutil.which("prometheus") is not None, "needs Debian's prometheus (make test)")]
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 DASHBOARD = REPO / "deploy" / "grafana" / "pdcluster.json"
 SCRAPE_CONFIG = REPO / "deploy" / "prometheus" / "prometheus.yml"
 SCRAPE_INTERVAL_S = 1

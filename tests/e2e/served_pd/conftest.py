@@ -1,0 +1,26 @@
+"""The P/D cluster this package's tests share."""
+
+from __future__ import annotations
+
+import os
+from unittest import mock
+
+import pytest
+
+
+@pytest.fixture(scope="package")
+def served_pd(tiny_model, artifacts):
+    """One prefill and one decode instance (tiny model) behind the router, KV handed over through
+    the store shard; every request is prefilled remotely (threshold 0). The shard honours fault
+    injection (tests damage stored chunks). Package-scoped: it stops once this package's tests
+    are done, so at most three engines run at once."""
+    from deploy.serve import STORE_FAULT_INJECTION_ENV
+    from loadtest.local_cluster import LocalServer
+
+    args = ["--model", "tiny", "--prefill", "1", "--decode", "1", "--remote-prefill-min-tokens", "0"]
+    with mock.patch.dict(os.environ, {STORE_FAULT_INJECTION_ENV: "1"}):
+        server = LocalServer(args, artifacts / "serve-pd.log").start()
+    try:
+        yield server
+    finally:
+        server.stop()
