@@ -38,12 +38,12 @@ async def drained(instance: Instance, actor: ray.actor.ActorHandle | None, drain
 
 async def engine_idle(actor: ray.actor.ActorHandle | None, timeout_s: float) -> bool:
     """Whether the engine runs or queues no request. An actor that is gone runs nothing; one that
-    does not answer in time (overloaded) is not idle."""
+    does not answer in time (overloaded) or is unavailable for now (its node cut off) is not idle."""
     if actor is None:
         return True
     try:
         return await asyncio.wait_for(actor.requests_in_flight.remote(), max(timeout_s, 0.1)) == 0
-    except ray.exceptions.RayActorError:
+    except ray.exceptions.ActorDiedError:
         return True
     except Exception:
         return False

@@ -49,7 +49,8 @@ log = logging.getLogger(__name__)
 EngineActor = ray.remote(EngineHost)
 START_SECONDS = Histogram(
     "pdcluster_engine_start_stage_seconds",
-    "Engine start stages by path (disk, peer, standby_start, standby); stage 'total' is the sum.",
+    "Engine start stages by path (disk, peer, standby_start, standby, preimport, preimported); stage 'total' is "
+    "the sum.",
     ["path", "stage"],
     buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 40, 80, 160, 320),
 )
@@ -62,8 +63,6 @@ class StartedInstance:
     url: str
     role: RoleSpec
     timeline: dict
-
-
 
 
 class Launcher:
@@ -255,15 +254,20 @@ class Launcher:
     async def stop_instance(self, instance_id: str, drain_s: float = 0.0) -> None:
         """Take an instance out of rotation, let it finish what it holds (at most `drain_s`; what
         is left then goes on elsewhere, router/migration.py), stop its engine, end its actor."""
-        instance = self.registry.get(instance_id)
-        if instance is not None:
-            await drained(instance, self._actors.get(instance_id), drain_s)
-        actor = self._actors.pop(instance_id, None)
-        self.instances.pop(instance_id, None)
-        self._descriptors.pop(instance_id, None)
-        if actor is not None:
-            await end_engines([actor])
-        self.registry.remove(instance_id)
+        instance, actor = self.registry.get(instance_id), self._actors.get(instance_id)
+        try:
+            if instance is not None:
+                await drained(instance, actor, drain_s)
+            if actor is not None:
+                await end_engines([actor])
+        finally:  # also when cancelled (a shutdown stops the pool controller first): no actor left behind
+            if actor is not None:
+                with contextlib.suppress(Exception):
+                    ray.kill(actor)
+            self._actors.pop(instance_id, None)
+            self.instances.pop(instance_id, None)
+            self._descriptors.pop(instance_id, None)
+            self.registry.remove(instance_id)
 
     async def reap(self, instance_id: str) -> bool:
         """Stop an instance whose engine process has exited (killed, crashed) or whose actor is
@@ -271,10 +275,10 @@ class Launcher:
         it did. One that is only unresponsive (frozen, overloaded) is left: it may come back."""
         actor = self._actors.get(instance_id)
         try:
-            info = await asyncio.wait_for(actor.describe.remote(), 10) if actor is not None else None
-        except ray.exceptions.RayActorError:  # the actor itself is gone
+            info = await asyncio.wait_for(actor.describe.remote(), 4) if actor is not None else None
+        except ray.exceptions.ActorDiedError:  # the actor itself is gone
             info = None
-        except Exception:  # no answer: not known to be dead
+        except Exception:  # no answer, or unavailable for now (its node cut off): not known to be dead
             return False
         if info is not None and not info.get("exited"):
             return False

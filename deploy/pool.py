@@ -161,7 +161,9 @@ class PoolController:
         self._tasks: set[asyncio.Task] = set()
         self._loop: asyncio.Task | None = None
         self._reap_asked_at: dict[str, float] = {}
-        """When each failed instance was last asked whether its engine is gone (every REAP_EVERY_S)."""
+        """When each failed or waiting instance was last asked whether its engine is gone."""
+        self._reaping: set[str] = set()
+        """Instances being asked now (one question at a time each)."""
 
     def start(self) -> None:
         self._loop = asyncio.create_task(self._run(), name="pool-controller")
@@ -198,7 +200,7 @@ class PoolController:
 
     def _step(self, spec: PoolSpec) -> None:
         key = spec.key
-        self._reap_failed(spec)
+        self._reap_gone(spec)
         ready = self._instances(spec, InstanceState.READY)
         inflight = sum(i.inflight for i in ready)
         # Requests wait for serving instances; without prefill instances decode prefills locally.
@@ -228,16 +230,26 @@ class PoolController:
             else:
                 self._spawn(self.launcher.stop_instance(leaving.instance_id, spec.drain_s), f"shrink-{spec.name}")
 
-    def _reap_failed(self, spec: PoolSpec) -> None:
-        """Failed instances whose engine is gone are stopped, so that their replacements (the
-        pool grows below min_ready) can take their place; asked at most every REAP_EVERY_S."""
+    def _reap_gone(self, spec: PoolSpec) -> None:
+        """Failed and waiting (standby) instances whose engine is gone are stopped, so that their
+        replacements can take their place: a failed one is replaced as the pool grows below
+        min_ready, a standby one as the pool keeps its standbys. Each is asked at most every
+        REAP_EVERY_S, one question at a time."""
         now = time.monotonic()
-        for instance in self._instances(spec, InstanceState.FAILED):
-            if now - self._reap_asked_at.get(instance.instance_id, 0.0) >= REAP_EVERY_S:
-                self._reap_asked_at[instance.instance_id] = now
-                self._spawn(self.launcher.reap(instance.instance_id), f"reap-{instance.instance_id}")
-        for instance_id in [i for i in self._reap_asked_at if self.registry.get(i) is None]:
-            del self._reap_asked_at[instance_id]  # gone: forgotten
+        for instance in self._instances(spec, InstanceState.FAILED) + self._standbys(spec):
+            iid = instance.instance_id
+            if iid not in self._reaping and now - self._reap_asked_at.get(iid, 0.0) >= REAP_EVERY_S:
+                self._reap_asked_at[iid] = now
+                self._reaping.add(iid)
+                self._spawn(self._reap(iid), f"reap-{iid}")
+        for iid in [i for i in self._reap_asked_at if self.registry.get(i) is None and i not in self._reaping]:
+            del self._reap_asked_at[iid]  # gone: forgotten
+
+    async def _reap(self, instance_id: str) -> None:
+        try:
+            await self.launcher.reap(instance_id)
+        finally:
+            self._reaping.discard(instance_id)
 
     def _new_id(self, spec: PoolSpec) -> str:
         return f"{self.id_prefix(spec.model)}{spec.role.name}-{int(time.time())}-{next(self._ids)}"
@@ -253,7 +265,7 @@ class PoolController:
             peer = await self.launcher.peer_weights(spec.model)
             standbys = self._standbys(spec)
             if standbys:
-                instance_id, path = standbys[0].instance_id, "standby"
+                instance_id, path = standbys[0].instance_id, standbys[0].state.value
                 timeline = await self.launcher.activate(instance_id, peer)
             else:
                 instance_id, path = self._new_id(spec), "peer" if peer else "disk"

@@ -267,8 +267,10 @@ async def _start_fleet(launcher, registry, engine_configs, router_config, topolo
     try:
         await _start_initial(launcher, configs, placement_timeout_s, topology.max_awake,
                              one_by_one=any(c.gpu_share < 1 for c in engine_configs))
-    finally:
-        await imported
+    except BaseException:
+        imported.cancel()  # not awaited: the start's own error is what the caller must see
+        raise
+    await imported
     app = build_app(router_config, registry, store_endpoints=shards, starts=starts, limits=limits)
     launcher.store.on_restart.append(lambda: app.state.index.clear(STORE_HOLDER))
     app.state.retire = lambda instance_id: launcher.stop_instance(instance_id, drain_s=SHUTDOWN_DRAIN_S)

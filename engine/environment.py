@@ -15,6 +15,8 @@ import os
 import random
 import socket
 import sys
+import tempfile
+from pathlib import Path
 
 RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0"}
 # A one-machine cluster: Ray then takes 127.0.0.1 as every node's address and binds its servers
@@ -125,9 +127,10 @@ def engine_process_env(host: str, kv_cache_gib: float, cpu_cores: str | None, ha
 
 def free_port(host: str) -> int:
     """A free port on `host` below Linux's ephemeral range (32768-60999) and above Ray's worker
-    ports (10002-19999). Ports are picked well before they are bound (an engine's own port once
-    vLLM has imported, the router's KV-event socket once its engines are up, a minute later): a
-    port from the ephemeral range was seen taken by an outgoing connection meanwhile."""
+    ports (10002-19999), reserved for this process. Ports are picked well before they are bound
+    (an engine's own port once vLLM has imported, a pre-imported engine's only when it is started,
+    maybe hours later): a port from the ephemeral range was seen taken by an outgoing connection
+    meanwhile, and the reservation keeps other processes of ours on the node from picking it."""
     rng = random.Random()
     for _ in range(200):
         port = rng.randrange(20000, 32000)
@@ -136,5 +139,40 @@ def free_port(host: str) -> int:
                 probe.bind((host, port))
             except OSError:
                 continue
+        if _reserve(host, port):
             return port
     raise RuntimeError(f"no free port in 20000-32000 on {host}")
+
+
+def _reserve(host: str, port: int) -> bool:
+    """Claim `port` on `host` for this process until it ends: a file naming its pid, made only if
+    none is there or the process named there has ended."""
+    folder = Path(tempfile.gettempdir()) / f"pdcluster-ports-{os.getuid()}"
+    folder.mkdir(mode=0o700, exist_ok=True)
+    path = folder / f"{host}-{port}"
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        except FileExistsError:
+            try:
+                owner = int(path.read_text() or 0)
+            except (OSError, ValueError):
+                return False
+            if not owner or _alive(owner):  # no pid yet: its owner is writing it
+                return False
+            path.unlink(missing_ok=True)
+            continue
+        with os.fdopen(fd, "w") as claim:
+            claim.write(str(os.getpid()))
+        return True
+    return False
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -347,19 +347,6 @@ class EngineHost:
         except httpx.HTTPError:
             return False
 
-    async def health(self) -> dict:
-        """The instance's state, re-checked against its process and /health."""
-        if self.state == InstanceState.READY or self.state.is_standby:
-            alive = self._process is not None and self._process.poll() is None
-            if self.state == InstanceState.PREIMPORTED:  # no server yet: its process is all there is
-                if not alive:
-                    self.state = InstanceState.FAILED
-                return self.describe()
-            async with self._client(2.0) as client:
-                if not alive or not await self._healthy(client):
-                    self.state = InstanceState.FAILED
-        return self.describe()
-
     async def stop(self, grace_s: float = 10.0) -> dict:
         """Stop the server: SIGTERM to its process group, SIGKILL after `grace_s`."""
         if self.state != InstanceState.STOPPED:

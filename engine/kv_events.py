@@ -56,11 +56,13 @@ class ClusterEventPublisher(ZmqEventPublisher):
         """Every replay request waiting, up to REPLAYS_PER_TURN. vLLM's loop serves one per turn
         and then waits up to 0.1 s for an event: 10 requests a second on an idle engine (measured
         here), so a burst of 10,000 (a member's malformed ones, tests/unit/test_kv_events.py) would
-        take 17 minutes to get through. Events queued meanwhile are published at the next turn."""
+        take 17 minutes to get through. Publishing comes first: with an event queued it stops after
+        one, so a member's flood of replay requests (each may resend every buffered batch) never
+        holds back the engine's events."""
         for _ in range(self.REPLAYS_PER_TURN):
             self.replay_requests += 1
             super()._service_replay()
-            if not self._replay.poll(0):
+            if not self._replay.poll(0) or not self._event_queue.empty():
                 return
 
     def publish(self, events) -> None:

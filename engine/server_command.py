@@ -99,10 +99,12 @@ def server_env(config: EngineConfig, host: str, instance_id: str, keys: EngineKe
     env["VLLM_SERVER_DEV_MODE"] = "1"
     env.update(keys.as_env())
     env["VLLM_PLUGINS"] = KV_EVENTS_PLUGIN  # ours alone: KV events on the cluster's keys
-    if not is_cpu_build():
+    if not is_cpu_build() and not config.otlp_traces_endpoint:
         # The engine core forked from the server process, which imported it ahead
         # (engine/preimport.py), not spawned to import vLLM again: vLLM's own default, which its
-        # command line turns to spawn. The CPU build insists on spawn (platforms/cpu.py).
+        # command line turns to spawn. The CPU build insists on spawn (platforms/cpu.py); with
+        # tracing the server sets up its exporter's threads before it starts the core, and a fork
+        # of those is not what vLLM runs: spawn then too.
         env["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
     if config.gpu_ids is not None:
         env["CUDA_VISIBLE_DEVICES"] = config.gpu_ids

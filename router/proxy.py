@@ -285,10 +285,7 @@ class Forwarder:
         def let_go(broken: bool) -> None:
             """Done with this engine's stream: dropped if broken (vLLM then aborts), else pooled."""
             nonlocal instance
-            if broken:
-                upstream.close()
-            else:
-                upstream.release()
+            (upstream.close if broken else upstream.release)()
             instance.streams.discard(ledger)
             self._leave(instance)
             instance = None

@@ -161,9 +161,9 @@ def test_huge_prompts_are_refused_before_any_engine_while_others_are_served(serv
     hundreds of milliseconds, and none fits the model) get a 400, never reach an engine, and cost
     no other client its answer: long prompts are tokenized on one bounded thread, off the event
     loop (docs/security.md, attack 5). What they cost the others' time to first token is measured
-    by `python -m loadtest.router_overhead --attackers 3`, not asserted here: a p99 within 2x was,
-    and failed in CI (5dafe99); on the 2-core CI machine the attack's tokenizing takes one core of
-    two from vLLM's processes and this test's own clients, so the ratio measures the machine."""
+    by `python -m loadtest.router_overhead --attackers 3`, not asserted here: on a 2-core machine
+    the attack's tokenizing takes one core of two from vLLM's processes and this test's own
+    clients, so such a ratio measures the machine."""
     (engine,) = httpx.get(f"{served.url}/admin/instances", headers=served.credentials.admin_headers(),
                           timeout=5).json()["instances"]
 

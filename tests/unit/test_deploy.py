@@ -224,7 +224,8 @@ class RecordingLauncher:
         self.registry = registry
         """Where it marks the instances it puts to sleep, as the launcher does (None: nowhere)."""
         self.standby_configs, self.activated, self.slept, self.stopped, self.peers_asked = [], [], [], [], []
-        self.preimported_configs, self.activated_from, self.reaped = [], [], []
+        self.preimported_configs, self.activated_from, self.reaped, self.asked_to_reap = [], [], [], []
+        self.gone: set[str] = set()
         self.most_awake = 0
 
     async def start_standby(self, instance_id, config, preimported=False):
@@ -257,6 +258,10 @@ class RecordingLauncher:
         return {"total_s": 0.0}
 
     async def reap(self, instance_id):
+        """Stops only what `gone` names, as the launcher stops only instances whose engine exited."""
+        self.asked_to_reap.append(instance_id)
+        if instance_id not in self.gone:
+            return False
         self.reaped.append(instance_id)
         if self.registry is not None:
             self.registry.remove(instance_id)
@@ -329,9 +334,10 @@ async def test_a_pool_keeps_preimported_processes_and_uses_them_after_standbys(t
                                        InstanceState.PREIMPORTED, InstanceState.PREIMPORTED]
 
 
-async def test_a_failed_instance_is_asked_about_and_reaped_once_its_engine_is_gone(tmp_path):
-    """A killed engine's actor holds its place (a GPU, its role's resource) until stopped: the
-    pool asks the launcher to reap failed instances (it stops only those whose engine exited)."""
+async def test_failed_and_waiting_instances_are_asked_about_and_reaped_once_their_engine_is_gone(tmp_path):
+    """A killed engine's actor holds its place (a GPU, its role's resource) until stopped, and a
+    dead standby or pre-imported process would be counted as a standby forever: the pool asks the
+    launcher to reap failed and waiting instances, which stops those whose engine is gone."""
     import asyncio
 
     from deploy.pool import PoolController
@@ -340,14 +346,19 @@ async def test_a_failed_instance_is_asked_about_and_reaped_once_its_engine_is_go
 
     registry = InstanceRegistry()
     launcher = RecordingLauncher(registry)
+    launcher.gone = {"dead", "dead-preimported"}
     spec = PoolSpec(model="m", role=DECODE, min_ready=1, max_ready=1)
     controller = PoolController(launcher, registry, CapacityQueue(1, 1.0), [spec], engine_configs(tmp_path, "m"))
-    registry.add(Instance("dead", DECODE, "http://127.0.0.1:1", InstanceState.FAILED, model="m"))
-    registry.add(Instance("live", DECODE, "http://127.0.0.1:2", model="m"))
+    for iid, state in [("dead", InstanceState.FAILED), ("frozen", InstanceState.FAILED),
+                       ("dead-preimported", InstanceState.PREIMPORTED), ("standby", InstanceState.STANDBY),
+                       ("live", InstanceState.READY)]:
+        registry.add(Instance(iid, DECODE, f"http://127.0.0.1:{len(registry.all())}", state, model="m"))
     controller._step(spec)
     controller._step(spec)  # asked once, not on every step
     await asyncio.sleep(0.01)
-    assert launcher.reaped == ["dead"] and [i.instance_id for i in registry.all()] == ["live"]
+    assert sorted(launcher.asked_to_reap) == ["dead", "dead-preimported", "frozen", "standby"]
+    assert sorted(launcher.reaped) == ["dead", "dead-preimported"]
+    assert sorted(i.instance_id for i in registry.all()) == ["frozen", "live", "standby"]
 
 
 def test_preimported_processes_count_among_the_engines_a_head_places():

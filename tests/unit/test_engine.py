@@ -67,3 +67,21 @@ def test_engines_do_not_share_an_inherited_prometheus_multiprocess_dir(monkeypat
 def test_engine_env_keeps_ucx_on_loopback_only_for_loopback_hosts():
     assert engine_env("127.0.0.1", 1, "1")["UCX_NET_DEVICES"] == "lo"
     assert "UCX_NET_DEVICES" not in engine_env("10.0.0.5", 1, None)
+
+
+def test_a_picked_port_is_reserved_for_its_process_until_it_ends(monkeypatch, tmp_path):
+    """A pre-imported engine binds its ports only when started, maybe hours later: no other
+    process of ours on the node may pick them meanwhile; a reservation of an ended process lapses."""
+    import subprocess
+    import sys
+
+    from engine import environment
+
+    monkeypatch.setattr(environment.tempfile, "gettempdir", lambda: str(tmp_path))
+    port = environment.free_port("127.0.0.1")
+    assert not environment._reserve("127.0.0.1", port)  # held: this process lives
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    claim = tmp_path / f"pdcluster-ports-{os.getuid()}" / f"127.0.0.1-{port + 1}"
+    claim.write_text(ended.stdout.strip())
+    assert environment._reserve("127.0.0.1", port + 1)  # its owner has ended
+    assert claim.read_text() == str(os.getpid())

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from loadtest import faults
+from loadtest import fault_scenarios, faults
 from loadtest.client import RequestResult
 
 
@@ -80,19 +80,19 @@ def row(**fields) -> dict:
 
 
 def test_a_row_misses_its_stated_goals_and_only_those():
-    migration = faults.SCENARIOS["decode-killed-mid-json-stream"]
-    drain = faults.SCENARIOS["instance-drained-under-load"]
-    assert faults.missed_goals(migration, row()) == []
-    assert faults.missed_goals(migration, row(completed=23, failed_clean=1)) == [faults.GOALS["all_completed"][0]]
-    assert faults.missed_goals(migration, row(equal_to_no_fault=23)) == [faults.GOALS["equal_to_no_fault"][0]]
-    assert faults.missed_goals(migration, row(migrated=0)) == [faults.GOALS["migrated"][0]]
-    assert faults.missed_goals(migration, row(store_in_flight_after=[4096])) == [faults.GOALS["store_settled"][0]]
-    assert faults.missed_goals(drain, row(migrated=0, equal_to_no_fault=20)) == []  # the drain promises no equality
-    assert faults.missed_goals(drain, row(migrated=0, completed=23, dropped=1)) == [faults.GOALS["all_completed"][0]]
-    assert faults.missed_goals(drain, row(migrated=1)) == [faults.GOALS["none_migrated"][0]]
-    assert faults.missed_goals(drain, row(migrated=0, hung=1, completed=23)) == [
-        "nothing hung", faults.GOALS["all_completed"][0]]
-    assert faults.missed_goals(drain, {"scenario": drain.name, "error": "no fault: ..."}) == ["no fault: ..."]
+    migration = fault_scenarios.SCENARIOS["decode-killed-mid-json-stream"]
+    drain = fault_scenarios.SCENARIOS["instance-drained-under-load"]
+    assert fault_scenarios.missed_goals(migration, row()) == []
+    assert fault_scenarios.missed_goals(migration, row(completed=23, failed_clean=1)) == [fault_scenarios.GOALS["all_completed"][0]]
+    assert fault_scenarios.missed_goals(migration, row(equal_to_no_fault=23)) == [fault_scenarios.GOALS["equal_to_no_fault"][0]]
+    assert fault_scenarios.missed_goals(migration, row(migrated=0)) == [fault_scenarios.GOALS["migrated"][0]]
+    assert fault_scenarios.missed_goals(migration, row(store_in_flight_after=[4096])) == [fault_scenarios.GOALS["store_settled"][0]]
+    assert fault_scenarios.missed_goals(drain, row(migrated=0, equal_to_no_fault=20)) == []  # the drain promises no equality
+    assert fault_scenarios.missed_goals(drain, row(migrated=0, completed=23, dropped=1)) == [fault_scenarios.GOALS["all_completed"][0]]
+    assert fault_scenarios.missed_goals(drain, row(migrated=1)) == [fault_scenarios.GOALS["none_migrated"][0]]
+    assert fault_scenarios.missed_goals(drain, row(migrated=0, hung=1, completed=23)) == [
+        "nothing hung", fault_scenarios.GOALS["all_completed"][0]]
+    assert fault_scenarios.missed_goals(drain, {"scenario": drain.name, "error": "no fault: ..."}) == ["no fault: ..."]
 
 
 def test_the_run_fails_when_a_row_misses_a_goal_or_hits_nothing(monkeypatch, tmp_path):
@@ -111,11 +111,11 @@ def test_the_run_fails_when_a_row_misses_a_goal_or_hits_nothing(monkeypatch, tmp
 
 
 def test_the_json_schema_row_streams_chats_in_a_schema():
-    scenario = faults.SCENARIOS["decode-killed-mid-json-stream"]
+    scenario = fault_scenarios.SCENARIOS["decode-killed-mid-json-stream"]
     body = scenario.body("a prompt")
     assert scenario.endpoint == "/v1/chat/completions" and "--decode" in scenario.serve_args
     assert body["messages"] == [{"role": "user", "content": "a prompt"}] and body["temperature"] == 0
-    assert body["response_format"]["json_schema"]["schema"] == faults.JSON_SCHEMA
+    assert body["response_format"]["json_schema"]["schema"] == fault_scenarios.JSON_SCHEMA
     from router.migration import CHAT, migratable
 
     assert migratable(CHAT, {**body, "stream": True})  # its streams go on elsewhere
