@@ -35,8 +35,8 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import multiprocessing
 import statistics
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -97,28 +97,38 @@ def measure(router_url: str, engine_url: str, model: str, rounds: int, max_token
     return summary
 
 
+def _attacker(router_url: str, model: str, stop, results) -> None:
+    """One attacking client: 130k-character chat prompts until `stop`; its answers by status."""
+    huge = {"model": model, "messages": [{"role": "user", "content": "word " * 26_000}]}
+    answers: collections.Counter = collections.Counter()
+    with httpx.Client(timeout=60) as client:
+        while not stop.is_set():
+            answers[client.post(f"{router_url}/v1/chat/completions", json=huge).status_code] += 1
+    results.put(dict(answers))
+
+
 @contextlib.contextmanager
 def huge_prompt_attack(router_url: str, model: str, attackers: int) -> Iterator[collections.Counter]:
-    """`attackers` threads sending the router 130k-character chat prompts until the block ends;
-    yields the count of their answers by HTTP status."""
-    stop, answers = threading.Event(), collections.Counter()
-
-    def attack() -> None:
-        huge = {"model": model, "messages": [{"role": "user", "content": "word " * 26_000}]}
-        with httpx.Client(timeout=60) as client:
-            while not stop.is_set():
-                answers[client.post(f"{router_url}/v1/chat/completions", json=huge).status_code] += 1
-
-    threads = [threading.Thread(target=attack, daemon=True) for _ in range(attackers)]
-    for thread in threads:
-        thread.start()
+    """`attackers` processes sending the router 130k-character chat prompts until the block ends
+    (processes: threads would share the measuring client's GIL, and encoding a 130 kB body holds
+    it for milliseconds, which the measurement then counted against the router); yields the count
+    of their answers by HTTP status, filled when the block ends."""
+    context = multiprocessing.get_context("spawn")
+    stop, results = context.Event(), context.Queue()
+    processes = [context.Process(target=_attacker, args=(router_url, model, stop, results), daemon=True)
+                 for _ in range(attackers)]
+    for process in processes:
+        process.start()
+    answers: collections.Counter = collections.Counter()
     try:
-        time.sleep(1.0)  # the attack under way before the first measured request
+        time.sleep(3.0)  # the attack under way before the first measured request
         yield answers
     finally:
         stop.set()
-        for thread in threads:
-            thread.join(60)
+        for _ in processes:
+            answers.update(results.get(timeout=120))
+        for process in processes:
+            process.join(30)
 
 
 def attacked_ttft(router_url: str, model: str, rounds: int, attackers: int) -> dict:

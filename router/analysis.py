@@ -1,20 +1,29 @@
 """A validated request -> what routing sees of it: token ids, KV block hashes, text.
 
 Tokenizing (a chat rendered with the model's own template, never a client's) costs time in
-proportion to the request: small requests are tokenized on the event loop (a thread hop costs
-more than they do), large ones on a small pool of threads with a deadline and a bounded wait, so
-a client sending huge prompts slows only its own requests, never the event loop that streams
-everyone else's tokens. Large is judged by the request's body, whatever fields its text sits in;
-a body larger than any prompt the model could take is refused untokenized.
+proportion to the request: small requests are tokenized on the event loop (a hop elsewhere costs
+more than they do), large ones in a small pool of processes with a deadline and a bounded wait,
+so a client sending huge prompts slows only its own requests, never the event loop that streams
+everyone else's tokens. Processes, not threads: a thread rendering a template holds the GIL, and
+the event loop, which gives it up at every socket call, waited up to the switch interval (5 ms)
+for it back each time, ~100 ms a request under three huge-prompt clients
+(`loadtest.router_overhead --attackers 3`). Large is judged by the request's body, whatever
+fields its text sits in; a body larger than any prompt the model could take is refused
+untokenized.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import multiprocessing
+from concurrent.futures.process import BrokenProcessPool
+from pathlib import Path
+from typing import Any
 
 import jinja2
 
+from engine.config import KVHashing
 from router.config import RouterConfig
 from router.errors import BadRequest, Overloaded
 from router.hashing import PromptHasher
@@ -35,9 +44,22 @@ class RequestAnalyzer:
         self.hashers = {m.name: PromptHasher(m.tokenizer, config.kv_hashing) for m in config.models if m.tokenizer}
         """Each model's (the router's hashes are its engines'); a model without one routes on load only."""
         self.timeout_s = config.tokenize_timeout_s
-        self._pool = concurrent.futures.ThreadPoolExecutor(config.tokenize_threads, "tokenize")
-        self._capacity = config.tokenize_threads + config.tokenize_max_waiting
+        self._processes = config.tokenize_processes
+        self._tokenizers = ({m.name: str(m.tokenizer) for m in config.models if m.tokenizer}, config.kv_hashing)
+        self._pool = self._new_pool()
+        self._capacity = config.tokenize_processes + config.tokenize_max_waiting
         self._pending = 0  # long prompts in the pool, running or waiting
+
+    def _new_pool(self) -> concurrent.futures.ProcessPoolExecutor:
+        # Spawned: the router's process holds threads (Ray's, the event loop's) a fork would copy.
+        return concurrent.futures.ProcessPoolExecutor(self._processes, multiprocessing.get_context("spawn"),
+                                                      initializer=_load_tokenizers, initargs=self._tokenizers)
+
+    def start(self) -> None:
+        """Start the tokenizing processes now (each loads its tokenizers: seconds), not on the
+        first long prompt."""
+        for _ in range(self._processes):
+            self._pool.submit(_ready)
 
     async def analyze(self, request: SamplingRequest, body_bytes: int) -> RoutingRequest:
         """`request` names a served model (the intake checked it)."""
@@ -65,13 +87,18 @@ class RequestAnalyzer:
     async def _off_loop(self, request: SamplingRequest) -> list[int]:
         if self._pending >= self._capacity:
             raise Overloaded("too many long prompts are being tokenized; retry shortly", retry_after_s=1)
-        self._pending += 1
-        future = asyncio.get_running_loop().run_in_executor(self._pool, self.token_ids, request)
-        future.add_done_callback(lambda _: self._release())  # when the thread is done, not the wait
         try:
+            future = asyncio.get_running_loop().run_in_executor(self._pool, _tokens, request.model,
+                                                                *_tokenizing(request))
+            self._pending += 1
+            future.add_done_callback(lambda _: self._release())  # when the process is done, not the wait
             return await asyncio.wait_for(asyncio.shield(future), self.timeout_s)
         except TimeoutError:
             raise BadRequest(f"the prompt took over {self.timeout_s:g} s to tokenize") from None
+        except BrokenProcessPool:  # a tokenizing process died (its pool refuses work since): new ones
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = self._new_pool()
+            raise Overloaded("the prompt's tokenizing process failed; retry shortly", retry_after_s=1) from None
 
     def _release(self) -> None:
         self._pending -= 1
@@ -79,16 +106,39 @@ class RequestAnalyzer:
     def token_ids(self, request: SamplingRequest) -> list[int] | None:
         """The prompt's tokens with its model's tokenizer; None for a model the router has none of."""
         hasher = self.hashers.get(request.model)
-        if hasher is None:
-            return None
-        if isinstance(request, ChatCompletionRequest):
-            messages = [m.model_dump(exclude_unset=True) for m in request.messages]
-            return hasher.chat_tokens(messages, request.template_options())
-        assert isinstance(request, CompletionRequest)
-        return hasher.completion_tokens(request.prompt)
+        return None if hasher is None else _tokens_with(hasher, *_tokenizing(request))
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _tokenizing(request: SamplingRequest) -> tuple[list[dict] | None, dict[str, Any], Any]:
+    """What tokenizing `request` takes, in plain values a process can be sent: a chat's messages
+    and template options, or a completion's prompt."""
+    if isinstance(request, ChatCompletionRequest):
+        return [m.model_dump(exclude_unset=True) for m in request.messages], request.template_options(), None
+    assert isinstance(request, CompletionRequest)
+    return None, {}, request.prompt
+
+
+def _tokens_with(hasher: PromptHasher, messages: list[dict] | None, options: dict[str, Any], prompt: Any) -> list[int]:
+    return hasher.chat_tokens(messages, options) if messages is not None else hasher.completion_tokens(prompt)
+
+
+# In a tokenizing process: its own copy of each model's tokenizer.
+_HASHERS: dict[str, PromptHasher] = {}
+
+
+def _load_tokenizers(tokenizers: dict[str, str], hashing: KVHashing) -> None:
+    _HASHERS.update({name: PromptHasher(Path(path), hashing) for name, path in tokenizers.items()})
+
+
+def _ready() -> None:
+    """A task that only makes the pool start a process."""
+
+
+def _tokens(model: str, messages: list[dict] | None, options: dict[str, Any], prompt: Any) -> list[int]:
+    return _tokens_with(_HASHERS[model], messages, options, prompt)
 
 
 def _prompt_text(request: SamplingRequest) -> str:

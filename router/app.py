@@ -104,6 +104,7 @@ def build_app(
         monitor.start()
         limits.start()
         listener.start()
+        analyzer.start()
         try:
             yield
         finally:

@@ -87,10 +87,10 @@ class RouterConfig(BaseModel):
     """Requests in flight per API key; None: unlimited."""
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
     """Largest request body accepted (413 beyond), counted as it arrives (chunked bodies too)."""
-    tokenize_threads: int = Field(1, ge=1)
-    """Threads that tokenize long prompts (short ones are tokenized on the event loop)."""
+    tokenize_processes: int = Field(1, ge=1)
+    """Processes that tokenize long prompts (short ones are tokenized on the event loop)."""
     tokenize_max_waiting: int = Field(64, ge=0)
-    """Long prompts that may wait for a tokenizing thread; beyond, 503 with Retry-After."""
+    """Long prompts that may wait for a tokenizing process; beyond, 503 with Retry-After."""
     tokenize_timeout_s: float = Field(10.0, gt=0)
     """Longest a prompt may take to tokenize (400 beyond)."""
     max_chars_per_token: int = Field(64, ge=1)

@@ -1,0 +1,44 @@
+"""router/analysis.py: a long prompt is tokenized in a process of the router's, with the same
+tokens as on the event loop; a tokenizing process that dies costs a retry, not the router."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from router.analysis import RequestAnalyzer
+from router.config import RouterConfig, ServedModel
+from router.errors import Overloaded
+from router.protocol import ChatCompletionRequest, CompletionRequest
+
+
+@pytest.fixture
+def analyzer(tiny_model):
+    config = RouterConfig(models=(ServedModel(name="tiny", max_model_len=4096, tokenizer=tiny_model),))
+    analyzer = RequestAnalyzer(config)
+    analyzer.start()
+    yield analyzer
+    analyzer.close()
+
+
+async def test_a_long_prompt_gets_the_tokens_it_would_get_on_the_event_loop(analyzer):
+    text = "the river runs on " * 400  # well past INLINE_BYTES
+    for request in (CompletionRequest(model="tiny", prompt=text),
+                    ChatCompletionRequest(model="tiny", messages=[{"role": "user", "content": text}])):
+        body_bytes = len(request.model_dump_json())
+        assert body_bytes > RequestAnalyzer.INLINE_BYTES
+        assert await analyzer._off_loop(request) == analyzer.token_ids(request)
+        routed = await analyzer.analyze(request, body_bytes)
+        assert routed.num_tokens == len(analyzer.token_ids(request))
+
+
+async def test_a_tokenizing_process_that_dies_costs_one_retry(analyzer):
+    request = CompletionRequest(model="tiny", prompt="the river runs on " * 400)
+    await analyzer._off_loop(request)  # the process is up
+    for pid in list(analyzer._pool._processes):  # killed, as an OOM killer would
+        os.kill(pid, signal.SIGKILL)
+    with pytest.raises(Overloaded):
+        await analyzer._off_loop(request)
+    assert await analyzer._off_loop(request) == analyzer.token_ids(request)  # a new process serves
