@@ -50,6 +50,9 @@ STAGE_PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("api_server", re.compile(r"Application startup complete")),
 )
 
+STARTUP_PLAN_APPLIED = re.compile(r"Applying persisted startup plan")
+"""vLLM reused the KV cache size of an earlier start (engine/server_command.py, server_env)."""
+
 
 @dataclasses.dataclass
 class StartTimeline:
@@ -72,6 +75,8 @@ class StartTimeline:
                 self.mark(stage)
                 if "s" in match.groupdict():
                     self.details[f"{stage}_reported_s"] = float(match["s"])
+        if STARTUP_PLAN_APPLIED.search(line):
+            self.details["startup_plan"] = "applied"
 
     def stages(self) -> dict[str, float]:
         """Duration of each stage: the time from the previous mark to its own."""

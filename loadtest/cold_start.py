@@ -2,8 +2,10 @@
 
     python -m loadtest.cold_start --model .cache/models/tiny [--runs 3] [--no-eager]
 
-Three paths, each run `--runs` times, in one process (same machine state for all):
+Paths, each run `--runs` times, in one process (same machine state for all):
   (a) plain   - `python -m vllm.entrypoints.openai.api_server` as a user would start it;
+      plain-plan - the same with vLLM's startup plan on (VLLM_ENABLE_STARTUP_PLAN=1, as our
+                engines run): from its second start, the KV cache size of the first is reused;
   (b) disk    - our EngineHost start: the engine built with dummy weights, then our parallel
                 safetensors loader, warm-up request;
   (c) standby - a STANDBY instance (started beforehand, untimed) activated with the weights of a
@@ -40,7 +42,7 @@ from engine.host import EngineHost
 from loadtest.output import write_results
 
 PROMPT = "The first token after a cold start"
-PATHS = ("plain", "disk", "preimported", "standby", "sleeping")
+PATHS = ("plain", "plain-plan", "disk", "preimported", "standby", "sleeping")
 
 
 async def first_token(url: str, model: str, max_tokens: int = 1, prompt: str = PROMPT,
@@ -57,8 +59,9 @@ async def first_token(url: str, model: str, max_tokens: int = 1, prompt: str = P
     return tokens
 
 
-async def plain_start(config: EngineConfig, cores: str) -> dict:
-    """(a): vLLM's own server, the way its docs start it; stages: healthy, first token."""
+async def plain_start(config: EngineConfig, cores: str, startup_plan: bool = False) -> dict:
+    """(a): vLLM's own server, the way its docs start it (with its startup plan on if
+    `startup_plan`); stages: healthy, first token."""
     port = free_port("127.0.0.1")
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(config.model),
                "--served-model-name", config.served_model_name, "--host", "127.0.0.1", "--port", str(port),
@@ -67,6 +70,8 @@ async def plain_start(config: EngineConfig, cores: str) -> dict:
     if config.enforce_eager:
         command.append("--enforce-eager")
     env = engine_process_env("127.0.0.1", config.kv_cache_gib, cores, config.kv_hashing.seed)
+    if startup_plan:
+        env["VLLM_ENABLE_STARTUP_PLAN"] = "1"
     asked = time.perf_counter()
     process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                start_new_session=True)
@@ -183,8 +188,8 @@ async def bench(
     try:
         for run in range(runs):
             for path in paths:
-                if path == "plain":
-                    record = await plain_start(new_config, cores[1])
+                if path in ("plain", "plain-plan"):
+                    record = await plain_start(new_config, cores[1], startup_plan=path == "plain-plan")
                 elif path in ("disk", "preimported"):
                     record = await fresh_start(new_config, run, preimported=path == "preimported")
                 else:

@@ -47,6 +47,17 @@ def test_stage_patterns_match_vllm_log_lines():
         assert patterns[stage].search(line), stage
 
 
+
+def test_timeline_records_a_start_that_reused_vllms_startup_plan():
+    # vLLM 0.26's line (v1/worker/startup_plan.py); a start that measured its KV cache has none
+    timeline = StartTimeline()
+    timeline.mark_from_log("(EngineCore pid=7) INFO [startup_plan.py:138] Available KV cache memory: 20.31 GiB")
+    assert "startup_plan" not in timeline.details
+    timeline.mark_from_log("(EngineCore pid=7) INFO [startup_plan.py:138] Applying persisted startup plan "
+                           "(fingerprint 0123456789abcdef): kv_cache_memory_bytes=21807161344 (20.31 GiB)")
+    assert timeline.details["startup_plan"] == "applied"
+
+
 @pytest.mark.parametrize(
     "engines,cores,expected",
     [(1, 2, ["1"]), (2, 2, ["0", "1"]), (2, 5, ["1-2", "3-4"]), (3, 8, ["1-2", "3-4", "5-6"]), (0, 4, [])],

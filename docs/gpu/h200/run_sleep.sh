@@ -5,8 +5,9 @@
 #   test:   tests/conformance/test_conformance_gpu.py (disk, CUDA IPC standby, sleeping standby)
 #   cold1b: loadtest.cold_start, the tied ~1B Llama, standby vs sleeping, CUDA graphs
 #   cold8b: the same on a random 8B Llama (built on the GPU in its own process, 16 GB)
-#   fresh1b|fresh8b: loadtest.cold_start from nothing: plain vLLM, ours from disk, ours from a
-#           pre-imported process (engine/preimport.py), CUDA graphs; and vLLM's import profile
+#   fresh1b|fresh8b: loadtest.cold_start from nothing: plain vLLM (PATHS: plain, plain-plan), ours
+#           from disk, ours from a pre-imported process (engine/preimport.py), CUDA graphs; with
+#           IMPORTTIME=1 also vLLM's import profile
 #   swap1b|swap8b: loadtest.model_swap, four distinct checkpoints (derive_checkpoints: the output
 #           head re-drawn, every other file hard-linked), one awake at a time, CUDA graphs
 set -eo pipefail
@@ -25,9 +26,10 @@ case "$1" in
           python3 -m loadtest.cold_start --model /tmp/models/llama8b --no-eager --paths standby,sleeping \
             --runs "${RUNS:-2}" --out "${OUT:-/tmp}/cold_start-m8b-sleeping.json" ;;
   fresh1b|fresh8b) name=llama${1#fresh}; build "$name"  # from nothing: plain vLLM, ours, ours pre-imported
-          python3 -X importtime -c "import vllm.entrypoints.openai.api_server" 2> "${OUT:-/tmp}/importtime.txt"
+          [ -z "$IMPORTTIME" ] || python3 -X importtime -c "import vllm.entrypoints.openai.api_server" 2> "${OUT:-/tmp}/importtime.txt"
           python3 -m loadtest.cold_start --model "/tmp/models/$name" --no-eager --paths "${PATHS:-plain,disk,preimported}" \
             --runs "${RUNS:-2}" --out "${OUT:-/tmp}/cold_start-m${1#fresh}-fresh.json" --engine-log-dir /tmp/engine-logs
+          grep -h "startup plan" /tmp/engine-logs/*.log > "${OUT:-/tmp}/startup-plan.txt" || true
           tar -czf "${OUT:-/tmp}/engine-logs.tgz" -C /tmp engine-logs ;;
   swap1b|swap8b) name=llama${1#swap}; build "$name"
           models=$(python3 -c "import sys; from pathlib import Path; from engine.models import derive_checkpoints; print(','.join(map(str, derive_checkpoints(Path(sys.argv[1]), 4))))" "/tmp/models/$name")
