@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from router.analysis import RequestAnalyzer
+from router.analysis import TOKENIZING_NICENESS, RequestAnalyzer
 from router.config import RouterConfig, ServedModel
 from router.errors import Overloaded
 from router.protocol import ChatCompletionRequest, CompletionRequest
@@ -42,3 +42,10 @@ async def test_a_tokenizing_process_that_dies_costs_one_retry(analyzer):
     with pytest.raises(Overloaded):
         await analyzer._off_loop(request)
     assert await analyzer._off_loop(request) == analyzer.token_ids(request)  # a new process serves
+
+
+async def test_tokenizing_processes_yield_the_cpu_to_the_event_loop(analyzer):
+    await analyzer._off_loop(CompletionRequest(model="tiny", prompt="the river runs on " * 400))
+    router = os.getpriority(os.PRIO_PROCESS, 0)
+    for pid in analyzer._pool._processes:
+        assert os.getpriority(os.PRIO_PROCESS, pid) == min(router + TOKENIZING_NICENESS, 19)
