@@ -44,10 +44,11 @@ test: install system-packages
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/pytest -ra --durations=25
 
-# Unit tests only: no engine, no Ray head (under a minute).
+# Unit tests only, but for the slow ones (fuzzers, process starts): no engine, no Ray head,
+# under a minute.
 test-fast: install
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/pytest -ra tests/unit
+	$(VENV)/bin/pytest -ra -m "not slow" tests/unit
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -13,8 +13,10 @@ from router.config import RouterConfig, ServedModel
 from router.errors import Overloaded
 from router.protocol import ChatCompletionRequest, CompletionRequest
 
+pytestmark = pytest.mark.slow  # seconds: each tokenizing process loads the tokenizer anew
 
-@pytest.fixture
+
+@pytest.fixture(scope="module")
 def analyzer(tiny_model):
     config = RouterConfig(models=(ServedModel(name="tiny", max_model_len=4096, tokenizer=tiny_model),))
     analyzer = RequestAnalyzer(config)

@@ -154,6 +154,7 @@ async def test_blocks_an_engine_saved_to_the_store_are_indexed_as_the_stores(end
     assert index.match([1, 2]) == {STORE_HOLDER: 2}
 
 
+@pytest.mark.slow  # a fuzzer: seconds
 async def test_a_stranger_can_neither_subscribe_nor_replay(endpoints):
     """An engine's PUB and replay sockets answer no one without the cluster's keys (no CURVE, or
     another cluster's); what members hear carries block hashes, not token ids."""
@@ -432,6 +433,7 @@ def random_replay_request(rng, n: int) -> list[bytes]:
     return [rng.randbytes(rng.randrange(0, 40)) for _ in range(rng.choice((1, 2, 2, 3, 4)))]
 
 
+@pytest.mark.slow  # a fuzzer: seconds
 async def test_malformed_replay_requests_leave_the_publisher_replaying_and_publishing(endpoints, caplog):
     """An engine's replay socket (a ROUTER that vLLM serves in its publishing thread), as our
     publisher binds it. Strangers (no CURVE, another cluster's keys, the server's public key with a

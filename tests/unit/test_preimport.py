@@ -37,7 +37,7 @@ def _gated(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> sub
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
 
-@pytest.mark.parametrize("method", ["spawn", "fork"])
+@pytest.mark.parametrize("method", ["spawn", pytest.param("fork", marks=pytest.mark.slow)])  # fork: vLLM's core imported
 def test_the_server_runs_only_when_told_and_as_python_m_would_run_it(tmp_path, method):
     """Spawned (vLLM's engine core on the CPU build) or forked (on CUDA) children both run."""
     out, child_out = tmp_path / "out.json", tmp_path / "child.txt"

@@ -50,6 +50,7 @@ def answered(endpoint: str, keys, request, timeout_s: float = 1.0) -> bool:
         return "refused" in str(exc)  # an error reply is an answer too
 
 
+@pytest.mark.slow  # a fuzzer: seconds
 def test_strangers_get_no_answer(shard):
     stranger = ClusterCredentials.generate().curve(STORE_PLANE)  # another cluster's keys
     assert not answered(shard.endpoint, stranger, protocol.Hello())
