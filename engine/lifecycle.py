@@ -39,14 +39,19 @@ STANDBY_STATES = (InstanceState.STANDBY, InstanceState.SLEEPING, InstanceState.P
 
 
 # Log lines that end a start-up stage, in the order they appear, with the seconds vLLM itself
-# reports where it does.
+# reports where it does (vLLM 0.26 on CUDA, 0.32's CPU build; a stage whose line a build does not
+# print is counted in the next).
 STAGE_PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("preimport", re.compile(re.escape(PREIMPORTED_MARK))),
     ("spawn_and_import", re.compile(r"vLLM API server version|version \d+\.\d+")),
     ("engine_process", re.compile(r"Initializing a V1 LLM engine")),
-    ("worker_start_and_weights", re.compile(r"Loading weights took (?P<s>[\d.]+) seconds")),
+    # the worker up and the model built (our engines' weights are dummy here, loaded later)
+    ("worker_and_model", re.compile(r"(?:Loading weights took|Model loading took .*? and) (?P<s>[\d.]+) seconds")),
+    ("compile", re.compile(r"torch.compile took (?P<s>[\d.]+) s in total")),
+    # the profiling run, the CUDA graphs' memory profile (none with a startup plan), the KV cache
+    ("profile_and_kv_cache", re.compile(r"[CG]PU KV cache size: [\d,]+ tokens")),
     ("graph_capture", re.compile(r"Graph capturing finished in (?P<s>[\d.]+) secs")),
-    ("kv_cache_and_profile", re.compile(r"init engine .* took (?P<s>[\d.]+) s")),
+    ("engine_ready", re.compile(r"init engine .* took (?P<s>[\d.]+) s")),
     ("api_server", re.compile(r"Application startup complete")),
 )
 

@@ -37,15 +37,20 @@ def test_timeline_durations_add_up():
 
 
 def test_stage_patterns_match_vllm_log_lines():
-    lines = {
-        "worker_start_and_weights": "(Worker pid=1) INFO [default_loader.py:501] Loading weights took 0.02 seconds",
-        "kv_cache_and_profile": "INFO [core.py:402] init engine (profile, create kv cache, warmup model) took 2.79 s",
+    lines = {  # vLLM 0.26's on CUDA (docs/gpu/engine logs), 0.32's CPU build's
+        "worker_and_model": "(EngineCore pid=7) INFO 12-02 07:22:11 [gpu_model_runner.py:5347] Model loading "
+                            "took 13.03 GiB memory and 0.690199 seconds",
+        "compile": "(EngineCore pid=7) INFO 12-02 07:22:18 [monitor.py:53] torch.compile took 7.22 s in total",
+        "profile_and_kv_cache": "(EngineCore pid=7) INFO 12-02 03:12:32 [kv_cache_utils.py:2327] CPU KV cache "
+                                "size: 23,296 tokens, Maximum concurrency for 4,096 tokens per request: 5.69x",
+        "graph_capture": "(EngineCore pid=7) INFO 12-02 07:22:27 [gpu_model_runner.py:6844] Graph capturing "
+                         "finished in 7 secs, took 0.65 GiB",
+        "engine_ready": "INFO [core.py:402] init engine (profile, create kv cache, warmup model) took 2.79 s",
         "api_server": "INFO:     Application startup complete.",
     }
     patterns = dict(STAGE_PATTERNS)
     for stage, line in lines.items():
         assert patterns[stage].search(line), stage
-
 
 
 def test_timeline_records_a_start_that_reused_vllms_startup_plan():
