@@ -24,6 +24,9 @@ from security.credentials import EngineKeys
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 """vLLM's OpenAI server, run by engine/preimport.py once its imports are done and it is told to."""
 KV_EVENTS_PLUGIN_TARGET = "engine.kv_events:register"
+PLAN_KEY = "pdcluster_gpu_memory_utilization"
+"""What the engine's `additional_config` holds only so that vLLM's startup plan is kept per memory
+utilization (vLLM reads nothing of it)."""
 """What the entry point KV_EVENTS_PLUGIN names (pyproject.toml)."""
 
 
@@ -54,6 +57,10 @@ def server_command(config: EngineConfig, host: str, port: int, instance_id: str,
         "--worker-extension-cls", "engine.worker_extension.WeightPlaneExtension",
         "--middleware", "engine.http_auth.EngineAuthMiddleware",
         "--logits-processors", GRAMMAR_LOGITS_PROCESSOR,
+        # vLLM keys its startup plan (server_env) by a hash of its config that leaves the memory
+        # utilization out: a plan measured at 0.9 would size a 0.45 engine's KV cache for 0.9.
+        # In the hash it is (compiled graphs too are kept per utilization, then).
+        "--additional-config", json.dumps({PLAN_KEY: c.gpu_memory_utilization}),
     ]
     if c.enforce_eager:
         command.append("--enforce-eager")
@@ -106,10 +113,11 @@ def server_env(config: EngineConfig, host: str, instance_id: str, keys: EngineKe
         # tracing the server sets up its exporter's threads before it starts the core, and a fork
         # of those is not what vLLM runs: spawn then too.
         env["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
-    # vLLM's startup plan: the KV cache size its first start on this GPU type and configuration
-    # measured, kept under VLLM_CACHE_ROOT beside the compile cache, is reused by the starts after
-    # it, which skip profiling the CUDA graphs' memory (~11 s of an 8B start on an H200). vLLM
-    # applies it only when the fingerprint matches and at least as much memory is free as then.
+    # vLLM's startup plan: the KV cache size its first start on this GPU type, configuration and
+    # memory utilization (server_command) measured, kept under VLLM_CACHE_ROOT beside the compile
+    # cache, is reused by the starts after it, which skip profiling the CUDA graphs' memory (0-10 s
+    # of an 8B start on an H200). vLLM applies it only when the fingerprint matches and at least as
+    # much memory is free as then; each start that profiles saves its own.
     env["VLLM_ENABLE_STARTUP_PLAN"] = "1"
     if config.gpu_ids is not None:
         env["CUDA_VISIBLE_DEVICES"] = config.gpu_ids

@@ -70,6 +70,7 @@ async def plain_start(config: EngineConfig, cores: str, startup_plan: bool = Fal
     if config.enforce_eager:
         command.append("--enforce-eager")
     env = engine_process_env("127.0.0.1", config.kv_cache_gib, cores, config.kv_hashing.seed)
+    env.pop("VLLM_ENABLE_STARTUP_PLAN", None)  # plain: vLLM's default, whatever this shell says
     if startup_plan:
         env["VLLM_ENABLE_STARTUP_PLAN"] = "1"
     asked = time.perf_counter()

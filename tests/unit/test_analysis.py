@@ -49,5 +49,7 @@ async def test_a_tokenizing_process_that_dies_costs_one_retry(analyzer):
 async def test_tokenizing_processes_yield_the_cpu_to_the_event_loop(analyzer):
     await analyzer._off_loop(CompletionRequest(model="tiny", prompt="the river runs on " * 400))
     router = os.getpriority(os.PRIO_PROCESS, 0)
+    assert router + TOKENIZING_NICENESS <= 19, "run the tests at a priority the processes can go below"
+    assert analyzer._pool._processes
     for pid in analyzer._pool._processes:
         assert os.getpriority(os.PRIO_PROCESS, pid) == min(router + TOKENIZING_NICENESS, 19)

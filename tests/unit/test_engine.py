@@ -101,3 +101,24 @@ def test_a_picked_port_is_reserved_for_its_process_until_it_ends(monkeypatch, tm
     claim.write_text(ended.stdout.strip())
     assert environment._reserve("127.0.0.1", port + 1)  # its owner has ended
     assert claim.read_text() == str(os.getpid())
+
+
+@pytest.mark.slow  # vLLM's config from our command line: seconds
+def test_vllms_startup_plan_is_kept_per_memory_utilization(tiny_model):
+    """vLLM's startup plan (server_env turns it on) is keyed by its config's hash plus the device:
+    an engine started at another utilization must not find the plan of this one."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser  # vLLM 0.32 (the CPU build)
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from engine.server_command import SERVER_MODULE, server_command
+
+    def config_hash(utilization: float) -> str:
+        config = EngineConfig(model=tiny_model, served_model_name="tiny", gpu_memory_utilization=utilization)
+        command = server_command(config, "127.0.0.1", 8000, "engine-0", None, None)
+        args = command[command.index(SERVER_MODULE) + 1:]
+        namespace = make_arg_parser(FlexibleArgumentParser()).parse_args(args)
+        return EngineArgs.from_cli_args(namespace).create_engine_config().compute_hash()
+
+    assert config_hash(0.45) == config_hash(0.45)
+    assert config_hash(0.45) != config_hash(0.9)

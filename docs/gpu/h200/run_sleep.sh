@@ -29,7 +29,7 @@ case "$1" in
           [ -z "$IMPORTTIME" ] || python3 -X importtime -c "import vllm.entrypoints.openai.api_server" 2> "${OUT:-/tmp}/importtime.txt"
           python3 -m loadtest.cold_start --model "/tmp/models/$name" --no-eager --paths "${PATHS:-plain,disk,preimported}" \
             --runs "${RUNS:-2}" --out "${OUT:-/tmp}/cold_start-m${1#fresh}-fresh.json" --engine-log-dir /tmp/engine-logs
-          grep -h "startup plan" /tmp/engine-logs/*.log > "${OUT:-/tmp}/startup-plan.txt" || true
+          grep -hi "startup plan" /tmp/engine-logs/*.log > "${OUT:-/tmp}/startup-plan.txt" || true
           tar -czf "${OUT:-/tmp}/engine-logs.tgz" -C /tmp engine-logs ;;
   swap1b|swap8b) name=llama${1#swap}; build "$name"
           models=$(python3 -c "import sys; from pathlib import Path; from engine.models import derive_checkpoints; print(','.join(map(str, derive_checkpoints(Path(sys.argv[1]), 4))))" "/tmp/models/$name")
