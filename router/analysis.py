@@ -27,6 +27,7 @@ from typing import Any
 import jinja2
 
 from engine.config import KVHashing
+from engine.process import die_with_parent
 from router.config import RouterConfig
 from router.errors import BadRequest, Overloaded
 from router.hashing import PromptHasher
@@ -136,10 +137,13 @@ _HASHERS: dict[str, PromptHasher] = {}
 
 
 def _load_tokenizers(tokenizers: dict[str, str], hashing: KVHashing) -> None:
-    # Behind the router's event loop for the CPU: a core both want goes to the loop that streams
-    # everyone's tokens, not to one client's huge prompt.
-    os.nice(TOKENIZING_NICENESS)
+    die_with_parent()  # a router killed outright leaves no tokenizing process (~0.5 GB each) behind
     _HASHERS.update({name: PromptHasher(Path(path), hashing) for name, path in tokenizers.items()})
+    # Behind the router's event loop for the CPU: a core both want goes to the loop that streams
+    # everyone's tokens, not to one client's huge prompt. Only now: the start (seconds of loading
+    # tokenizers) at the router's priority, or on a node whose engines keep the cores busy the
+    # first long prompt would wait out its deadline for a process still loading.
+    os.nice(TOKENIZING_NICENESS)
 
 
 def _ready() -> None:
