@@ -148,7 +148,7 @@ def test_a_killed_decode_engines_streams_go_on_on_the_other_with_the_fault_free_
         if any(s.ended for s in streams):
             # The kill needs a decode instance still generating a plain and a JSON-schema stream;
             # on a loaded 2-core machine the streams may all be placed or run so that none ever
-            # does (seen in 5 of 6 runs in session 14, on the tree that passed CI before too):
+            # does (9 of 11 runs in session 14, the tree that passed CI before included):
             # nothing was killed, nothing to check.
             pytest.skip(f"no decode instance held both kinds of stream before one ended: {held}, "
                         f"tokens {[s.tokens for s in streams]}")
