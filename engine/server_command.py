@@ -24,10 +24,10 @@ from security.credentials import EngineKeys
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 """vLLM's OpenAI server, run by engine/preimport.py once its imports are done and it is told to."""
 KV_EVENTS_PLUGIN_TARGET = "engine.kv_events:register"
+"""What the entry point KV_EVENTS_PLUGIN names (pyproject.toml)."""
 PLAN_KEY = "pdcluster_gpu_memory_utilization"
 """What the engine's `additional_config` holds only so that vLLM's startup plan is kept per memory
 utilization (vLLM reads nothing of it)."""
-"""What the entry point KV_EVENTS_PLUGIN names (pyproject.toml)."""
 
 
 def kv_events_plugin_installed() -> bool:
@@ -57,9 +57,9 @@ def server_command(config: EngineConfig, host: str, port: int, instance_id: str,
         "--worker-extension-cls", "engine.worker_extension.WeightPlaneExtension",
         "--middleware", "engine.http_auth.EngineAuthMiddleware",
         "--logits-processors", GRAMMAR_LOGITS_PROCESSOR,
-        # vLLM keys its startup plan (server_env) by a hash of its config that leaves the memory
-        # utilization out: a plan measured at 0.9 would size a 0.45 engine's KV cache for 0.9.
-        # In the hash it is (compiled graphs too are kept per utilization, then).
+        # vLLM's startup plan (server_env) is keyed without the utilization: a plan measured at
+        # 0.9 would size a 0.45 engine's KV cache for 0.9 (compiled graphs too are then kept per
+        # utilization).
         "--additional-config", json.dumps({PLAN_KEY: c.gpu_memory_utilization}),
     ]
     if c.enforce_eager:

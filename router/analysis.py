@@ -9,9 +9,8 @@ the event loop, which gives it up at every socket call, waited up to the switch 
 for it back each time, ~100 ms a request under three huge-prompt clients
 (`loadtest.router_overhead --attackers 3`). And niced: on a contested core the event loop goes
 first (the others' p99 time to first token under that attack: 4.5x quiet's not niced, 1.4x
-niced). Large is judged by the request's body, whatever
-fields its text sits in; a body larger than any prompt the model could take is refused
-untokenized.
+niced). Large is judged by the request's body, whatever fields its text sits in; a body larger
+than any prompt the model could take is refused untokenized.
 """
 
 from __future__ import annotations
