@@ -16,6 +16,7 @@ from pathlib import Path
 from rich.console import Console
 
 from engine.models import BUILDERS
+from router.log_limit import limit_repeats
 
 console = Console(stderr=True)
 
@@ -367,6 +368,7 @@ def _cmd_model(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    limit_repeats()  # a flood's repeated log lines (router/log_limit.py)
     parser = argparse.ArgumentParser(
         prog="pdcluster", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

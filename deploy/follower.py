@@ -28,8 +28,9 @@ from deploy.store_shards import STORE_SHARD_PREFIX
 from deploy.topology import ROLES
 from engine.lifecycle import STANDBY_STATES, InstanceState
 from engine.roles import Role
-from router.instances import Instance, InstanceRegistry
+from router.instances import InstanceRegistry, described_instance
 from security.credentials import ClusterCredentials
+from security.engine_access import EngineAccessRefused
 
 log = logging.getLogger(__name__)
 # The states an engine's host reports that the router mirrors; FAILED is the router's own verdict
@@ -88,10 +89,11 @@ class FleetFollower:
             seen.add(name)
             instance = self.registry.get(name)
             if instance is None:
-                self.registry.add(Instance(name, ROLES[Role(info["role"])], info["url"], state,
-                                           kv_events_replay_endpoint=info["kv_events_replay_endpoint"],
-                                           kv_events_endpoint=info["kv_events_endpoint"],
-                                           model=info["served_model_name"]))
+                try:
+                    self.registry.add(described_instance(info, ROLES[Role(info["role"])], self.credentials))
+                except EngineAccessRefused as exc:  # proven actor, endpoint not its host's: never sent to
+                    log.error("not following %s: %s", name, exc)
+                    continue
                 log.info("following %s (%s) at %s", name, state.value, info["url"])
             elif instance.state != state and not (instance.state == InstanceState.FAILED
                                                   and state == InstanceState.READY):

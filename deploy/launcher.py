@@ -41,9 +41,10 @@ from engine.environment import is_cpu_build
 from engine.host import EngineHost, SleepRefused
 from engine.lifecycle import InstanceState
 from engine.roles import Role, RoleSpec
-from router.instances import Instance, InstanceRegistry
+from router.instances import InstanceRegistry, described_instance
 from router.status_model import StartRecord
 from security.credentials import ClusterCredentials
+from security.engine_access import EngineAccessRefused
 
 log = logging.getLogger(__name__)
 EngineActor = ray.remote(EngineHost)
@@ -124,9 +125,13 @@ class Launcher:
                     and (info["state"] == InstanceState.READY.value or InstanceState(info["state"]).is_standby)):
                 ended.append(actor)
                 continue
+            try:
+                self._register(name, actor, info, {})
+            except EngineAccessRefused:  # proven, but its endpoint not sealed by its host
+                ended.append(actor)
+                continue
             self._actors[name] = actor
             self._adopted.add(name)
-            self._register(name, actor, info, {})
             adopted.append(name)
         await end_engines(ended)
         self.store.adopt(shards, keep_store)
@@ -137,19 +142,17 @@ class Launcher:
     def _register(self, instance_id: str, actor: ray.actor.ActorHandle, info: dict,
                   timeline: dict) -> StartedInstance:
         """Keep a started or adopted engine (`info`: its `describe()`); register it with the router."""
-        record = StartedInstance(instance_id, actor, info["url"], ROLES[Role(info["role"])], timeline)
+        instance = described_instance(info, ROLES[Role(info["role"])], self.credentials)
+        record = StartedInstance(instance_id, actor, instance.url, instance.role, timeline)
         self.instances[instance_id] = record
-        self.registry.add(Instance(instance_id, record.role, record.url, InstanceState(info["state"]),
-                                   kv_events_endpoint=info["kv_events_endpoint"],
-                                   kv_events_replay_endpoint=info["kv_events_replay_endpoint"],
-                                   model=info["served_model_name"]))
+        self.registry.add(instance)
         return record
 
     def _create_actor(self, config: EngineConfig, instance_id: str) -> ray.actor.ActorHandle:
         options = placement_options(config.role, gpus=0 if is_cpu_build() else config.gpu_share)
         actor = EngineActor.options(
             name=instance_id, lifetime="detached", max_concurrency=64, **options
-        ).remote(config, instance_id)
+        ).remote(config, instance_id, keys=self.credentials.engine_host_keys(instance_id))
         self._actors[instance_id] = actor
         return actor
 

@@ -22,7 +22,7 @@ from engine.config import EngineConfig
 from engine.environment import is_cpu_build, is_loopback, use_ray
 from engine.models import BUILDERS, COMPLETE_MARKER, default_model_root
 from router.config import RouterConfig, ServedModel
-from security.credentials import ClusterCredentials, CredentialsError
+from security.credentials import ClusterCredentials, CredentialsError, read_private
 
 log = logging.getLogger(__name__)
 console = Console(stderr=True)
@@ -57,9 +57,9 @@ def resolve_model(model: str) -> tuple[Path, str]:
 
 
 def load_api_keys(path: Path | None) -> dict[str, str]:
-    """The API keys from `path` (KEY:TENANT per line or comma-separated), else from env
-    PDCLUSTER_API_KEYS."""
-    spec = path.read_text() if path else os.environ.get("PDCLUSTER_API_KEYS", "")
+    """The API keys from `path` (KEY:TENANT per line or comma-separated; the file the operator's
+    alone, as the secret's: security.credentials.read_private), else from env PDCLUSTER_API_KEYS."""
+    spec = read_private(path) if path else os.environ.get("PDCLUSTER_API_KEYS", "")
     return parse_api_keys(spec.replace("\n", ","))
 
 
@@ -89,7 +89,7 @@ def serve(args: argparse.Namespace) -> int:
         # One machine makes its own secret; a cluster's head must be given one (README, cluster steps).
         credentials = ClusterCredentials.load(args.secret_file, create=args.address is None)
         secret = credentials.secret.hex()
-        engine_configs = _engine_configs(args, models, topology, credentials)
+        engine_configs = _engine_configs(args, models, topology)
         router_config = _router_config(args, models, engine_configs, secret)
     except (ValidationError, ValueError, OSError, CredentialsError) as exc:
         console.print(f"[red]invalid configuration:[/] {exc}")
@@ -120,8 +120,7 @@ def _check_gpu_sharing(args: argparse.Namespace, topology: Topology) -> None:
                          "vLLM's CPU build has no sleep mode and no GPU to share")
 
 
-def _engine_configs(args: argparse.Namespace, models: list[tuple[Path, str]], topology: Topology,
-                    credentials: ClusterCredentials) -> list[EngineConfig]:
+def _engine_configs(args: argparse.Namespace, models: list[tuple[Path, str]], topology: Topology) -> list[EngineConfig]:
     """One engine config per model: the engines of its pools all start from it."""
     return [EngineConfig(
         model=path,
@@ -134,7 +133,6 @@ def _engine_configs(args: argparse.Namespace, models: list[tuple[Path, str]], to
         gpu_share=1 / args.engines_per_gpu,
         sleep_mode=topology.sleep_when_idle,
         start_timeout_s=args.start_timeout,
-        host_keys=credentials.engine_host_keys().to_json(),
         log_dir=args.engine_log_dir.resolve() if args.engine_log_dir else None,
         otlp_traces_endpoint=args.otlp_traces_endpoint,
     ) for path, name in models]
@@ -228,9 +226,9 @@ async def _shared_limits(router_config):
     when there are none."""
     from deploy.admission_ledger import join_ledger
 
-    if router_config.rate_limit_per_s is None and router_config.max_concurrency_per_key is None:
+    if router_config.rate_limit_per_s is None and router_config.concurrency_per_key is None:
         return None
-    return await join_ledger(router_config.rate_limit_per_s, router_config.max_concurrency_per_key)
+    return await join_ledger(router_config.rate_limit_per_s, router_config.concurrency_per_key)
 
 
 async def _start_fleet(launcher, registry, engine_configs, router_config, topology, address: str | None,
@@ -309,8 +307,9 @@ async def _serve_router(app, router_config) -> None:
     in flight finish (for at most SHUTDOWN_DRAIN_S), and only then the engines stop."""
     import uvicorn
 
-    server = uvicorn.Server(uvicorn.Config(app, host=router_config.host, port=router_config.port, log_level="warning",
-                                           timeout_graceful_shutdown=SHUTDOWN_DRAIN_S))
+    from router.app import server_config
+
+    server = uvicorn.Server(server_config(app, timeout_graceful_shutdown=SHUTDOWN_DRAIN_S))
     url = f"http://{router_config.host}:{router_config.port}"
     names = [m.name for m in router_config.models]
     console.print(f"[bold]pdcluster[/] serving [cyan]{', '.join(names)}[/] at {url}")

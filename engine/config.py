@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 from urllib.parse import urlparse
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from engine.environment import KV_HASH_SEED
 from engine.roles import COLOCATED, RoleSpec
@@ -93,12 +93,6 @@ class EngineConfig(BaseModel):
     one instead of from disk; costs the checkpoint's size in host memory per instance."""
     weights_dir: Path = Path("/dev/shm")
     """Folder of that host copy: shared memory, so peers on the node map it without a copy."""
-    host_keys: SecretStr = Field(default_factory=lambda: SecretStr(_own_keys()))
-    """The keys derived from the cluster's secret that an engine's host holds
-    (security/credentials.py `EngineHostKeys`, as JSON): the engine admits only requests with its
-    engine token, signs and checks weight transfers with its weights key, proves it is the
-    cluster's with its proof key. Never the secret itself: Ray keeps an actor's config in its GCS.
-    The default, keys of a secret of this config's own, shuts out everyone but the engine's host."""
     weight_transfer_timeout_s: float = Field(60.0, gt=0)
     """Longest a weight transfer from a peer may take before the instance falls back to disk."""
     log_dir: Path | None = None
@@ -123,8 +117,3 @@ class EngineConfig(BaseModel):
             )
         return path.resolve()
 
-
-def _own_keys() -> str:
-    from security.credentials import ClusterCredentials
-
-    return ClusterCredentials.generate().engine_host_keys().to_json()

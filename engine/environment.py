@@ -41,6 +41,11 @@ KV_HASH_SEED = "0"
 # The vLLM general plugin (pyproject.toml) that puts our KV event publisher in vLLM's place
 # (engine/kv_events.py); engines name it alone in VLLM_PLUGINS.
 KV_EVENTS_PLUGIN = "pdcluster_kv_events"
+KV_EVENTS_MARK = "pdcluster: kv events bound "
+"""What our publisher prints, followed by its bound endpoints as JSON, once it has bound its
+sockets on ports of the system's choosing (engine/kv_events.py); the engine's host reads them
+off the log. Ports picked ahead and named on the command line could be bound by another local
+user before the engine core binds them, failing the start."""
 GRAMMAR_LOGITS_PROCESSOR = "engine.grammar_continuation:GrammarContinuation"
 """Loaded by every engine (`--logits-processors`): structured output continued from sent tokens."""
 GRAMMAR_ARG = "pdc_grammar"
@@ -142,6 +147,21 @@ def free_port(host: str) -> int:
         if _reserve(host, port):
             return port
     raise RuntimeError(f"no free port in 20000-32000 on {host}")
+
+
+def listening_socket(host: str, backlog: int = 2048) -> socket.socket:
+    """A TCP socket bound and listening on `host`, on a port the system picks: held from now on,
+    so no other process can take its port (an engine's host binds its server's socket and hands
+    it over, engine/serving.py), and, bound at once, never one that an outgoing connection or
+    another user holds (`free_port`'s caveats are about ports named before they are bound)."""
+    listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.bind((host, 0))
+        listener.listen(backlog)
+    except OSError:
+        listener.close()
+        raise
+    return listener
 
 
 def _reserve(host: str, port: int) -> bool:

@@ -1,8 +1,10 @@
 """EngineHost: owns one vLLM OpenAI server process and its lifecycle.
 
 The host runs inside a Ray actor (`EngineActor`), so Ray places it (GPUs, role resources) and
-the router finds it by handle; tokens flow over HTTP straight from the vLLM server to the router,
-not through Ray. The host starts the server on the node's address, follows its log to time each
+the router finds it by handle; tokens flow over HTTPS straight from the vLLM server to the router,
+not through Ray. The host binds the server's socket on the node's address and hands it to the
+process it starts, gives each process an identity of its own (a TLS certificate and token,
+security/engine_access.py) and publishes its sealed endpoint, follows its log to time each
 start-up stage, sends a warm-up request before it reports READY, answers health checks and stops
 the whole process group on `stop()` or when the actor dies (PR_SET_PDEATHSIG).
 
@@ -17,9 +19,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import json
 import os
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -27,15 +31,19 @@ import time
 import httpx
 
 from engine.config import EngineConfig
-from engine.environment import KV_EVENTS_PLUGIN, free_port, is_cpu_build
+from engine.environment import KV_EVENTS_MARK, KV_EVENTS_PLUGIN, is_cpu_build, listening_socket
 from engine.lifecycle import InstanceState, StartTimeline
 from engine.process import GROUP_GUARD, die_with_parent, local_client
-from engine.server_command import kv_events_plugin_installed, server_command, server_env
+from engine.server_command import LISTEN_FD_ENV, kv_events_plugin_installed, server_command, server_env
 from engine.weights import new_weights_file
-from security.credentials import EngineHostKeys
+from security.credentials import ClusterCredentials, EngineHostKeys
+from security.engine_access import EngineAccess, EngineEndpoint, open_endpoint
 from transport.address import node_address
 
 LOG_TAIL_LINES = 200
+START_ATTEMPTS = 3
+"""Starts tried before one fails for a port in use: vLLM binds some ports itself (the NIXL side
+channel of `--kv-transfer direct`), which another process may hold; each try draws new ones."""
 
 
 class EngineStartError(RuntimeError):
@@ -49,15 +57,23 @@ class SleepRefused(RuntimeError):
 class EngineHost:
     """One vLLM server process. Methods are async so a Ray actor serves them concurrently."""
 
-    def __init__(self, config: EngineConfig, instance_id: str, host: str | None = None):
+    def __init__(self, config: EngineConfig, instance_id: str, host: str | None = None,
+                 keys: EngineHostKeys | None = None):
+        """`keys`: the instance's, derived from the cluster's secret (the launcher's); without, keys
+        of a secret of its own, which shut out everyone but this host (`access`)."""
         self.config = config
         self.instance_id = instance_id
         self.host = host or node_address()
-        self.port = free_port(self.host)
-        self.kv_events_endpoint, self.kv_events_replay_endpoint = (
-            (f"tcp://{self.host}:{free_port(self.host)}", f"tcp://{self.host}:{free_port(self.host)}")
-            if config.kv_events else (None, None))
-        self.keys = EngineHostKeys.from_json(config.host_keys.get_secret_value())
+        self.keys = keys or ClusterCredentials.generate().engine_host_keys(instance_id)
+        self._listener: socket.socket | None = listening_socket(self.host)
+        self.port: int = self._listener.getsockname()[1]
+        self.endpoint: EngineEndpoint | None = None
+        """Where the current server process serves, and its certificate (sealed): what a router needs."""
+        self.access: EngineAccess | None = None
+        """This host's own way into that process."""
+        self.kv_events_endpoint: str | None = None
+        self.kv_events_replay_endpoint: str | None = None
+        """The KV event sockets, as the process reports them once bound (KV_EVENTS_MARK)."""
         self.weights_file = new_weights_file(config.weights_dir) if config.keep_host_weights else None
         """Where the engine keeps the host copy of its weights that its node's peers may map."""
         self.state = InstanceState.STOPPED
@@ -68,7 +84,7 @@ class EngineHost:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"https://{self.host}:{self.port}"
 
     def node_id(self) -> str | None:
         """The Ray node this instance runs on (None outside Ray): the launcher keeps a KV store
@@ -87,6 +103,7 @@ class EngineHost:
             "instance_id": self.instance_id,
             "role": self.config.role.name,
             "url": self.url,
+            "endpoint": dataclasses.asdict(self.endpoint) if self.endpoint else None,
             "state": self.state.value,
             "model": str(self.config.model),
             "served_model_name": self.config.served_model_name,
@@ -120,7 +137,17 @@ class EngineHost:
     async def start(self, standby: bool = False, peer: dict | None = None) -> dict:
         """Start the server (or let a PREIMPORTED one go on) and wait for /health. Then, unless
         `standby`, load the weights (from `peer`, a descriptor of `export_weights()`, else from
-        disk) and send a warm-up request. Returns the timeline."""
+        disk) and send a warm-up request. Returns the timeline. A start that fails for a port in
+        use is tried again (START_ATTEMPTS in all), from a new process."""
+        for attempt in range(1, START_ATTEMPTS + 1):
+            try:
+                return await self._start_once(standby, peer)
+            except EngineStartError as exc:
+                if attempt == START_ATTEMPTS or "Address already in use" not in str(exc):
+                    raise
+        raise AssertionError("unreachable")
+
+    async def _start_once(self, standby: bool, peer: dict | None) -> dict:
         preimported = self.state == InstanceState.PREIMPORTED
         if not preimported:
             self._check_startable()
@@ -134,6 +161,9 @@ class EngineHost:
             self._process.stdin.write("start\n")  # engine/preimport.py goes on from its imports
             self._process.stdin.flush()
             await self._wait_until_healthy()
+            # every peer of the worker's distributed groups has connected: no one else may
+            sealed = await self._worker_call("pdc_seal_listeners", {}, timeout_s=30)
+            self.timeline.details["sealed_listeners"] = len(sealed["sealed_ports"])
             if standby:
                 # Lazy first-request work does not depend on the weights: pay it now, not on activation.
                 await self._warm_up()
@@ -159,14 +189,27 @@ class EngineHost:
                                    "vLLM's own KV event publisher would serve the engine's prompts to anyone")
 
     def _launch(self) -> None:
-        """The server process, with the engine's whole environment, stopped after its imports
-        until a line on its stdin (engine/preimport.py)."""
-        env = server_env(self.config, self.host, self.instance_id, self.keys.engine, self.weights_file)
-        command = server_command(self.config, self.host, self.port, self.instance_id, self.kv_events_endpoint,
-                                 self.kv_events_replay_endpoint)
+        """The server process, with the engine's whole environment and a new identity, on the
+        socket this host bound (handed over, then closed here: once the process is gone its port
+        refuses connections), stopped after its imports until a line on its stdin
+        (engine/preimport.py)."""
+        listener = self._listener or listening_socket(self.host)
+        self._listener, self.port = None, listener.getsockname()[1]
+        keys = self.keys.new_process(self.host)
+        self.endpoint = self.keys.endpoint(keys, self.url)
+        self.access = open_endpoint(self.keys.engine_key, self.endpoint)
+        self.kv_events_endpoint = self.kv_events_replay_endpoint = None
+        env = server_env(self.config, self.host, self.instance_id, keys, self.weights_file)
+        env[LISTEN_FD_ENV] = str(listener.fileno())
+        command = server_command(self.config, self.host, self.port, self.instance_id)
+        with listener:
+            self._popen(command, env, listener.fileno())
+
+    def _popen(self, command: list[str], env: dict[str, str], listener_fd: int) -> None:
         self._process = subprocess.Popen(
             ["bash", "-c", GROUP_GUARD, "pdcluster-engine", str(os.getpid()), *command],
             env=env,
+            pass_fds=(listener_fd,),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -331,6 +374,10 @@ class EngineHost:
             log_file.write(line)
         self._log_tail.append(line.rstrip())
         self.timeline.mark_from_log(line)
+        if KV_EVENTS_MARK in line and self.config.kv_events and self.kv_events_endpoint is None:
+            # the first such line of this process: our publisher's, written before any request
+            bound = json.loads(line.split(KV_EVENTS_MARK, 1)[1])
+            self.kv_events_endpoint, self.kv_events_replay_endpoint = bound["endpoint"], bound["replay_endpoint"]
 
     async def _wait_until_healthy(self) -> None:
         async with self._client(5.0) as client:
@@ -374,11 +421,8 @@ class EngineHost:
         if self.weights_file is not None:
             self.weights_file.unlink(missing_ok=True)
 
-    @property
-    def auth_headers(self) -> dict[str, str]:
-        """What every request to this engine must carry (engine/http_auth.py)."""
-        return self.keys.engine_headers()
-
     def _client(self, timeout_s: float) -> httpx.AsyncClient:
-        """A client for this instance's engine server, with the engine token."""
-        return local_client(timeout_s, self.auth_headers)
+        """A client for this instance's engine server: its certificate pinned, its token."""
+        if self.access is None:
+            raise EngineStartError(f"{self.instance_id} has no server process")
+        return local_client(timeout_s, self.access)

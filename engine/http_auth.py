@@ -1,4 +1,4 @@
-"""The check every HTTP request to an engine passes first: the cluster's engine token, a route the
+"""The check every HTTP request to an engine passes first: the engine process's token, a route the
 cluster uses, and for /collective_rpc one of our weight-plane methods; anything else is refused.
 
 vLLM's own `--api-key` guards only /v1 routes; its dev-mode routes (/collective_rpc, which runs
@@ -9,7 +9,7 @@ not a stranger on the network, and not a client who would skip the router's keys
 salts. A holder of the token (the router, the engine's host) still reaches only the routes below:
 a leaked token runs no worker method but ours. It is a plain ASGI class (vLLM constructs it with
 the app alone): the token comes from the engine's keys in its environment
-(security/credentials.EngineKeys).
+(security/credentials.EngineKeys), one token per engine process (security/engine_access.py).
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ ROUTES = frozenset({
     ("GET", "/health"), ("GET", "/metrics"), ("POST", "/reset_prefix_cache"), ("POST", "/collective_rpc"),
     ("POST", "/sleep"), ("POST", "/wake_up"),
 })
-WORKER_METHODS = frozenset({"pdc_load_weights", "pdc_export_weights", "pdc_release_weights", "pdc_keep_host_copy"})
+WORKER_METHODS = frozenset({"pdc_load_weights", "pdc_export_weights", "pdc_release_weights", "pdc_keep_host_copy",
+                            "pdc_seal_listeners"})
 # A weight descriptor names every parameter with its handle and checksum: ~150 KB for an 8B
 # Llama (64 KiB refused it on the H200), MBs for a large MoE. Read only from token holders.
 MAX_RPC_BODY_BYTES = 64 * 1024 * 1024
@@ -36,9 +37,11 @@ def _error(status: int, kind: str, message: str) -> bytes:
 
 
 class EngineAuthMiddleware:
-    def __init__(self, app) -> None:
+    def __init__(self, app, token: str | None = None) -> None:
+        """`token`: the one to admit; by default this engine process's own (EngineKeys, from the
+        environment its host gave it)."""
         self.app = app
-        self.token = EngineKeys.load().engine_token
+        self.token = token or EngineKeys.load().engine_token
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "websocket":  # no route of ours is one

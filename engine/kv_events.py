@@ -6,7 +6,8 @@ to anyone who reaches the port. `ClusterEventPublisher` is vLLM's own publisher 
 bound on the engine's address as CURVE servers that admit only the plane's client key (every
 router of the cluster subscribes to the PUB socket and asks the replay socket), and with token
 ids, extra keys (cache salts) and session ids left out of every event: a router routes on block
-hashes alone.
+hashes alone. Its sockets are bound on ports the system picks (the configured port is 0), which it
+then prints (KV_EVENTS_MARK) for the engine's host to publish: no port is named before it is held.
 
 vLLM builds its publisher from a registry in the engine-core process; a vLLM general plugin
 (entry point `vllm.general_plugins`: `pdcluster_kv_events`) puts this class in place of its "zmq"
@@ -20,11 +21,15 @@ processes vLLM only logs ("Failed to load plugin"): that case is not caught.
 
 from __future__ import annotations
 
+import json
+
 import msgspec
 import zmq
 from vllm.distributed.kv_events import BlockStored, EventPublisherFactory, ZmqEventPublisher
 
+from engine.environment import KV_EVENTS_MARK
 from security.credentials import EngineKeys
+from transport.listener_warden import watched_listeners
 from transport.zmq_curve import Gate, serve_curve
 
 _gates: dict[int, Gate] = {}  # one ZAP handler per ZMQ context
@@ -46,11 +51,15 @@ class ClusterEventPublisher(ZmqEventPublisher):
             self._pub = self._ctx.socket(zmq.PUB)
             self._pub.set_hwm(self._hwm)
             serve_curve(self._pub, keys)
-            self._pub.bind(self._endpoint)
+            with watched_listeners():  # a stranger's silent connections shed, not kept 30 s
+                self._endpoint = _bound(self._pub, self._endpoint)
         if self._replay_endpoint is not None:
             self._replay = self._ctx.socket(zmq.ROUTER)
             serve_curve(self._replay, keys)
-            self._replay_endpoint = self._bind(self._replay, self._replay_endpoint)
+            with watched_listeners():
+                self._replay_endpoint = _bound(self._replay, self._replay_endpoint)
+        print(KV_EVENTS_MARK + json.dumps({"endpoint": self._endpoint, "replay_endpoint": self._replay_endpoint}),
+              flush=True)
 
     def _service_replay(self) -> None:
         """Every replay request waiting, up to REPLAYS_PER_TURN. vLLM's loop serves one per turn
@@ -67,6 +76,14 @@ class ClusterEventPublisher(ZmqEventPublisher):
 
     def publish(self, events) -> None:
         super().publish(msgspec.structs.replace(events, events=[_blinded(e) for e in events.events]))
+
+
+def _bound(socket: zmq.Socket, endpoint: str) -> str:
+    """Bind `socket` to `endpoint` (port 0: one the system picks); the endpoint it is bound on."""
+    if endpoint.startswith("tcp://[") or endpoint.count(":") > 2:
+        socket.ipv6 = True
+    socket.bind(endpoint)
+    return socket.last_endpoint.decode()
 
 
 def _blinded(event):

@@ -1,11 +1,11 @@
 """A vLLM server process that imports everything first and starts serving only when told.
 
-    python -m engine.preimport vllm.entrypoints.openai.api_server --model ... (the server's args)
+    python -m engine.preimport engine.serving --model ... (vLLM's server arguments)
 
-The process imports the server module (and, where vLLM will fork its engine core from this
-process, the engine core's modules too), prints PREIMPORTED_MARK, and waits for one line on
-stdin. On that line it runs the server module as `python -m` would; on end of input (its owner is
-gone, or stopped it) it exits. So the seconds of Python imports, ~10-20 s of a vLLM start, are
+The process imports the server module (engine/serving.py: vLLM's OpenAI server; and, where vLLM
+will fork its engine core from this process, the engine core's modules too), prints
+PREIMPORTED_MARK, and waits for one line on stdin. On that line it calls the module's
+`serve(args)`; on end of input (its owner is gone, or stopped it) it exits. So the seconds of Python imports, ~10-20 s of a vLLM start, are
 paid before the start is asked for, and nothing touches the GPU until then: a pre-imported
 process holds no device memory.
 
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import runpy
 import sys
 
 PREIMPORTED_MARK = "pdcluster: imported, waiting for the start"
@@ -30,8 +29,7 @@ def main(argv: list[str]) -> int:
     if not argv:
         print("usage: python -m engine.preimport SERVER_MODULE [ARGS...]", file=sys.stderr)
         return 2
-    server_module, server_args = argv[0], argv[1:]
-    importlib.import_module(server_module)
+    server = importlib.import_module(argv[0])
     # vLLM forks its engine core from the server process with "fork" (the CPU build insists on
     # spawn: the core then imports vLLM again) and only while CUDA is not initialized here, which
     # importing does not do.
@@ -41,8 +39,7 @@ def main(argv: list[str]) -> int:
     print(PREIMPORTED_MARK, flush=True)
     if not sys.stdin.readline():  # end of input: nobody will start this server
         return 0
-    sys.argv = [server_module, *server_args]
-    runpy.run_module(server_module, run_name="__main__", alter_sys=True)
+    server.serve(argv[1:])
     return 0
 
 

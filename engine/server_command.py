@@ -1,7 +1,7 @@
 """The vLLM OpenAI server command an engine of ours runs (its imports done ahead,
-engine/preimport.py), and its environment: dummy weights (the weight plane fills them), our
-worker extension, HTTP middleware and logits processor, KV events to the router, and the role's
-KV connector."""
+engine/preimport.py; served by engine/serving.py), and its environment: dummy weights (the weight
+plane fills them), our worker extension, HTTP middleware and logits processor, KV events to the
+router, and the role's KV connector."""
 
 from __future__ import annotations
 
@@ -21,8 +21,11 @@ from engine.environment import (
 from engine.worker_extension import WEIGHTS_DIR_ENV, WEIGHTS_FILE_ENV
 from security.credentials import EngineKeys
 
-SERVER_MODULE = "vllm.entrypoints.openai.api_server"
-"""vLLM's OpenAI server, run by engine/preimport.py once its imports are done and it is told to."""
+SERVER_MODULE = "engine.serving"
+"""vLLM's OpenAI server on our socket and TLS, run by engine/preimport.py once its imports are
+done and it is told to."""
+LISTEN_FD_ENV = "PDCLUSTER_LISTEN_FD"
+"""The descriptor of the listening socket the host bound for the server (engine/serving.py)."""
 KV_EVENTS_PLUGIN_TARGET = "engine.kv_events:register"
 """What the entry point KV_EVENTS_PLUGIN names (pyproject.toml)."""
 PLAN_KEY = "pdcluster_gpu_memory_utilization"
@@ -39,8 +42,7 @@ def kv_events_plugin_installed() -> bool:
     return any(p.name == KV_EVENTS_PLUGIN and p.value == KV_EVENTS_PLUGIN_TARGET for p in plugins)
 
 
-def server_command(config: EngineConfig, host: str, port: int, instance_id: str,
-                   kv_events_endpoint: str | None, kv_events_replay_endpoint: str | None) -> list[str]:
+def server_command(config: EngineConfig, host: str, port: int, instance_id: str) -> list[str]:
     c = config
     command = [
         sys.executable, "-m", "engine.preimport", SERVER_MODULE,
@@ -68,13 +70,14 @@ def server_command(config: EngineConfig, host: str, port: int, instance_id: str,
         command.append("--enable-sleep-mode")
     if c.dtype != "auto":
         command += ["--dtype", c.dtype]
-    if kv_events_endpoint:
+    if c.kv_events:
+        # port 0: the publisher binds ports of the system's choosing and reports them (KV_EVENTS_MARK)
         events = {
             "enable_kv_cache_events": True,
             "publisher": "zmq",
             "topic": instance_id,
-            "endpoint": kv_events_endpoint,
-            "replay_endpoint": kv_events_replay_endpoint,
+            "endpoint": f"tcp://{_zmq_host(host)}:0",
+            "replay_endpoint": f"tcp://{_zmq_host(host)}:0",
         }
         command += ["--kv-events-config", json.dumps(events)]
     if c.role.kv_transfer:
@@ -82,6 +85,10 @@ def server_command(config: EngineConfig, host: str, port: int, instance_id: str,
     if c.otlp_traces_endpoint:
         command += ["--otlp-traces-endpoint", c.otlp_traces_endpoint]
     return command + list(c.role.vllm_args) + list(c.extra_args)
+
+
+def _zmq_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
 
 
 def kv_transfer_config(config: EngineConfig) -> dict:

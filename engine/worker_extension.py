@@ -47,6 +47,7 @@ from engine.weights import (
     sign,
 )
 from security.credentials import EngineKeys
+from transport.listener_warden import seal_tcp_listeners
 from transport.nixl import quiet_progress_threads
 
 # Set by the engine's host (engine/host.py): the node's folder of weights files, and where this
@@ -172,6 +173,14 @@ class WeightPlaneExtension:
             }
         nbytes = sum(t.numel() * t.element_size() for t in self._pdc_host_params.values())
         return {"copied": copied, "bytes": nbytes, "seconds": time.perf_counter() - started}
+
+    def pdc_seal_listeners(self, request_json: str = "{}") -> dict:
+        """Make this worker's TCP listeners whose peers have all connected take no connection
+        again (transport/listener_warden.py): its torch.distributed groups' (a gloo listener
+        each, the TCPStore's on every address), which keep every connection a stranger closed and
+        end the process at its descriptor limit. Called by the engine's host once the engine
+        serves. Returns the sealed ports."""
+        return {"sealed_ports": seal_tcp_listeners()}
 
     def pdc_release_weights(self) -> None:
         """Drop the host copy (and stop offering it)."""

@@ -32,6 +32,7 @@ from kvstore import protocol
 from kvstore.chunk_store import PAGE_BYTES, ChunkStore, ShardStats
 from security.credentials import CurveKeys, ShardKeys, runtime_dir, write_private
 from transport.address import node_address
+from transport.listener_warden import watched_listeners
 from transport.nixl import Extent, new_agent
 from transport.zmq_curve import Gate, serve_curve
 
@@ -56,10 +57,11 @@ class ShardServer:
         self._socket.setsockopt(zmq.MAXMSGSIZE, 1024**2)  # control messages only; UCX moves the data
         serve_curve(self._socket, keys)
         try:  # first: a port that is taken fails the shard before it holds any memory
-            if port:
-                self._socket.bind(f"tcp://{host}:{port}")
-            else:
-                port = self._socket.bind_to_random_port(f"tcp://{host}")
+            with watched_listeners():  # a stranger's silent connections shed, not kept 30 s
+                if port:
+                    self._socket.bind(f"tcp://{host}:{port}")
+                else:
+                    port = self._socket.bind_to_random_port(f"tcp://{host}")
         except zmq.ZMQError:
             self._socket.close(0)
             self._gate.stop()

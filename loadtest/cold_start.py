@@ -40,17 +40,20 @@ from engine.config import EngineConfig
 from engine.environment import engine_process_env, free_port
 from engine.host import EngineHost
 from loadtest.output import write_results
+from security.engine_access import EngineAccess
 
 PROMPT = "The first token after a cold start"
 PATHS = ("plain", "plain-plan", "disk", "preimported", "standby", "sleeping")
 
 
 async def first_token(url: str, model: str, max_tokens: int = 1, prompt: str = PROMPT,
-                      headers: dict[str, str] | None = None) -> list[str]:
-    """Stream a greedy completion; return its text piece by piece (one piece per token)."""
+                      access: EngineAccess | None = None) -> list[str]:
+    """Stream a greedy completion; return its text piece by piece (one piece per token). `access`:
+    an engine of ours (engine/host.py), else plain vLLM's server."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
     tokens: list[str] = []
-    async with httpx.AsyncClient(timeout=120, headers=headers) as client:
+    async with httpx.AsyncClient(timeout=120, headers=access.headers if access else None,
+                                 verify=access.ssl if access else True) as client:
         async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
             response.raise_for_status()
             async for line in response.aiter_lines():
@@ -113,7 +116,7 @@ async def fresh_start(config: EngineConfig, run: int, preimported: bool = False)
         asked = time.perf_counter()
         record = await (host.activate() if preimported else host.start())
         before_token = time.perf_counter() - asked
-        await first_token(host.url, config.served_model_name, headers=host.auth_headers)
+        await first_token(host.url, config.served_model_name, access=host.access)
         total = time.perf_counter() - asked
         record["stages_s"]["first_token"] = total - before_token
         return {**record, **extra, "first_token_s": total}
@@ -159,15 +162,15 @@ async def standby_start(config: EngineConfig, peer: EngineHost, run: int, check_
         asked = time.perf_counter()
         record = await standby.activate(descriptor)
         before_token = time.perf_counter() - asked
-        await first_token(standby.url, config.served_model_name, headers=standby.auth_headers)
+        await first_token(standby.url, config.served_model_name, access=standby.access)
         total = time.perf_counter() - asked
         record["stages_s"]["first_token"] = total - before_token
         # A prompt neither has seen: a prefix-cache hit on one side only changes the numerics
         # enough to flip near-ties of greedy decoding (random weights are full of them).
         check = f"{run} and its tokens must match the peer's"
-        ours = await first_token(standby.url, config.served_model_name, check_tokens, check, standby.auth_headers)
-        theirs = await first_token(peer.url, config.served_model_name, check_tokens, check, peer.auth_headers)
-        theirs_again = await first_token(peer.url, config.served_model_name, check_tokens, check, peer.auth_headers)
+        ours = await first_token(standby.url, config.served_model_name, check_tokens, check, access=standby.access)
+        theirs = await first_token(peer.url, config.served_model_name, check_tokens, check, access=peer.access)
+        theirs_again = await first_token(peer.url, config.served_model_name, check_tokens, check, access=peer.access)
         # Joined: where a stream cuts its text pieces depends on detokenizer timing, not the tokens.
         return {**record, "first_token_s": total, "tokens_match_peer": "".join(ours) == "".join(theirs),
                 "peer_repeats_itself": "".join(theirs) == "".join(theirs_again), "tokens": [ours, theirs],

@@ -69,8 +69,10 @@ def kill_engine(url: str, signum: int = signal.SIGKILL) -> None:
     the process listening on its port and the whole process group around it (server, engine
     core, worker, guard)."""
     port = urlparse(url).port
-    (pid,) = {c.pid for c in psutil.net_connections("tcp") if c.status == "LISTEN" and c.laddr.port == port}
-    os.killpg(os.getpgid(pid), signum)
+    # the socket is held by the server and the shell that guards its group (it was handed down)
+    (group,) = {os.getpgid(c.pid) for c in psutil.net_connections("tcp")
+                if c.status == "LISTEN" and c.laddr.port == port and c.pid}
+    os.killpg(group, signum)
 
 
 def classify(result: RequestResult, scenario: Scenario) -> str:

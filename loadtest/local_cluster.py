@@ -20,6 +20,7 @@ import httpx
 from deploy.ray_head import LoopbackHead
 from engine.environment import free_port
 from security.credentials import ClusterCredentials
+from security.engine_access import EngineAccess, EngineEndpoint
 
 
 class LocalServer:
@@ -82,6 +83,12 @@ class LocalServer:
         response = httpx.get(f"{self.url}/admin/instances", headers=self.credentials.admin_headers(), timeout=5)
         response.raise_for_status()
         return response.json()["instances"]
+
+    def engine_access(self, instance_id: str) -> EngineAccess:
+        """How to reach one engine of this server's directly (its pinned TLS context and token),
+        as its router does: `httpx.get(f"{access.url}/metrics", headers=access.headers, verify=access.ssl)`."""
+        (listed,) = [i for i in self.instances() if i["instance_id"] == instance_id]
+        return self.credentials.engine_access(EngineEndpoint(**listed["endpoint"]))
 
     def kill(self) -> None:
         """SIGKILL the `pdcluster serve` process alone, as a crash would. On a Ray cluster it

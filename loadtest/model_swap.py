@@ -56,7 +56,7 @@ def pinned_bandwidth(nbytes: int = 4 * 1024**3) -> float:
 
 async def reference(host: EngineHost) -> str:
     return "".join(await first_token(host.url, host.config.served_model_name, REFERENCE_TOKENS,
-                                     REFERENCE_PROMPT, host.auth_headers))
+                                     REFERENCE_PROMPT, access=host.access))
 
 
 async def start_all(configs: list[EngineConfig]) -> tuple[list[EngineHost], dict[str, str], list[dict]]:
@@ -83,7 +83,7 @@ async def swap(awake: EngineHost | None, target: EngineHost, answer: str) -> dic
         stages["sleep_previous"] = (await awake.sleep())["total_s"]
     woken = await target.activate(None)
     before_token = time.perf_counter()
-    await first_token(target.url, target.config.served_model_name, headers=target.auth_headers)
+    await first_token(target.url, target.config.served_model_name, access=target.access)
     total = time.perf_counter() - asked
     stages.update(woken["stages_s"])
     stages["first_token"] = time.perf_counter() - before_token

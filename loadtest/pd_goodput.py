@@ -92,20 +92,21 @@ def summarize(results: list[RequestResult], duration_s: float, offered: float) -
     }
 
 
-def _router_process(config: dict, instances: list[tuple[str, str, str]]) -> None:
-    """The router's app over HTTP, in a process of its own, in front of the given engines."""
+def _router_process(config: dict, described: list[dict]) -> None:
+    """The router's app over HTTP, in a process of its own, in front of the engines `described`
+    (their hosts' `describe()`)."""
     import uvicorn
 
-    from router.app import build_app
+    from router.app import build_app, server_config
     from router.config import RouterConfig
-    from router.instances import Instance, InstanceRegistry
+    from router.instances import InstanceRegistry, described_instance
 
+    router_config = RouterConfig(**config)
     roles = {role.name: role for role in (COLOCATED, PREFILL, DECODE)}
     registry = InstanceRegistry()
-    for instance_id, role, url in instances:
-        registry.add(Instance(instance_id, roles[role], url, model="model"))
-    router_config = RouterConfig(**config)
-    uvicorn.run(build_app(router_config, registry), host=HOST, port=router_config.port, log_level="warning")
+    for info in described:
+        registry.add(described_instance(info, roles[info["role"]], router_config.credentials()))
+    uvicorn.Server(server_config(build_app(router_config, registry))).run()
 
 
 class Fleet:
@@ -130,12 +131,14 @@ class Fleet:
             config = EngineConfig(
                 model=args.model, served_model_name="model", role=role, max_model_len=args.max_model_len,
                 enforce_eager=args.cpu, gpu_memory_utilization=0.85, kv_cache_gib=args.kv_cache_gib,
-                keep_host_weights=False, host_keys=self.credentials.engine_host_keys().to_json(), start_timeout_s=600,
+                keep_host_weights=False, start_timeout_s=600,
                 cpu_cores=str(index + 1) if args.cpu else None, gpu_ids=None if args.cpu else str(index),
                 kv_store_endpoints=(self.shard.endpoint,) if self.shard else (),
                 log_dir=args.out.parent / f"logs-{self.topology}",
             )
-            self.hosts.append(EngineHost(config, f"{role.name}-{index}", host=HOST))
+            instance_id = f"{role.name}-{index}"
+            self.hosts.append(EngineHost(config, instance_id, host=HOST,
+                                         keys=self.credentials.engine_host_keys(instance_id)))
         # Standby: the engines keep vLLM's dummy weights (random, as the model is).
         await asyncio.gather(*(host.start(standby=True) for host in self.hosts))
         port = free_port(HOST)
@@ -144,8 +147,8 @@ class Fleet:
                   "queue_timeout_s": 0}
         if self.topology == "pd-adaptive":  # the decode engine prefills while one prompt waits at the prefill's
             config["remote_prefill_max_queued_tokens"] = args.input_tokens
-        instances = [(h.instance_id, h.config.role.name, h.url) for h in self.hosts]
-        self.router = multiprocessing.get_context("spawn").Process(target=_router_process, args=(config, instances))
+        described = [h.describe() for h in self.hosts]
+        self.router = multiprocessing.get_context("spawn").Process(target=_router_process, args=(config, described))
         self.router.start()
         self.url = f"http://{HOST}:{port}"
         await _wait_for(f"{self.url}/health", timeout_s=60)

@@ -35,8 +35,10 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import dataclasses
 import multiprocessing
 import statistics
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -52,13 +54,14 @@ from loadtest.otlp_receiver import OTLPReceiver
 from loadtest.output import write_results
 from router.metrics import percentile
 from security.credentials import ClusterCredentials
+from security.engine_access import EngineAccess, EngineEndpoint
 
 
-def timed_stream(client: httpx.Client, base_url: str, body: dict, headers: dict | None = None) -> tuple[float, float]:
+def timed_stream(client: httpx.Client, base_url: str, body: dict) -> tuple[float, float]:
     """(seconds to the first streamed token, seconds to the end) of one streamed completion."""
     started = time.perf_counter()
     first = None
-    with client.stream("POST", f"{base_url}/v1/completions", json=body, headers=headers) as response:
+    with client.stream("POST", f"{base_url}/v1/completions", json=body) as response:
         response.raise_for_status()
         for line in response.iter_lines():
             if first is None and line.startswith("data: {"):
@@ -66,22 +69,23 @@ def timed_stream(client: httpx.Client, base_url: str, body: dict, headers: dict 
     return first if first is not None else float("nan"), time.perf_counter() - started
 
 
-def measure(router_url: str, engine_url: str, model: str, rounds: int, max_tokens: int,
-            engine_headers: dict | None = None, traced_router_url: str | None = None) -> dict:
-    """Alternating requests through the router and straight to the engine (with the engine
-    token, which the router presents too), and through the traced router if there is one."""
+def measure(router_url: str, engine: EngineAccess, model: str, rounds: int, max_tokens: int,
+            traced_router_url: str | None = None) -> dict:
+    """Alternating requests through the router and straight to the engine (over its TLS, with
+    its token, as the router sends them), and through the traced router if there is one."""
     body = {"model": model, "prompt": "Measure the router's overhead, please.", "max_tokens": max_tokens,
             "temperature": 0, "stream": True, "ignore_eos": True}
-    paths = (("router", router_url, None), ("engine", engine_url, engine_headers))
-    if traced_router_url:
-        paths += (("router_traced", traced_router_url, None),)
-    samples: dict[str, dict[str, list[float]]] = {p: {"ttft": [], "total": []} for p, _, _ in paths}
-    with httpx.Client(timeout=60) as client:
-        for _, url, headers in paths * 5:  # warm every path's connections and caches
-            timed_stream(client, url, body, headers)
+    with httpx.Client(timeout=60) as client, httpx.Client(timeout=60, headers=engine.headers,
+                                                          verify=engine.ssl) as engine_client:
+        paths = (("router", router_url, client), ("engine", engine.url, engine_client))
+        if traced_router_url:
+            paths += (("router_traced", traced_router_url, client),)
+        samples: dict[str, dict[str, list[float]]] = {p: {"ttft": [], "total": []} for p, _, _ in paths}
+        for _, url, through in paths * 5:  # warm every path's connections and caches
+            timed_stream(through, url, body)
         for _ in track(range(rounds), description="router vs engine"):
-            for path, url, headers in paths:
-                ttft, total = timed_stream(client, url, body, headers)
+            for path, url, through in paths:
+                ttft, total = timed_stream(through, url, body)
                 samples[path]["ttft"].append(ttft)
                 samples[path]["total"].append(total)
     summary = {
@@ -162,29 +166,33 @@ async def null_engine_app(scope, receive, send) -> None:
     await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
 
 
-def _serve_router_before(engine_url: str, port: int, model: str = "null", otlp_traces_endpoint: str | None = None,
-                         cluster_secret: str | None = None) -> None:
-    """A router in front of one engine, in a process of its own (the secret comes through
-    multiprocessing's pipe, never argv)."""
+def _serve_router_before(endpoint: dict, port: int, cluster_secret: str, model: str = "null",
+                         otlp_traces_endpoint: str | None = None) -> None:
+    """A router in front of the one engine that published `endpoint`, in a process of its own
+    (the secret comes through multiprocessing's pipe, never argv)."""
     import uvicorn
 
     from engine.roles import COLOCATED
-    from router.app import build_app
+    from router.app import build_app, server_config
     from router.config import RouterConfig, ServedModel
     from router.instances import Instance, InstanceRegistry
 
-    registry = InstanceRegistry()
-    registry.add(Instance(f"{model}-0", COLOCATED, engine_url, model=model))
-    secret = {"cluster_secret": cluster_secret} if cluster_secret else {}
     config = RouterConfig(models=(ServedModel(name=model, max_model_len=4096),), port=port, health_interval_s=3600,
-                          otlp_traces_endpoint=otlp_traces_endpoint, **secret)
-    uvicorn.run(build_app(config, registry), host="127.0.0.1", port=port, log_level="error")
+                          otlp_traces_endpoint=otlp_traces_endpoint, cluster_secret=cluster_secret)
+    access = config.credentials().engine_access(EngineEndpoint(**endpoint))
+    registry = InstanceRegistry()
+    registry.add(Instance(endpoint["instance_id"], COLOCATED, access.url, model=model, access=access))
+    uvicorn.Server(server_config(build_app(config, registry), log_level="error")).run()
 
 
-def _serve_null_engine(port: int) -> None:
-    import uvicorn
+def _serve_null_engine(cluster_secret: str, published) -> None:
+    """The null engine served as our engines are (TLS, its own token), in a process of its own;
+    puts its endpoint in `published` and serves until terminated."""
+    from loadtest.engine_standin import AppStandIn
 
-    uvicorn.run(null_engine_app, host="127.0.0.1", port=port, log_level="error")
+    engine = AppStandIn(null_engine_app, "null-0", ClusterCredentials.from_hex(cluster_secret)).start()
+    published.put(dataclasses.asdict(engine.endpoint))
+    threading.Event().wait()
 
 
 def _wait_for_http(url: str, timeout_s: float = 60) -> None:
@@ -216,17 +224,22 @@ def child_processes(targets: list[tuple]) -> Iterator[None]:
 
 def null_engine_run(rounds: int, runs: int, tracing: bool) -> tuple[list[dict], list[dict]]:
     """Router (and with `tracing` a traced one) in front of the null engine, each in its own process."""
-    engine_port, router_port, traced_port = (free_port("127.0.0.1") for _ in range(3))
-    engine_url, router_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{router_port}"
+    router_port, traced_port = (free_port("127.0.0.1") for _ in range(2))
+    router_url = f"http://127.0.0.1:{router_port}"
     traced_url = f"http://127.0.0.1:{traced_port}" if tracing else None
-    with OTLPReceiver(keep=False) as sink:
-        targets = [(_serve_null_engine, engine_port), (_serve_router_before, engine_url, router_port)]
+    credentials = ClusterCredentials.generate()
+    secret = credentials.secret.hex()
+    published = multiprocessing.get_context("spawn").Queue()
+    with OTLPReceiver(keep=False) as sink, child_processes([(_serve_null_engine, secret, published)]):
+        endpoint = published.get(timeout=60)
+        engine = credentials.engine_access(EngineEndpoint(**endpoint))
+        targets = [(_serve_router_before, endpoint, router_port, secret)]
         if tracing:
-            targets.append((_serve_router_before, engine_url, traced_port, "null", sink.endpoint))
+            targets.append((_serve_router_before, endpoint, traced_port, secret, "null", sink.endpoint))
         with child_processes(targets):
-            for url in filter(None, (engine_url, router_url, traced_url)):
+            for url in filter(None, (router_url, traced_url)):
                 _wait_for_http(url)
-            return [measure(router_url, engine_url, "null", rounds, 16, traced_router_url=traced_url)
+            return [measure(router_url, engine, "null", rounds, 16, traced_router_url=traced_url)
                     for _ in range(runs)], []
 
 
@@ -249,12 +262,13 @@ def engine_runs(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
             router_url, traced_url = (f"http://127.0.0.1:{free_port('127.0.0.1')}" for _ in range(2))
             secret = credentials.secret.hex()
             stack.enter_context(child_processes([
-                (_serve_router_before, instance["url"], int(url.rsplit(":", 1)[1]), model, endpoint, secret)
-                for url, endpoint in ((router_url, None), (traced_url, sink.endpoint))]))
+                (_serve_router_before, instance["endpoint"], int(url.rsplit(":", 1)[1]), secret, model, otlp)
+                for url, otlp in ((router_url, None), (traced_url, sink.endpoint))]))
             for url in (router_url, traced_url):
                 _wait_for_http(url)
-        runs = [measure(router_url, instance["url"], model, args.rounds, args.max_tokens,
-                        credentials.engine_headers(), traced_router_url=traced_url) for _ in range(args.runs)]
+        engine = credentials.engine_access(EngineEndpoint(**instance["endpoint"]))
+        runs = [measure(router_url, engine, model, args.rounds, args.max_tokens, traced_router_url=traced_url)
+                for _ in range(args.runs)]
         attacks = [attacked_ttft(router_url, model, args.rounds, args.attackers)
                    for _ in range(args.runs if args.attackers else 0)]
         return runs, attacks

@@ -48,7 +48,8 @@ class Limits:
 
 class MetricsSampler:
     """Scrapes the target (a pdcluster router with its engines, or a plain vLLM server) every
-    `interval_s`: the router's own metrics, each engine's prefix-cache counters and queue."""
+    `interval_s`: the router's own metrics, each engine's prefix-cache counters and queue (an
+    engine's through its router's relay, with the admin token)."""
 
     ENGINE_KEYS = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total",
                    "vllm:num_requests_waiting", "vllm:num_requests_running")
@@ -57,25 +58,26 @@ class MetricsSampler:
         self.url = url
         self.interval_s = interval_s
         self.samples: list[dict] = []
-        self.admin_headers, self.engine_headers = _cluster_headers()
+        self.admin_headers = _admin_headers()
 
-    def engine_urls(self) -> list[str]:
+    def engine_sources(self) -> list[str]:
+        """Where each engine's metrics are read (`scrape` appends /metrics)."""
         try:
             response = httpx.get(f"{self.url}/admin/instances", headers=self.admin_headers, timeout=5)
         except httpx.HTTPError:
             return [self.url]
         if response.status_code != 200:
             return [self.url]  # a plain vLLM server is its own engine
-        return [i["url"] for i in response.json()["instances"]]
+        return [f"{self.url}/admin/engines/{i['instance_id']}" for i in response.json()["instances"]]
 
     def sample(self, started: float) -> None:
         entry: dict = {"t": time.perf_counter() - started, "engines": {}, "router": {}}
-        for url in self.engine_urls():
+        for source in self.engine_sources():
             try:
-                values = scrape(url, self.ENGINE_KEYS, headers=self.engine_headers if url != self.url else None)
+                values = scrape(source, self.ENGINE_KEYS, headers=self.admin_headers if source != self.url else None)
             except (httpx.HTTPError, ValueError):
                 continue
-            entry["engines"][url] = {k: values.get(k, 0.0) for k in self.ENGINE_KEYS}
+            entry["engines"][source] = {k: values.get(k, 0.0) for k in self.ENGINE_KEYS}
         try:
             entry["router"] = scrape(self.url, ("pdcluster_router_",), headers=self.admin_headers)
         except (httpx.HTTPError, ValueError):
@@ -89,16 +91,16 @@ class MetricsSampler:
             await asyncio.to_thread(self.sample, started)
 
 
-def _cluster_headers() -> tuple[dict[str, str], dict[str, str]]:
-    """The admin and engine credentials of a pdcluster on this machine (its secret in the
-    environment or its file); none for a plain vLLM server or a cluster elsewhere."""
+def _admin_headers() -> dict[str, str]:
+    """The admin credential of a pdcluster on this machine (its secret in the environment or its
+    file); none for a plain vLLM server or a cluster elsewhere."""
     from security.credentials import ClusterCredentials, CredentialsError
 
     try:
         credentials = ClusterCredentials.load()
     except (CredentialsError, OSError):
-        return {}, {}
-    return credentials.admin_headers(), credentials.engine_headers()
+        return {}
+    return credentials.admin_headers()
 
 
 async def run_job(client: aiohttp.ClientSession, url: str, job: Job, timeout_s: float) -> list[RequestResult]:

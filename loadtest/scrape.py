@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import ssl
+
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from security.engine_access import EngineAccess
+
 
 def scrape(url: str, prefixes: tuple[str, ...] = ("",), timeout_s: float = 5.0,
-           headers: dict[str, str] | None = None) -> dict[str, float]:
+           headers: dict[str, str] | None = None, verify: ssl.SSLContext | bool = True) -> dict[str, float]:
     """The samples of `url`/metrics whose names start with one of `prefixes`, summed over label
     sets, by sample name. Lines of other metrics are dropped before parsing: vLLM's page is
     large, and a load generator that parses all of it every second competes with the server.
-    `headers` carry the credential (the router's admin token, an engine's engine token)."""
-    response = httpx.get(f"{url}/metrics", timeout=timeout_s, headers=headers)
+    `headers` carry the credential (the router's admin token); `verify`, the TLS context (an
+    engine's: `scrape_engine`)."""
+    response = httpx.get(f"{url}/metrics", timeout=timeout_s, headers=headers, verify=verify)
     response.raise_for_status()
     text = response.text
     wanted = "\n".join(
@@ -23,3 +28,8 @@ def scrape(url: str, prefixes: tuple[str, ...] = ("",), timeout_s: float = 5.0,
         for sample in family.samples:
             totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
     return totals
+
+
+def scrape_engine(access: EngineAccess, prefixes: tuple[str, ...] = ("",), timeout_s: float = 5.0) -> dict[str, float]:
+    """`scrape` of one engine of ours, straight (its pinned TLS context and token)."""
+    return scrape(access.url, prefixes, timeout_s, headers=access.headers, verify=access.ssl)

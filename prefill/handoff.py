@@ -76,7 +76,7 @@ class PrefillClient:
         try:
             async with asyncio.timeout(self.timeout_s):
                 async with self.session().post(f"{instance.url}{endpoint}", json=prefill_body(body),
-                                               headers=trace_headers) as response:
+                                               **instance.request_options(dict(trace_headers or {}))) as response:
                     answer = await response.json(content_type=None)
                     if response.status != 200:
                         raise RuntimeError(f"HTTP {response.status}: {str(answer)[:300]}")

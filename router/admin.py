@@ -9,6 +9,7 @@ a browser (the status page) sends it as a Basic password, for reads only (router
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Awaitable, Callable
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -59,16 +60,27 @@ def _add_cluster_routes(routes: APIRouter, app: FastAPI, store_endpoints: tuple[
     async def instances() -> dict:
         """The instances behind this router (for `pdcluster status` and benchmarks). `streams`:
         the migratable streams this router relays from each now, by the id their client sees on
-        every event, with the tokens sent so far (what a fault there would hit: loadtest.faults)."""
+        every event, with the tokens sent so far (what a fault there would hit: loadtest.faults).
+        `endpoint`: the engine's sealed endpoint (nothing secret: with the cluster's secret it
+        opens into an access, `ClusterCredentials.engine_access`)."""
         return {
             "instances": [
                 {"instance_id": i.instance_id, "role": i.role.name, "url": i.url,
                  "state": i.state.value, "inflight": i.inflight, "index_blocks": index.num_blocks(i.instance_id),
                  "kv_events_endpoint": i.kv_events_endpoint, "kv_events_replay_endpoint": i.kv_events_replay_endpoint,
+                 "endpoint": dataclasses.asdict(i.access.endpoint) if i.access else None,
                  "streams": [{"id": s.stream_id, "tokens_sent": len(s.sent_token_ids)} for s in i.streams]}
                 for i in registry.all()
             ],
         }
+
+    @routes.get("/admin/openapi.json", include_in_schema=False)
+    async def openapi() -> dict:
+        """The router's OpenAPI document: its routes and request schemas, for the operator's tools
+        (a fuzzer, a client generator). Not served to anyone else: /docs, /redoc and
+        /openapi.json are off (they told strangers every route, and the Swagger page loaded its
+        script from a CDN)."""
+        return app.openapi()
 
     @routes.get("/admin/store")
     async def store() -> dict:
@@ -92,7 +104,7 @@ def _add_engine_routes(routes: APIRouter, app: FastAPI) -> None:
         instance = registry.get(instance_id)
         if instance is None:
             raise StarletteHTTPException(404, f"no instance {instance_id!r} behind this router")
-        return await engine_metrics(instance, app.state.monitor.client)
+        return await engine_metrics(instance, app.state.monitor.session)
 
     @routes.post("/admin/instances/{instance_id}/drain", status_code=202)
     async def drain(instance_id: str) -> dict:

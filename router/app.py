@@ -11,7 +11,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from router.admin import add_admin_routes
+from router.admin_auth import basic_password_matches
 from router.admission import (
     Admission,
     Intake,
@@ -30,7 +31,7 @@ from router.admission import (
 )
 from router.analysis import RequestAnalyzer
 from router.config import RouterConfig
-from router.errors import BadRequest, RouterError, error_body
+from router.errors import BadRequest, RouterError, Unauthorized, error_body
 from router.instances import CapacityQueue, HealthMonitor, InstanceRegistry
 from router.kv_events import STORE_HOLDER, KVEventListener
 from router.kv_index import KVIndex
@@ -42,8 +43,12 @@ from router.status import ErrorLog, StartLog, serving_counts
 from router.status_page import add_status_page
 from router.streaming import EngineStream
 from router.tracing import NO_SPAN, RequestTrace, RouterTracing
-from security.credentials import ClusterCredentials
+from security.credentials import ClusterCredentials, bearer_matches
+from transport.listener_guard import ListenerLimits, guarded_protocol
 from transport.zmq_curve import KV_EVENTS_PLANE
+
+if TYPE_CHECKING:
+    import uvicorn
 
 log = logging.getLogger(__name__)
 ERROR_DESCRIPTIONS = {400: "Invalid request", 401: "No or invalid API key", 404: "Unknown model or route",
@@ -88,15 +93,15 @@ def build_app(
     index = KVIndex(config.max_index_blocks_per_instance, config.speculative_ttl_s)
     registry.on_remove.append(index.remove_holder)  # a departed instance's blocks route nothing
     placer = _placer(config, index, store_endpoints)
-    limits = limits or LocalLimits(KeyLimits(config.rate_limit_per_s, config.max_concurrency_per_key))
+    limits = limits or LocalLimits(KeyLimits(config.rate_limit_per_s, config.concurrency_per_key))
     admission = Admission(config.api_keys, limits, credentials.tenant_salt)
     if admission.open:
         log.warning("no API keys configured: anyone who reaches %s:%d may use it", config.host, config.port)
     analyzer = RequestAnalyzer(config)
     queue = CapacityQueue(config.queue_max_waiting, config.queue_timeout_s)
-    forwarder = Forwarder(config, registry, placer, queue, credentials.engine_headers())
+    forwarder = Forwarder(config, registry, placer, queue)
     monitor = HealthMonitor(registry, config.health_interval_s, config.health_timeout_s,
-                            config.health_failure_threshold, credentials.engine_headers())
+                            config.health_failure_threshold)
     listener = _kv_event_listener(registry, index, credentials)
 
     @contextlib.asynccontextmanager
@@ -118,11 +123,12 @@ def build_app(
 
     # Off: no OpenTelemetry set-up at all (router/tracing.py).
     tracing = RouterTracing(config.otlp_traces_endpoint) if config.otlp_traces_endpoint else None
-    app = FastAPI(title="pdcluster router", lifespan=lifespan)
+    # no /docs, /redoc or /openapi.json for anyone: the operator's is /admin/openapi.json
+    app = FastAPI(title="pdcluster router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.tracing = tracing
     app.state.registry, app.state.queue, app.state.first_tokens = registry, queue, forwarder.first_tokens
     app.state.config, app.state.index, app.state.listener = config, index, listener
-    app.state.monitor = monitor
+    app.state.monitor, app.state.admission = monitor, admission
     # retire(instance_id) drains and stops an instance: set by whoever owns the engines.
     app.state.retire, app.state.retiring = None, set()
     app.state.starts, app.state.errors = starts or StartLog(), ErrorLog()
@@ -132,6 +138,36 @@ def build_app(
     add_admin_routes(app, credentials, analyzer, intake.admit, store_endpoints)
     add_status_page(app, credentials)
     return app
+
+
+def server_config(app: FastAPI, **uvicorn_settings) -> uvicorn.Config:
+    """uvicorn's config for serving the router's `app` (host and port from its RouterConfig)
+    under its guarded listener (transport/listener_guard.py): connections capped in all and per
+    client address, deadlines for headers and bodies; a connection counts as proven, and is
+    never displaced by a newcomer, once a request on it carries a tenant's API key or the admin
+    token (any request, with no API keys configured). uvicorn's logs go to the process's own
+    handlers (router/log_limit.py limits their repeats there)."""
+    import uvicorn
+
+    config: RouterConfig = app.state.config
+    admission: Admission = app.state.admission
+    admin_token = config.credentials().admin_token
+
+    def proves(headers: list[tuple[bytes, bytes]]) -> bool:
+        authorization = next((value for name, value in headers if name == b"authorization"), b"").decode("latin-1")
+        if bearer_matches(authorization, admin_token) or basic_password_matches(authorization, admin_token):
+            return True
+        try:
+            admission.authenticate(authorization)
+        except Unauthorized:
+            return False
+        return True
+
+    limits = ListenerLimits(max_connections=config.max_connections, max_per_address=config.max_connections_per_address,
+                            header_timeout_s=config.header_timeout_s, body_timeout_s=config.body_timeout_s)
+    settings = {"log_level": "warning", "log_config": None, **uvicorn_settings}
+    return uvicorn.Config(app, host=config.host, port=config.port, http=guarded_protocol("router", limits, proves=proves),
+                          **settings)
 
 
 def _placer(config: RouterConfig, index: KVIndex, store_endpoints: tuple[str, ...]) -> Placer:

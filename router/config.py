@@ -11,6 +11,10 @@ from engine.config import KVHashing, OtlpEndpoint
 from engine.environment import is_loopback
 from security.credentials import ClusterCredentials
 
+DEFAULT_CONCURRENCY_PER_KEY = 64
+"""Requests one API key may have in flight when the operator set no bound (each at most
+`max_sequences_per_request` sequences): a tenant cannot take every engine's batch alone."""
+
 
 class ServedModel(BaseModel):
     """One model the router serves, each with its own instances."""
@@ -84,7 +88,20 @@ class RouterConfig(BaseModel):
     rate_limit_per_s: float | None = Field(None, gt=0)
     """Requests per second per API key (a token bucket); None: unlimited."""
     max_concurrency_per_key: int | None = Field(None, ge=1)
-    """Requests in flight per API key; None: unlimited."""
+    """Requests in flight per API key; None: DEFAULT_CONCURRENCY_PER_KEY when API keys are
+    configured (one tenant's work stays bounded unless the operator raises it), else unlimited."""
+    max_connections: int = Field(16384, ge=64)
+    """Client connections held at once (lowered to fit the process's descriptor limit). A new one
+    past it takes the place of the oldest that has not yet sent an authorized request (an idle
+    or half-sent one), or is refused (transport/listener_guard.py)."""
+    max_connections_per_address: int = Field(1024, ge=1)
+    """The same, from one client address (raise it behind a balancer whose address every client
+    shares)."""
+    header_timeout_s: float = Field(10.0, gt=0)
+    """Longest a client may take to send a request's headers (from its first byte, or the
+    connection's opening): past it the connection is closed."""
+    body_timeout_s: float = Field(60.0, gt=0)
+    """Longest a client may take to send a request's body once its headers are in."""
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
     """Largest request body accepted (413 beyond), counted as it arrives (chunked bodies too)."""
     tokenize_processes: int = Field(1, ge=1)
@@ -115,6 +132,13 @@ class RouterConfig(BaseModel):
                 and all(isinstance(key, str) and key and isinstance(tenant, str) for key, tenant in value.items())):
             raise ValueError("api_keys must map each API key (non-empty text) to its tenant (text)")
         return value
+
+    @property
+    def concurrency_per_key(self) -> int | None:
+        """Requests in flight per API key: the configured bound, or the default one for tenants."""
+        if self.max_concurrency_per_key is not None or not self.api_keys:
+            return self.max_concurrency_per_key
+        return DEFAULT_CONCURRENCY_PER_KEY
 
     @model_validator(mode="after")
     def _distinct_models(self) -> RouterConfig:

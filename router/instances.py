@@ -1,8 +1,10 @@
 """The router's view of the engine instances: address, role, state, load, health.
 
-The router knows instances by URL only; whoever starts them (the launcher in `deploy/`) adds and
-removes them. A health loop takes an instance out of rotation after `failure_threshold` failed
-checks in a row and puts it back after one passing check.
+The router knows an instance by its sealed endpoint (security/engine_access.py: URL, the
+certificate of its server process, the nonce of its token), opened into an `EngineAccess` when
+the instance is registered; whoever starts instances (the launcher in `deploy/`) adds and removes
+them. A health loop takes an instance out of rotation after `failure_threshold` failed checks in
+a row and puts it back after one passing check.
 """
 
 from __future__ import annotations
@@ -15,12 +17,14 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-import httpx
+import aiohttp
 
 from engine.lifecycle import InstanceState
 from engine.roles import RoleSpec
 from router import metrics
 from router.errors import NoInstance
+from security.credentials import ClusterCredentials
+from security.engine_access import EngineAccess, EngineEndpoint
 
 if TYPE_CHECKING:
     from router.migration import StreamLedger
@@ -53,6 +57,26 @@ class Instance:
     """The migratable streams the router relays from it now (router/proxy.py), a continued one
     from the instance it went on to: which streams a fault there hits (GET /admin/instances
     lists each one's id and tokens sent). Other requests count in `inflight` only."""
+    access: EngineAccess | None = dataclasses.field(default=None, kw_only=True, compare=False, repr=False)
+    """How to reach its engine process: that process's certificate pinned, its token. None only
+    for instances nobody sends to (tests of placement)."""
+
+    def request_options(self, headers: dict[str, str] | None = None) -> dict:
+        """aiohttp's keyword arguments for a request to this engine (its TLS context and token,
+        and `headers`)."""
+        if self.access is None:
+            raise RuntimeError(f"instance {self.instance_id} was registered with no access to its engine")
+        return {"ssl": self.access.ssl, "headers": {**self.access.headers, **(headers or {})}}
+
+
+def described_instance(info: dict, role: RoleSpec, credentials: ClusterCredentials) -> Instance:
+    """The instance (of `role`) an engine host's `describe()` tells of, its endpoint's seal checked
+    (raises security.engine_access.EngineAccessRefused for one its instance's host did not seal)."""
+    access = credentials.engine_access(EngineEndpoint(**info["endpoint"]))
+    return Instance(info["instance_id"], role, access.url, InstanceState(info["state"]),
+                    kv_events_endpoint=info["kv_events_endpoint"],
+                    kv_events_replay_endpoint=info["kv_events_replay_endpoint"],
+                    model=info["served_model_name"], access=access)
 
 
 class PendingPrefill:
@@ -116,48 +140,40 @@ class InstanceRegistry:
 
 
 class HealthMonitor:
-    """Checks every instance's /health each `interval_s`; owns its task and `client`, the router's
-    httpx client to engines (engine token; no proxy taken from the environment, which would see
-    the token), which the metrics relay borrows."""
+    """Checks every instance's /health each `interval_s`; owns its task and `session`, the router's
+    HTTP client for engines' health and metrics (no proxy taken from the environment, which would
+    see the tokens), which the metrics relay borrows."""
 
-    def __init__(
-        self,
-        registry: InstanceRegistry,
-        interval_s: float,
-        timeout_s: float,
-        failure_threshold: int,
-        engine_headers: dict[str, str],
-    ) -> None:
+    def __init__(self, registry: InstanceRegistry, interval_s: float, timeout_s: float, failure_threshold: int) -> None:
         self.registry = registry
-        self.engine_headers = engine_headers
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self.failure_threshold = failure_threshold
         self._task: asyncio.Task[None] | None = None
-        self.client: httpx.AsyncClient | None = None
+        self.session: aiohttp.ClientSession | None = None
 
     def start(self) -> None:
-        self.client = httpx.AsyncClient(timeout=httpx.Timeout(self.timeout_s), headers=self.engine_headers,
-                                        trust_env=False)
-        self._task = asyncio.create_task(self._run(self.client), name="health-monitor")
+        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
+        self._task = asyncio.create_task(self._run(self.session), name="health-monitor")
 
     async def stop(self) -> None:
         if self._task:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        if self.client:
-            await self.client.aclose()
+        if self.session:
+            await self.session.close()
 
-    async def _run(self, client: httpx.AsyncClient) -> None:
+    async def _run(self, session: aiohttp.ClientSession) -> None:
         while True:
             instances = [i for i in self.registry.all() if i.state in (InstanceState.READY, InstanceState.FAILED)]
-            await asyncio.gather(*(self.check(client, i) for i in instances))
+            await asyncio.gather(*(self.check(session, i) for i in instances))
             await asyncio.sleep(self.interval_s)
 
-    async def check(self, client: httpx.AsyncClient, instance: Instance) -> None:
+    async def check(self, session: aiohttp.ClientSession, instance: Instance) -> None:
         try:
-            healthy = (await client.get(f"{instance.url}/health")).status_code == 200
-        except httpx.HTTPError:
+            async with session.get(f"{instance.url}/health", **instance.request_options()) as answer:
+                healthy = answer.status == 200
+        except (aiohttp.ClientError, TimeoutError):
             healthy = False
         if healthy:
             instance.failed_checks = 0

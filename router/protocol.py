@@ -6,7 +6,9 @@ sampling extensions a client may use (`ignore_eos`, `min_tokens`, `top_k`, struc
 an allowlist. Fields that steer the cluster itself are refused, never forwarded: KV transfer
 parameters (a client could make a decode engine pull or pin blocks it names), request ids and
 priorities, logits processors, and client chat templates (a template is code the router and the
-engine would run). Types are strict: `"max_tokens": "8"` is an error, as it is at OpenAI.
+engine would run); the fields only the cluster sets are refused at any depth of a request (inside
+`metadata` or a tool's arguments too). JSON schemas are checked before an engine compiles them
+(router/schemas.py). Types are strict: `"max_tokens": "8"` is an error, as it is at OpenAI.
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from engine.environment import GRAMMAR_ARG
+from router.schemas import check_refs, request_schemas
 
 # Fields a client may set beyond the ones declared below, passed to vLLM as they are.
 PASSED_THROUGH = frozenset({
@@ -36,6 +41,11 @@ REFUSED = {
     "vllm_xargs": "vllm_xargs are not accepted",
     "mm_processor_kwargs": "multimodal processor options are not accepted",
 }
+# Keys only the cluster sets, refused wherever they appear in a request's passed-through fields:
+# no engine reads them below the top level today, and none ever should from a client.
+INTERNAL_KEYS = frozenset({"kv_transfer_params", "vllm_xargs", GRAMMAR_ARG})
+# OpenAI's `metadata`: at most 16 pairs of text, keys of 64 characters, values of 512.
+MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
 # chat_template_kwargs: a few scalar options for the model's own template (e.g. enable_thinking),
 # never a parameter of the rendering itself (`chat_template` there would run a client's template).
 MAX_TEMPLATE_OPTIONS, MAX_TEMPLATE_OPTION_CHARS = 8, 256
@@ -88,6 +98,11 @@ class SamplingRequest(BaseModel):
         for name in ("response_format", "structured_outputs", "tools", "tool_choice", "logit_bias", "bad_words"):
             if name in extra and len(json.dumps(extra[name])) > MAX_STRUCTURE_BYTES:
                 raise ValueError(f"{name}: larger than {MAX_STRUCTURE_BYTES} bytes")
+        _check_metadata(extra.get("metadata"))
+        for name, value in extra.items():
+            _refuse_internal_keys(name, value)
+        for field, schema in request_schemas(extra):
+            check_refs(field, schema)
         return self
 
     def forwarded(self) -> dict[str, Any]:
@@ -103,6 +118,30 @@ class SamplingRequest(BaseModel):
         extra = self.model_extra or {}
         return {k: extra[k] for k in ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")
                 if k in extra}
+
+
+def _check_metadata(metadata: Any) -> None:
+    if metadata is not None and not (
+        isinstance(metadata, dict) and len(metadata) <= MAX_METADATA_PAIRS
+        and all(isinstance(k, str) and len(k) <= MAX_METADATA_KEY_CHARS and isinstance(v, str)
+                and len(v) <= MAX_METADATA_VALUE_CHARS for k, v in metadata.items())
+    ):
+        raise ValueError(f"metadata: at most {MAX_METADATA_PAIRS} text pairs (keys of {MAX_METADATA_KEY_CHARS} "
+                         f"characters at most, values of {MAX_METADATA_VALUE_CHARS})")
+
+
+def _refuse_internal_keys(field: str, value: Any) -> None:
+    """Raise if an INTERNAL_KEYS key appears anywhere in `value` (iteratively: depth is the client's)."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            internal = INTERNAL_KEYS & item.keys()
+            if internal:
+                raise ValueError(f"{field}: {sorted(internal)[0]} is the cluster's to set")
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
 
 
 TokenId = Annotated[int, Field(ge=0)]

@@ -56,7 +56,6 @@ class Forwarder:
         registry: InstanceRegistry,
         placer: Placer,
         queue: CapacityQueue,
-        engine_headers: dict[str, str],
     ):
         self.config = config
         self.registry = registry
@@ -65,8 +64,6 @@ class Forwarder:
         self.first_tokens = LatencyWindow()
         self.prefills = PrefillClient(lambda: self.session, config.prefill_timeout_s, config.prefill_circuit_failures,
                                       config.prefill_circuit_s, registry.mark_failed)
-        self.engine_headers = engine_headers
-        """Sent with every request to an engine: the cluster's engine token."""
         self.timeout = aiohttp.ClientTimeout(
             total=config.max_request_s,
             connect=config.connect_timeout_s,
@@ -80,8 +77,8 @@ class Forwarder:
         if self._session is None:
             # Idle connections closed well before the engine would close them (ENGINE_KEEP_ALIVE_S).
             connector = aiohttp.TCPConnector(limit=4096, keepalive_timeout=ENGINE_KEEP_ALIVE_S / 2)
-            self._session = aiohttp.ClientSession(connector=connector, timeout=self.timeout,
-                                                  headers=self.engine_headers)
+            # no proxy from the environment: it would see the engines' tokens (aiohttp's default)
+            self._session = aiohttp.ClientSession(connector=connector, timeout=self.timeout)
         return self._session
 
     async def close(self) -> None:
@@ -214,7 +211,7 @@ class Forwarder:
         one the engine took and broke on may not (EngineFailed)."""
         try:
             upstream = await self.session.post(f"{instance.url}{endpoint}", json=body,
-                                               headers=call.headers if call else None)
+                                               **instance.request_options(call.headers if call else None))
         except aiohttp.ClientConnectorError as exc:  # never connected: the request went nowhere
             self.registry.mark_failed(instance, f"unreachable: {exc!r}")
             raise _RetryableEngineError(f"unreachable: {exc!r}") from None
@@ -354,7 +351,7 @@ class Forwarder:
         upstream, moved = None, None
         try:
             upstream = await self.session.post(f"{instance.url}/v1/completions", json=body,
-                                               headers=call.headers if call else None)
+                                               **instance.request_options(call.headers if call else None))
             if upstream.status != 200:
                 text = (await upstream.read()).decode(errors="replace")[:500]
                 log.warning("instance %s refused a continued stream: HTTP %d %s", instance.instance_id,

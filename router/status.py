@@ -24,7 +24,7 @@ import collections
 import contextlib
 import time
 
-import httpx
+import aiohttp
 from fastapi import FastAPI
 from fastapi.responses import Response
 from pydantic import BaseModel
@@ -210,13 +210,16 @@ def engine_scrape_targets(registry: InstanceRegistry, router_netloc: str, scheme
     ]
 
 
-async def engine_metrics(instance: Instance, client: httpx.AsyncClient) -> Response:
-    """`instance`'s vLLM /metrics, fetched by `client` (the health monitor's: the engine token, no
-    proxy) within ENGINE_METRICS_TIMEOUT_S; 502 if it does not answer."""
+async def engine_metrics(instance: Instance, session: aiohttp.ClientSession) -> Response:
+    """`instance`'s vLLM /metrics, fetched with `session` (the health monitor's: no proxy) within
+    ENGINE_METRICS_TIMEOUT_S; 502 if it does not answer."""
     try:
-        answer = await client.get(f"{instance.url}/metrics", timeout=ENGINE_METRICS_TIMEOUT_S)
-    except httpx.HTTPError as exc:
+        async with session.get(f"{instance.url}/metrics", timeout=aiohttp.ClientTimeout(total=ENGINE_METRICS_TIMEOUT_S),
+                               **instance.request_options()) as answer:
+            status, content = answer.status, await answer.read()
+            media_type = answer.headers.get("content-type", "text/plain")
+    except (aiohttp.ClientError, TimeoutError) as exc:
         raise EngineFailed(f"engine {instance.instance_id} did not answer its metrics: {type(exc).__name__}") from None
-    if answer.status_code != 200:
-        raise EngineFailed(f"engine {instance.instance_id} answered its metrics with HTTP {answer.status_code}")
-    return Response(answer.content, media_type=answer.headers.get("content-type", "text/plain"))
+    if status != 200:
+        raise EngineFailed(f"engine {instance.instance_id} answered its metrics with HTTP {status}")
+    return Response(content, media_type=media_type)

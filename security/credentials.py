@@ -5,8 +5,9 @@ secret over a label, so the values that must agree (the token the router present
 every engine checks, a store shard's CURVE keys and its clients') come from one place and cannot
 drift apart, and knowing one derived key reveals neither the secret nor another key:
 
-- `engine_token`: every HTTP route of every engine (engine/http_auth.py); only the router and
-  the engine's own host hold it, so no client reaches an engine past the router's admission;
+- `engine_key(instance_id)`: one engine instance's key; each start of its server process derives
+  that process's token and seals its TLS certificate with it (security/engine_access.py), so the
+  router reaches only the process its host started, and a stolen token opens one engine process;
 - `admin_token`: the router's /admin/* and /metrics;
 - `weights_key`: signs weight manifests and CUDA IPC handles between engines;
 - `tenant_salt(tenant)`: the cache salt of a tenant's requests, which no one without the secret
@@ -16,9 +17,9 @@ drift apart, and knowing one derived key reveals neither the secret nor another 
 - `ray_token`: Ray's own token authentication (every Ray process of the cluster presents it).
 
 An engine's vLLM process, the part that parses what comes over the network, never holds the
-secret: it gets `EngineKeys` (its token, the weights key, the KV-event plane's keys and the store
-plane's client keys; not the store's server key, the admin token, Ray's token or the tenant
-salts) in PDCLUSTER_ENGINE_KEYS. A store shard gets `ShardKeys` (the store plane's server key
+secret: it gets `EngineKeys` (its own token and TLS identity, the weights key, the KV-event
+plane's keys and the store plane's client keys; not its instance's key, the store's server key,
+the admin token, Ray's token or the tenant salts) in PDCLUSTER_ENGINE_KEYS. A store shard gets `ShardKeys` (the store plane's server key
 pair, the client key it admits, and the key that proves it is the cluster's) as its Ray actor's
 argument, which Ray keeps in its GCS: the secret itself is never an actor's argument there.
 
@@ -39,6 +40,8 @@ import secrets
 import stat
 import tempfile
 from pathlib import Path
+
+from security.engine_access import EngineAccess, EngineEndpoint, EngineIdentity, open_endpoint
 
 SECRET_ENV = "PDCLUSTER_SECRET"
 SECRET_FILE_ENV = "PDCLUSTER_SECRET_FILE"
@@ -75,6 +78,19 @@ def write_private(path: Path, text: str) -> Path:
         handle.write(text)
     temporary.replace(path)
     return path
+
+
+def read_private(path: Path) -> str:
+    """The text of a file of secrets (the cluster's secret, the API keys): refused unless it is
+    this user's own, readable by no one else, and not a link."""
+    descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    with os.fdopen(descriptor) as handle:
+        status = os.fstat(handle.fileno())
+        if status.st_uid != os.getuid():
+            raise CredentialsError(f"{path} belongs to another user")
+        if status.st_mode & 0o077:
+            raise CredentialsError(f"{path} is readable by others: chmod 600 {path}")
+        return handle.read()
 
 
 def default_secret_file() -> Path:
@@ -125,14 +141,7 @@ class ClusterCredentials:
                 raise CredentialsError(f"no cluster secret: set {SECRET_ENV} or create {path} "
                                        "(`pdcluster secret`)")
             return cls.generate().save(path)
-        descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        with os.fdopen(descriptor) as handle:
-            status = os.fstat(handle.fileno())
-            if status.st_uid != os.getuid():
-                raise CredentialsError(f"{path} belongs to another user")
-            if status.st_mode & 0o077:
-                raise CredentialsError(f"{path} is readable by others: chmod 600 {path}")
-            return cls.from_hex(handle.read())
+        return cls.from_hex(read_private(path))
 
     def save(self, path: Path) -> ClusterCredentials:
         """Write the secret to `path`, readable by its owner only; never overwrites."""
@@ -142,20 +151,27 @@ class ClusterCredentials:
             handle.write(self.secret.hex() + "\n")
         return self
 
-    def engine_keys(self) -> EngineKeys:
-        from transport.zmq_curve import KV_EVENTS_PLANE, STORE_PLANE
-
-        store = self.curve(STORE_PLANE)
-        return EngineKeys(self.engine_token, self.weights_key, self.curve(KV_EVENTS_PLANE),
-                          dataclasses.replace(store, server_secret=b""))
-
     def shard_keys(self) -> ShardKeys:
         from transport.zmq_curve import STORE_PLANE
 
         return ShardKeys(dataclasses.replace(self.curve(STORE_PLANE), client_secret=b""), self.proof_key("store-shard"))
 
-    def engine_host_keys(self) -> EngineHostKeys:
-        return EngineHostKeys(self.engine_keys(), self.proof_key("engine"))
+    def engine_host_keys(self, instance_id: str) -> EngineHostKeys:
+        """What the host of engine `instance_id` holds (an engine actor's config carries it)."""
+        from transport.zmq_curve import KV_EVENTS_PLANE, STORE_PLANE
+
+        store = dataclasses.replace(self.curve(STORE_PLANE), server_secret=b"")
+        return EngineHostKeys(instance_id, self.engine_key(instance_id), self.weights_key,
+                              self.curve(KV_EVENTS_PLANE), store, self.proof_key("engine"))
+
+    def engine_key(self, instance_id: str) -> bytes:
+        """The key of one engine instance: its processes' tokens and endpoint seals come from it."""
+        return self.derive(f"engine:{instance_id}")
+
+    def engine_access(self, endpoint: EngineEndpoint) -> EngineAccess:
+        """How to reach the engine process that published `endpoint` (its seal checked: raises
+        EngineAccessRefused for one its instance's host did not make)."""
+        return open_endpoint(self.engine_key(endpoint.instance_id), endpoint)
 
     def proof_key(self, kind: str) -> bytes:
         """The key an actor of `kind` ("engine", "store-shard") proves it is the cluster's with:
@@ -164,10 +180,6 @@ class ClusterCredentials:
 
     def derive(self, label: str, size: int = 32) -> bytes:
         return hmac.new(self.secret, f"pdcluster:{label}".encode(), hashlib.sha256).digest()[:size]
-
-    @property
-    def engine_token(self) -> str:
-        return self.derive("engine-token").hex()
 
     @property
     def admin_token(self) -> str:
@@ -187,9 +199,6 @@ class ClusterCredentials:
         name = f"ray-token-{hashlib.sha256(self.ray_token.encode()).hexdigest()[:12]}"
         path = write_private(runtime_dir() / name, self.ray_token + "\n")
         return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(path)}
-
-    def engine_headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.engine_token}"}
 
     def admin_headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.admin_token}"}
@@ -214,14 +223,19 @@ class ClusterCredentials:
 
 @dataclasses.dataclass(frozen=True)
 class EngineKeys:
-    """What an engine's vLLM process needs of the cluster's credentials, and nothing more: it
-    checks the router's token, signs and checks weights, publishes KV events, and is a client
-    (never the server) of the store."""
+    """What an engine's vLLM process needs of the cluster's credentials, and nothing more: its own
+    identity (the token it admits, its TLS key and certificate), the weights key it signs and
+    checks weights with, the KV-event plane's server keys, and the store plane's client keys
+    (never the server's)."""
 
-    engine_token: str = dataclasses.field(repr=False)
+    identity: EngineIdentity
     weights_key: str = dataclasses.field(repr=False)
     kv_events: CurveKeys
     store: CurveKeys
+
+    @property
+    def engine_token(self) -> str:
+        return self.identity.token
 
     def as_env(self) -> dict[str, str]:
         """How the engine's host hands them over: the environment, never argv."""
@@ -230,14 +244,14 @@ class EngineKeys:
     def to_json(self) -> str:
         planes = {name: {f.name: getattr(keys, f.name).decode() for f in dataclasses.fields(keys)}
                   for name, keys in (("kv_events", self.kv_events), ("store", self.store))}
-        return json.dumps({"engine_token": self.engine_token, "weights_key": self.weights_key, **planes})
+        return json.dumps({"identity": dataclasses.asdict(self.identity), "weights_key": self.weights_key, **planes})
 
     @classmethod
     def from_json(cls, text: str) -> EngineKeys:
         fields = json.loads(text)
         planes = {name: CurveKeys(**{k: v.encode() for k, v in fields[name].items()})
                   for name in ("kv_events", "store")}
-        return cls(fields["engine_token"], fields["weights_key"], **planes)
+        return cls(EngineIdentity(**fields["identity"]), fields["weights_key"], **planes)
 
     @classmethod
     def load(cls) -> EngineKeys:
@@ -269,26 +283,43 @@ class ShardKeys:
 
 @dataclasses.dataclass(frozen=True)
 class EngineHostKeys:
-    """What an engine's host (its Ray actor) holds: the keys it hands its vLLM process, and the
-    key that proves to a launcher that would adopt it that it is the cluster's engine. An engine
+    """What one engine's host (its Ray actor) holds: its instance's key, from which it makes each
+    server process's identity and seals its endpoint, the keys it hands that process, and the key
+    that proves to a launcher that would adopt it that it is the cluster's engine. An engine
     actor's config carries these, never the secret (Ray keeps actors' arguments in its GCS)."""
 
-    engine: EngineKeys
+    instance_id: str
+    engine_key: bytes = dataclasses.field(repr=False)
+    weights_key: str = dataclasses.field(repr=False)
+    kv_events: CurveKeys
+    store: CurveKeys
     proof_key: bytes = dataclasses.field(repr=False)
 
     def prove(self, challenge: str) -> str:
         return _proof(self.proof_key, challenge)
 
-    def engine_headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.engine.engine_token}"}
+    def new_process(self, host: str) -> EngineKeys:
+        """The keys of a new server process of this engine: a fresh identity (engine_access)."""
+        return EngineKeys(EngineIdentity.new(self.engine_key, self.instance_id, host), self.weights_key,
+                          self.kv_events, self.store)
+
+    def endpoint(self, keys: EngineKeys, url: str) -> EngineEndpoint:
+        """What a router needs to reach the process given `keys`, at `url`, sealed."""
+        return keys.identity.endpoint(self.engine_key, self.instance_id, url)
 
     def to_json(self) -> str:
-        return json.dumps({"engine": self.engine.to_json(), "proof_key": self.proof_key.hex()})
+        planes = {name: {f.name: getattr(keys, f.name).decode() for f in dataclasses.fields(keys)}
+                  for name, keys in (("kv_events", self.kv_events), ("store", self.store))}
+        return json.dumps({"instance_id": self.instance_id, "engine_key": self.engine_key.hex(),
+                           "weights_key": self.weights_key, "proof_key": self.proof_key.hex(), **planes})
 
     @classmethod
     def from_json(cls, text: str) -> EngineHostKeys:
         fields = json.loads(text)
-        return cls(EngineKeys.from_json(fields["engine"]), bytes.fromhex(fields["proof_key"]))
+        planes = {name: CurveKeys(**{k: v.encode() for k, v in fields[name].items()})
+                  for name in ("kv_events", "store")}
+        return cls(fields["instance_id"], bytes.fromhex(fields["engine_key"]), fields["weights_key"],
+                   planes["kv_events"], planes["store"], bytes.fromhex(fields["proof_key"]))
 
 
 def _proof(proof_key: bytes, challenge: str) -> str:

@@ -21,6 +21,7 @@ import httpx
 from engine.config import EngineConfig
 from engine.environment import engine_env, free_port
 from security.credentials import SECRET_ENV
+from security.engine_access import EngineAccess
 
 MAX_TOKENS = 16
 TOP_LOGPROBS = 5
@@ -66,9 +67,11 @@ def request_body(model: str, prompt: dict) -> tuple[str, dict]:
     return "/v1/completions", body | {"logprobs": TOP_LOGPROBS}
 
 
-def ask(url: str, model: str, prompt: dict, headers: dict | None = None) -> Answer:
+def ask(to: str | EngineAccess, model: str, prompt: dict) -> Answer:
     endpoint, body = request_body(model, prompt)
-    response = httpx.post(f"{url}{endpoint}", json=body, headers=headers, timeout=300)
+    engine = {"headers": to.headers, "verify": to.ssl} if isinstance(to, EngineAccess) else {}
+    url = to.url if isinstance(to, EngineAccess) else to
+    response = httpx.post(f"{url}{endpoint}", json=body, timeout=300, **engine)
     assert response.status_code == 200, f"{url}{endpoint}: {response.status_code} {response.text[:500]}"
     choice = response.json()["choices"][0]
     if "messages" in prompt:
@@ -80,12 +83,13 @@ def ask(url: str, model: str, prompt: dict, headers: dict | None = None) -> Answ
     return Answer(tuple(choice["token_ids"]), tops, text)
 
 
-def ask_all(url: str, model: str, concurrently: bool = False, headers: dict | None = None) -> dict[str, Answer]:
-    """Every prompt of PROMPTS, one after the other or all at once."""
+def ask_all(to: str | EngineAccess, model: str, concurrently: bool = False) -> dict[str, Answer]:
+    """Every prompt of PROMPTS, one after the other or all at once; `to`: a server's URL (a
+    router, plain vLLM) or an engine of ours straight (its access)."""
     if not concurrently:
-        return {name: ask(url, model, prompt, headers) for name, prompt in PROMPTS.items()}
+        return {name: ask(to, model, prompt) for name, prompt in PROMPTS.items()}
     with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
-        futures = {name: pool.submit(ask, url, model, prompt, headers) for name, prompt in PROMPTS.items()}
+        futures = {name: pool.submit(ask, to, model, prompt) for name, prompt in PROMPTS.items()}
         return {name: future.result() for name, future in futures.items()}
 
 
@@ -191,10 +195,12 @@ def oracle_answers(config: EngineConfig, log_path: Path) -> dict[str, Answer]:
         return ask_all(server.url, config.served_model_name)
 
 
-def assert_conforms(url: str, model: str, oracle: dict[str, Answer], headers: dict | None = None) -> None:
-    """PROMPTS through `url` give plain vLLM's answers, sent one after the other and all at once."""
+def assert_conforms(to: str | EngineAccess, model: str, oracle: dict[str, Answer]) -> None:
+    """PROMPTS through `to` (a URL, or an engine's access) give plain vLLM's answers, sent one after
+    the other and all at once."""
+    url = to.url if isinstance(to, EngineAccess) else to
     for concurrently in (False, True):
-        found = differences(ask_all(url, model, concurrently, headers), oracle)
+        found = differences(ask_all(to, model, concurrently), oracle)
         assert not found, f"{url} ({'concurrent' if concurrently else 'sequential'}) differs from plain vLLM:\n" + (
             "\n".join(found)
         )

@@ -7,6 +7,8 @@ import time
 import uuid
 from collections.abc import Sequence
 
+from transport.listener_warden import watched_listeners
+
 Extent = tuple[int, int]  # (address, bytes)
 PIECE_BYTES = 64 * 1024**2  # several requests in flight on UCX's lanes
 
@@ -26,7 +28,8 @@ PROGRESS_THREAD_DELAY_US = 100
 
 def quiet_progress_threads() -> None:
     """Make every NIXL agent created in this process from now on (ours and vLLM's NixlConnector
-    alike) use PROGRESS_THREAD_DELAY_US, whatever the Python API sets."""
+    alike) use PROGRESS_THREAD_DELAY_US, whatever the Python API sets; and keep every one of its
+    UCX workers progressed and their TCP listeners watched (`_guarded_agent_type`)."""
     from nixl import _api
 
     config_type = _api.nixlBind.nixlAgentConfig
@@ -37,9 +40,38 @@ def quiet_progress_threads() -> None:
         pdcluster_quiet = True
 
         def __setattr__(self, name, value):
-            super().__setattr__(name, PROGRESS_THREAD_DELAY_US if name == "pthrDelay" else value)
+            if name == "pthrDelay":
+                value = PROGRESS_THREAD_DELAY_US
+            elif name == "useProgThread":  # a UCX worker nobody progresses never closes a connection
+                value = True
+            super().__setattr__(name, value)
 
     _api.nixlBind.nixlAgentConfig = QuietAgentConfig
+    _api.nixlBind.nixlAgent = _guarded_agent_type(_api.nixlBind.nixlAgent)
+
+
+def _guarded_agent_type(agent_type):
+    """NIXL's native agent, its UCX backends made with every UCX worker progressed and their TCP
+    listeners handed to the warden.
+
+    Each UCX worker has a TCP listener (UCT's TCP interface, on the node's address: 127.0.0.1
+    here) that accepts anyone; an accepted connection is read, and closed once its peer left, only
+    when that worker is progressed. With `num_threads` (vLLM's NixlConnector asks for 4) NIXL's
+    UCX backend adds one "dedicated" worker per thread, progressed only while it carries a
+    transfer: an idle one never reads its accepted connections, and each its client closed stays in
+    CLOSE-WAIT holding a descriptor (1,000 connect-and-close calls: 1,000 more, for each of the 4),
+    until a stranger's calls take the process to its descriptor limit (docs/security.md, attack
+    11.3). Without them every worker is one the progress thread polls."""
+
+    class GuardedAgent(agent_type):
+        def createBackend(self, backend, params):
+            params = dict(params)
+            if backend == "UCX":
+                params.pop("num_threads", None)
+            with watched_listeners():
+                return super().createBackend(backend, params)
+
+    return GuardedAgent
 
 
 def new_agent(prefix: str):

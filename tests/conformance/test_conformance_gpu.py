@@ -66,11 +66,11 @@ def test_disk_loader_and_cuda_ipc_standby_answer_as_plain_vllm(config, want):
     try:
         asyncio.run(start_both())
         assert peer.weights_record["source"] == "disk"  # the pinned streaming loader (stream_to_device)
-        assert_conforms(peer.url, "llama1b-tied", want, peer.auth_headers)
-        assert differences(ask_all(standby.url, "llama1b-tied", headers=standby.auth_headers), want)  # dummy weights: the check can fail
+        assert_conforms(peer.access, "llama1b-tied", want)
+        assert differences(ask_all(standby.access, "llama1b-tied"), want)  # dummy weights: the check can fail
         asyncio.run(standby.activate(asyncio.run(peer.export_weights())))
         assert standby.weights_record["transport"] == "cuda_ipc"
-        assert_conforms(standby.url, "llama1b-tied", want, standby.auth_headers)
+        assert_conforms(standby.access, "llama1b-tied", want)
     finally:
         asyncio.run(standby.stop())
         asyncio.run(peer.stop())
@@ -93,7 +93,7 @@ def test_sleeping_standby_wakes_with_peer_weights_and_answers_as_plain_vllm(conf
         assert sleeper.state == InstanceState.SLEEPING
         asyncio.run(sleeper.activate(asyncio.run(peer.export_weights())))
         assert sleeper.weights_record["transport"] == "cuda_ipc"
-        assert_conforms(sleeper.url, "llama1b-tied", want, sleeper.auth_headers)
+        assert_conforms(sleeper.access, "llama1b-tied", want)
         with pytest.raises(EngineStartError, match="sleep mode cannot offer its weights over CUDA IPC"):
             asyncio.run(sleeper.export_weights())
     finally:

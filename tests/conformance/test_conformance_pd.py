@@ -12,11 +12,9 @@ from transformers import AutoTokenizer
 from engine.config import KVHashing
 from engine.models import default_model_root
 from loadtest.local_cluster import LocalServer
-from loadtest.scrape import scrape
-from security.credentials import ClusterCredentials
+from loadtest.scrape import scrape_engine
 
 pytestmark = pytest.mark.slow
-ENGINE = ClusterCredentials.load().engine_headers()  # the session's secret (tests/conftest.py)
 HITS = "vllm:external_prefix_cache_hits_total"
 
 
@@ -27,11 +25,11 @@ def test_pd_answers_as_plain_vllm(model, transfer, oracle, artifacts):
     args = ["--model", model, "--prefill", "1", "--decode", "1", "--kv-transfer", transfer,
             "--remote-prefill-min-tokens", "0"]
     with LocalServer(args, artifacts / f"serve-conformance-pd-{model}.log") as server:
-        (decode,) = [i["url"] for i in server.instances() if i["role"] == "decode"]
-        hits = scrape(decode, (HITS,), headers=ENGINE).get(HITS, 0.0)
+        (decode,) = [server.engine_access(i["instance_id"]) for i in server.instances() if i["role"] == "decode"]
+        hits = scrape_engine(decode, (HITS,)).get(HITS, 0.0)
         assert_conforms(server.url, model, want)
         # The long completion's KV came from the prefill instance (vLLM counts it as external
         # hits): every whole block but the one holding its last token, at least.
         prompt = AutoTokenizer.from_pretrained(default_model_root() / model)(PROMPTS["completion-long"]["prompt"])
         block = KVHashing().block_size
-        assert scrape(decode, (HITS,), headers=ENGINE)[HITS] - hits >= (len(prompt.input_ids) - 1) // block * block
+        assert scrape_engine(decode, (HITS,))[HITS] - hits >= (len(prompt.input_ids) - 1) // block * block

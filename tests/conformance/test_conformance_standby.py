@@ -46,7 +46,7 @@ def engines(config, model, oracle):
 
     try:
         asyncio.run(start_both())
-        assert_conforms(peer.url, model, oracle(model), peer.auth_headers)  # the disk path
+        assert_conforms(peer.access, model, oracle(model))  # the disk path
         yield started
     finally:
         for host in started["all"]:
@@ -70,7 +70,7 @@ def standby(engines, config, model, oracle):
     try:
         assert host.state == InstanceState.STANDBY
         # Dummy weights until activated: it answers, but not as vLLM does (the check can fail).
-        assert differences(ask_all(host.url, model, headers=host.auth_headers), oracle(model))
+        assert differences(ask_all(host.access, model), oracle(model))
         yield host
     finally:
         asyncio.run(host.stop())
@@ -83,7 +83,7 @@ def test_standby_activated_from_a_peer_answers_as_plain_vllm(model, transport, p
     assert standby.state == InstanceState.READY
     assert (standby.weights_record["source"], standby.weights_record["transport"]) == ("peer", transport)
     assert timeline["details"]["weights_source"] == f"peer/{transport}"
-    assert_conforms(standby.url, model, oracle(model), standby.auth_headers)
+    assert_conforms(standby.access, model, oracle(model))
 
 
 @pytest.fixture
@@ -107,4 +107,4 @@ def test_a_corrupted_transfer_is_detected_and_the_weights_come_from_disk(tiny_on
         shm.write_bytes(original)
     record = standby.weights_record
     assert record["source"] == "disk" and "digest" in record["fallback_reason"]
-    assert_conforms(standby.url, model, oracle(model), standby.auth_headers)
+    assert_conforms(standby.access, model, oracle(model))

@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from security.credentials import ClusterCredentials
+from security.credentials import ClusterCredentials, write_private
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -118,7 +118,7 @@ def main() -> int:
     start_sshd(workdir)
     path = cluster_yaml(workdir)
     keys_file = workdir / "api-keys"
-    keys_file.write_text(f"{TENANT_KEY}:tenant-a\n")
+    write_private(keys_file, f"{TENANT_KEY}:tenant-a\n")  # 0600: else refused
     seen: dict = {"hosts": HOSTS}
     started = time.monotonic()
     up = subprocess.run([BIN / "pdcluster", "up", str(path), "--host", "0.0.0.0", "--port", str(ROUTER_PORT),

@@ -164,11 +164,11 @@ def test_huge_prompts_are_refused_before_any_engine_while_others_are_served(serv
     by `python -m loadtest.router_overhead --attackers 3`, not asserted here: on a 2-core machine
     the attack's tokenizing takes one core of two from vLLM's processes and this test's own
     clients, so such a ratio measures the machine."""
-    (engine,) = httpx.get(f"{served.url}/admin/instances", headers=served.credentials.admin_headers(),
-                          timeout=5).json()["instances"]
+    (engine,) = served.instances()
+    access = served.engine_access(engine["instance_id"])
 
     def engine_prompt_tokens() -> float:
-        text = httpx.get(f"{engine['url']}/metrics", headers=served.credentials.engine_headers(), timeout=5).text
+        text = httpx.get(f"{access.url}/metrics", headers=access.headers, verify=access.ssl, timeout=5).text
         return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                    if line.startswith("vllm:prompt_tokens_total"))
 

@@ -31,7 +31,7 @@ from engine.config import EngineConfig  # noqa: E402
 from engine.host import EngineHost  # noqa: E402
 from engine.roles import COLOCATED, RoleSpec  # noqa: E402
 from kvstore.shard import ShardServer  # noqa: E402
-from loadtest.scrape import scrape  # noqa: E402
+from loadtest.scrape import scrape_engine  # noqa: E402
 from prefill.role import PREFILL  # noqa: E402
 from security.credentials import ClusterCredentials  # noqa: E402
 
@@ -69,11 +69,10 @@ def engines(cuda_model, artifacts):
     def config(role: RoleSpec) -> EngineConfig:
         return EngineConfig(model=cuda_model, served_model_name="tiny", role=role, max_model_len=2048,
                             gpu_memory_utilization=0.15, keep_host_weights=False, extra_args=("--dtype", dtype),
-                            host_keys=credentials.engine_host_keys().to_json(),
                             kv_store_endpoints=() if role is COLOCATED else (shard.endpoint,))
 
-    hosts = [EngineHost(config(role), f"cuda-{role.name}", host="127.0.0.1")
-             for role in (COLOCATED, PREFILL, DECODE)]
+    hosts = [EngineHost(config(role), f"cuda-{role.name}", host="127.0.0.1",
+                        keys=credentials.engine_host_keys(f"cuda-{role.name}")) for role in (COLOCATED, PREFILL, DECODE)]
 
     async def start_all() -> None:
         for host in hosts:  # one at a time: vLLM's memory profiling assumes a quiet GPU
@@ -93,13 +92,14 @@ def engines(cuda_model, artifacts):
 def complete(host: EngineHost, prompt: str, max_tokens: int) -> list[int]:
     body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "return_token_ids": True}
-    response = httpx.post(f"{host.url}/v1/completions", json=body, headers=host.auth_headers, timeout=120)
+    response = httpx.post(f"{host.url}/v1/completions", json=body, headers=host.access.headers,
+                          verify=host.access.ssl, timeout=120)
     assert response.status_code == 200, response.text
     return response.json()["choices"][0]["token_ids"]
 
 
 def external_hits(host: EngineHost) -> float:
-    return scrape(host.url, ("vllm:external_prefix_cache_hits",), headers=host.auth_headers).get(
+    return scrape_engine(host.access, ("vllm:external_prefix_cache_hits",)).get(
         "vllm:external_prefix_cache_hits_total", 0.0)
 
 
@@ -116,7 +116,8 @@ def test_pd_through_the_store_on_cuda_equals_one_engine_and_really_loads(engines
     assert complete(decode, prompt, max_tokens=24) == want
     loaded = external_hits(decode) - before
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 1, "return_token_ids": True}
-    served = httpx.post(f"{decode.url}/v1/completions", json=body, headers=decode.auth_headers, timeout=120)
+    served = httpx.post(f"{decode.url}/v1/completions", json=body, headers=decode.access.headers,
+                        verify=decode.access.ssl, timeout=120)
     prompt_tokens = len(served.json()["choices"][0]["prompt_token_ids"])
     whole_blocks = (prompt_tokens - 1) // decode.config.block_size * decode.config.block_size
     assert loaded == whole_blocks  # every whole block but the last token's came from the store

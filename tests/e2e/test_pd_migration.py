@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from loadtest.faults import engine_running, kill_engine
-from loadtest.scrape import scrape
+from loadtest.scrape import scrape, scrape_engine
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 1536
@@ -131,7 +131,7 @@ def decodes(server) -> list[dict]:
 
 def test_a_killed_decode_engines_streams_go_on_on_the_other_with_the_fault_free_text(served_pd_two_decodes):
     server = served_pd_two_decodes
-    admin, engine = server.credentials.admin_headers(), server.credentials.engine_headers()
+    admin = server.credentials.admin_headers()
     reference = started_one_by_one(server.url)
     expected = [s.result() for s in reference]
     assert all(not errors and usage["completion_tokens"] == MAX_TOKENS for _, usage, errors, _ in expected), expected
@@ -159,7 +159,8 @@ def test_a_killed_decode_engines_streams_go_on_on_the_other_with_the_fault_free_
         time.sleep(0.01)
     victim = next(i for i in decodes(server) if i["instance_id"] == both[0])
     (survivor,) = [i for i in decodes(server) if i["instance_id"] != victim["instance_id"]]
-    survivor_before = scrape(survivor["url"], ("vllm:prompt_tokens",), headers=engine)
+    survivor_engine = server.engine_access(survivor["instance_id"])
+    survivor_before = scrape_engine(survivor_engine, ("vllm:prompt_tokens",))
     on_victim = held[victim["instance_id"]]
     assert not any(streams[k].ended for k in on_victim)
     kill_engine(victim["url"])
@@ -190,7 +191,7 @@ def test_a_killed_decode_engines_streams_go_on_on_the_other_with_the_fault_free_
         time.sleep(0.2)
     # The continuations' prompts (prompt + sent tokens) on the survivor: their whole store chunks
     # of the original prompt were hits (the prefill instance stored them), not recomputed.
-    survivor_after = scrape(survivor["url"], ("vllm:prompt_tokens",), headers=engine)
+    survivor_after = scrape_engine(survivor_engine, ("vllm:prompt_tokens",))
     name = "vllm:prompt_tokens_cached_total"  # local and external (store) hits, in tokens
     cached = survivor_after.get(name, 0.0) - survivor_before.get(name, 0.0)
     whole_chunks = sum((expected[k][1]["prompt_tokens"] - 1) // 256 * 256 for k in on_victim)

@@ -13,11 +13,9 @@ import pytest
 from oracle import assert_conforms
 
 from loadtest.local_cluster import LocalServer, RayHead
-from loadtest.scrape import scrape
-from security.credentials import ClusterCredentials
+from loadtest.scrape import scrape_engine
 
 pytestmark = pytest.mark.slow
-ENGINE = ClusterCredentials.load().engine_headers()  # the session's secret (tests/conftest.py)
 HITS = "vllm:prefix_cache_hits_total"
 MODELS = ("tiny", "tiny-tied", "smollm2")  # three engines: every model adopted, each checked
 PROMPT = " ".join(
@@ -66,9 +64,10 @@ def test_a_restarted_router_adopts_the_engines_and_rebuilds_its_index(artifacts,
                                  now[k]["index_blocks"] == before[k]["index_blocks"] for k in now), 10)
             assert {k: (i["url"], i["state"]) for k, i in after.items()} == {
                 k: (i["url"], "ready") for k, i in before.items()}
-            hits = scrape(tiny["url"], (HITS,), headers=ENGINE)[HITS]
+            engine = server.engine_access(tiny["instance_id"])
+            hits = scrape_engine(engine, (HITS,))[HITS]
             assert complete(server.url) == first
-            warm = scrape(tiny["url"], (HITS,), headers=ENGINE)[HITS] - hits
+            warm = scrape_engine(engine, (HITS,))[HITS] - hits
             assert warm >= tiny["index_blocks"] * 32 - 32  # its prefix cache came through the restart
             assert f"adopted {len(MODELS)} engine(s)" in server.log_path.read_text()
             for model in MODELS:  # every adopted engine answers right

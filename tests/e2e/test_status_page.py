@@ -54,7 +54,7 @@ def test_the_page_and_its_data_need_the_admin_token(served: LocalServer):
         assert refused.status_code == 401
         assert refused.headers["www-authenticate"].startswith('Basic realm="pdcluster"')
         assert httpx.get(f"{served.url}{path}", headers=basic("wrong"), timeout=10).status_code == 401
-        another_token = basic(served.credentials.engine_token)
+        another_token = basic(served.engine_access(served.instances()[0]["instance_id"]).token)
         assert httpx.get(f"{served.url}{path}", headers=another_token, timeout=10).status_code == 401
     from playwright.sync_api import Error as BrowserError
 

@@ -9,21 +9,21 @@ import pytest
 from fastapi.testclient import TestClient
 
 from engine.roles import COLOCATED
-from loadtest.scrape import scrape
+from loadtest.scrape import scrape_engine
 from router.app import build_app
 from router.config import RouterConfig, ServedModel
 from router.instances import Instance, InstanceRegistry
 from security.credentials import ClusterCredentials
 
 pytestmark = pytest.mark.slow
-ENGINE = ClusterCredentials.load().engine_headers()  # the session's secret (tests/conftest.py)
 HITS = "vllm:prefix_cache_hits_total"
 
 
 def test_one_tenant_never_hits_anothers_cached_prompt(served, tiny_model):
-    (engine,) = served.instances()
+    (listed,) = served.instances()
+    engine = served.engine_access(listed["instance_id"])
     registry = InstanceRegistry()
-    registry.add(Instance(engine["instance_id"], COLOCATED, engine["url"], model="tiny"))
+    registry.add(Instance(listed["instance_id"], COLOCATED, engine.url, model="tiny", access=engine))
     config = RouterConfig(models=(ServedModel(name="tiny", max_model_len=4096, tokenizer=tiny_model),), health_interval_s=60,
                           api_keys={"key-a": "tenant-a", "key-b": "tenant-b"},
                           cluster_secret=ClusterCredentials.load().secret.hex())
@@ -31,10 +31,10 @@ def test_one_tenant_never_hits_anothers_cached_prompt(served, tiny_model):
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 2, "temperature": 0}
 
     def hits_after(key: str) -> float:
-        before = scrape(engine["url"], (HITS,), headers=ENGINE)[HITS]
+        before = scrape_engine(engine, (HITS,))[HITS]
         response = router.post("/v1/completions", json=body, headers={"authorization": f"Bearer {key}"})
         assert response.status_code == 200, response.text
-        return scrape(engine["url"], (HITS,), headers=ENGINE)[HITS] - before
+        return scrape_engine(engine, (HITS,))[HITS] - before
 
     with TestClient(build_app(config, registry)) as router:
         assert hits_after("key-a") == 0  # a fresh prompt

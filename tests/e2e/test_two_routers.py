@@ -18,6 +18,7 @@ from machine import unless_ci
 
 from loadtest.balancer import balancer
 from loadtest.local_cluster import LocalServer, RayHead
+from security.credentials import write_private
 
 pytestmark = [pytest.mark.slow, unless_ci(shutil.which("nginx") is not None, "needs Debian's nginx (make test)")]
 KEYS = [f"sk-two-routers-{k}" for k in range(12)]
@@ -93,7 +94,7 @@ def until(condition, timeout_s: float, what: str):
 def test_two_routers_share_events_and_limits_and_one_can_die(model_dir, artifacts, tmp_path):
     model_dir(MODEL)
     keys_file = tmp_path / "api-keys"
-    keys_file.write_text("".join(f"{key}:tenant-{k}\n" for k, key in enumerate(KEYS)))
+    write_private(keys_file, "".join(f"{key}:tenant-{k}\n" for k, key in enumerate(KEYS)))  # 0600: else refused
     common = ["--model", MODEL, "--kv-cache-gib", "1", "--api-keys-file", str(keys_file),
               "--max-concurrency-per-key", "2"]
     with RayHead() as head:

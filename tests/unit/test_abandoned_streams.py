@@ -20,10 +20,10 @@ from starlette.responses import StreamingResponse
 from starlette.routing import Route
 
 from engine.environment import free_port
-from engine.roles import COLOCATED
+from loadtest.engine_standin import AppStandIn
 from router.app import build_app
 from router.config import RouterConfig, ServedModel
-from router.instances import Instance, InstanceRegistry
+from router.instances import InstanceRegistry
 
 KEY = "sk-abandoning-client"
 FIRST_BYTE_S = 1.0
@@ -101,9 +101,9 @@ async def test_a_response_whose_client_is_gone_before_it_starts_still_cleans_up(
 
 
 def test_a_client_that_leaves_while_the_engine_computes_gives_its_slot_back():
-    with serving(stand_in_engine(), free_port("127.0.0.1")) as engine_url:
+    with AppStandIn(stand_in_engine(), "engine-0") as engine:
         registry = InstanceRegistry()
-        instance = Instance("engine-0", COLOCATED, engine_url, model="m")
+        instance = engine.instance()
         registry.add(instance)
         config = RouterConfig(models=(ServedModel(name="m", max_model_len=64),), health_interval_s=60,
                               api_keys={KEY: "t"}, max_concurrency_per_key=1, max_migrations=0)

@@ -115,7 +115,7 @@ def test_vllms_startup_plan_is_kept_per_memory_utilization(tiny_model):
 
     def config_hash(utilization: float) -> str:
         config = EngineConfig(model=tiny_model, served_model_name="tiny", gpu_memory_utilization=utilization)
-        command = server_command(config, "127.0.0.1", 8000, "engine-0", None, None)
+        command = server_command(config, "127.0.0.1", 8000, "engine-0")
         args = command[command.index(SERVER_MODULE) + 1:]
         namespace = make_arg_parser(FlexibleArgumentParser()).parse_args(args)
         return EngineArgs.from_cli_args(namespace).create_engine_config().compute_hash()

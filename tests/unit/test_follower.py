@@ -6,12 +6,14 @@ named actors are fakes here (named so); tests/e2e/test_two_routers.py follows a 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
 from deploy import follower as follower_module
 from deploy.follower import FleetFollower
 from engine.lifecycle import InstanceState
+from loadtest.engine_standin import StandInIdentity
 from router.instances import InstanceRegistry
 from security.credentials import ClusterCredentials
 
@@ -36,9 +38,14 @@ class _Method:
 
 
 class FakeEngineActor:
-    def __init__(self, name: str, credentials: ClusterCredentials, model=MODEL, state: str = "ready") -> None:
-        self.info = {"role": "colocated", "url": f"http://127.0.0.1:1/{name}", "state": state, "model": model[0],
-                     "served_model_name": model[1], "kv_events_endpoint": None, "kv_events_replay_endpoint": None}
+    """`sealed_by`: the cluster whose instance key seals its endpoint (default: `credentials`')."""
+
+    def __init__(self, name: str, credentials: ClusterCredentials, model=MODEL, state: str = "ready",
+                 sealed_by: ClusterCredentials | None = None) -> None:
+        endpoint = StandInIdentity(name, 1, sealed_by or credentials).endpoint
+        self.info = {"instance_id": name, "role": "colocated", "url": endpoint.url, "state": state,
+                     "model": model[0], "served_model_name": model[1], "kv_events_endpoint": None,
+                     "kv_events_replay_endpoint": None, "endpoint": dataclasses.asdict(endpoint)}
         self._actor_id = type("FakeActorId", (), {"hex": lambda _, name=name: f"id-{name}"})()
         self.prove = _Method(lambda nonce: credentials.prove("engine", nonce))
         self.answering = True
@@ -91,3 +98,14 @@ async def test_an_impostor_is_neither_followed_nor_asked_at_every_look(actors):
     for _ in range(3):
         await follower.sync()
     assert registry.all() == [] and impostor.prove.calls == 1 and impostor.describe.calls == 0
+
+
+async def test_an_actor_that_proves_itself_but_publishes_an_endpoint_not_sealed_by_its_instance_is_not_followed(
+        actors):
+    """Someone with Ray's token and an engine's proof key, but not its instance's key (an engine's
+    host of another cluster, or of another instance), cannot point the router at its listener."""
+    actors["tiny-colocated-0"] = FakeEngineActor("tiny-colocated-0", CREDENTIALS,
+                                                 sealed_by=ClusterCredentials.generate())
+    registry = InstanceRegistry()
+    await FleetFollower(registry, CREDENTIALS, {MODEL}).sync()
+    assert registry.all() == []

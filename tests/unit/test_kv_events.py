@@ -22,7 +22,7 @@ KEYS = CREDENTIALS.curve(KV_EVENTS_PLANE)
 @pytest.fixture(autouse=True)
 def engine_keys(monkeypatch):
     """This process stands in for an engine: its publishers find the keys an engine's host gives."""
-    monkeypatch.setenv(*CREDENTIALS.engine_keys().as_env().popitem())
+    monkeypatch.setenv(*CREDENTIALS.engine_host_keys("colocated-0").new_process("127.0.0.1").as_env().popitem())
 
 
 def publisher(endpoint: str, replay: str, topic: str, ours: bool = True):

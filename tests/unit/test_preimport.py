@@ -1,5 +1,5 @@
-"""engine/preimport.py: a server process that imports first and runs only when told, as
-`python -m` would have run it (its spawned children included)."""
+"""engine/preimport.py: a server process that imports first and serves only when told (its
+spawned and forked children included: they never wait for a start of their own)."""
 
 from __future__ import annotations
 
@@ -19,14 +19,14 @@ import json, multiprocessing, sys
 print("imported", flush=True)
 
 def child(path):
-    open(path, "w").write(__name__)
+    open(path, "w").write(sys.modules["__main__"].__name__)
 
-if __name__ == "__main__":
-    method = sys.argv[3]
-    process = multiprocessing.get_context(method).Process(target=child, args=(sys.argv[2],))
+def serve(args):
+    out, child_out, method = args
+    process = multiprocessing.get_context(method).Process(target=child, args=(child_out,))
     process.start()
     process.join(60)
-    open(sys.argv[1], "w").write(json.dumps({"argv": sys.argv, "child_exit": process.exitcode}))
+    open(out, "w").write(json.dumps({"args": args, "child_exit": process.exitcode}))
 '''
 
 
@@ -38,7 +38,7 @@ def _gated(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> sub
 
 
 @pytest.mark.parametrize("method", ["spawn", pytest.param("fork", marks=pytest.mark.slow)])  # fork: vLLM's core imported
-def test_the_server_runs_only_when_told_and_as_python_m_would_run_it(tmp_path, method):
+def test_the_server_runs_only_when_told_and_its_children_run(tmp_path, method):
     """Spawned (vLLM's engine core on the CPU build) or forked (on CUDA) children both run."""
     out, child_out = tmp_path / "out.json", tmp_path / "child.txt"
     process = _gated(tmp_path, str(out), str(child_out), method,
@@ -50,9 +50,9 @@ def test_the_server_runs_only_when_told_and_as_python_m_would_run_it(tmp_path, m
     process.stdin.flush()
     assert process.wait(60) == 0
     result = json.loads(out.read_text())
-    assert result["argv"][1:] == [str(out), str(child_out), method]
-    # A spawned child imports the server module again as its main, not the gate: it does not wait
-    # for a start of its own.
+    assert result["args"] == [str(out), str(child_out), method]
+    # A spawned child imports the gate again as its main module, under another name: it does not
+    # wait for a start of its own.
     assert result["child_exit"] == 0
     assert child_out.read_text() == ("__mp_main__" if method == "spawn" else "__main__")
 

@@ -10,9 +10,9 @@ from fastapi.testclient import TestClient
 from prometheus_client import REGISTRY
 
 from decode.role import DECODE
-from engine.environment import free_port
 from engine.lifecycle import InstanceState
-from engine.roles import COLOCATED, RoleSpec
+from engine.roles import COLOCATED
+from loadtest.engine_standin import SocketStandIn, unreachable_instance
 from prefill.role import PREFILL
 from router.app import build_app
 from router.config import RouterConfig, ServedModel
@@ -34,11 +34,6 @@ def make_client(instances: list[Instance]) -> TestClient:
     return TestClient(build_app(config, registry))
 
 
-def dead_instance(instance_id: str = "dead-0", role: RoleSpec = COLOCATED) -> Instance:
-    """An instance whose port nothing listens on: a real refused connection."""
-    return Instance(instance_id, role, f"http://127.0.0.1:{free_port('127.0.0.1')}", model="m")
-
-
 def test_no_instance_is_a_503_with_retry_after():
     with make_client([]) as client:
         response = client.post("/v1/completions", json={"model": "m", "prompt": "x"})
@@ -50,7 +45,7 @@ def test_no_instance_is_a_503_with_retry_after():
 
 
 def test_dead_instances_fail_fast_with_a_clean_error():
-    with make_client([dead_instance("dead-0"), dead_instance("dead-1")]) as client:
+    with make_client([unreachable_instance("dead-0"), unreachable_instance("dead-1")]) as client:
         started = time.monotonic()
         first = client.post(
             "/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "x"}]}
@@ -63,10 +58,10 @@ def test_dead_instances_fail_fast_with_a_clean_error():
 
 
 def test_a_request_is_tried_only_on_its_own_models_instances():
-    other = dead_instance("n-0")
+    other = unreachable_instance("n-0")
     other.model = "n"  # another model's instance: dead too, so a try there would mark it failed
     registry = InstanceRegistry()
-    for instance in (dead_instance("m-0"), dead_instance("m-1"), other):
+    for instance in (unreachable_instance("m-0"), unreachable_instance("m-1"), other):
         registry.add(instance)
     config = RouterConfig(models=(ServedModel(name="m", max_model_len=128), ServedModel(name="n", max_model_len=64)),
                           health_interval_s=60, policy="round_robin", queue_timeout_s=0)
@@ -152,7 +147,7 @@ async def test_capacity_queue_hands_over_the_instance_that_becomes_ready():
 
     async def scale_up():
         await asyncio.sleep(0.2)
-        ready.append(dead_instance("new-0"))
+        ready.append(unreachable_instance("new-0"))
 
     waiter = asyncio.create_task(queue.wait(lambda: list(ready), "m"))
     await asyncio.sleep(0.05)
@@ -208,14 +203,14 @@ def pd_forwarder(prefill: Instance, **config) -> tuple[Forwarder, Instance]:
     settings = RouterConfig(models=(ServedModel(name="m", max_model_len=4096),), remote_prefill_min_tokens=0, **config)
     placer = Placer(PlacementSettings(0, settings.remote_prefill_max_queued_tokens), make_policy("least_loaded"),
                     make_policy("least_loaded"))
-    return Forwarder(settings, registry, placer, CapacityQueue(0, 0), {}), decode
+    return Forwarder(settings, registry, placer, CapacityQueue(0, 0)), decode
 
 
 async def test_a_prefill_instance_with_too_much_queued_leaves_the_prefill_to_decode():
     def prefilled(where: str) -> float:
         return REGISTRY.get_sample_value("pdcluster_router_prefills_total", {"where": where}) or 0.0
 
-    prefill = dead_instance("prefill-0", PREFILL)
+    prefill = unreachable_instance("prefill-0", PREFILL)
     forwarder, decode = pd_forwarder(prefill, remote_prefill_max_queued_tokens=1000, prefill_timeout_s=5)
     body, request = {"model": "m", "prompt": "p"}, RoutingRequest((), 600, 32)
     try:
@@ -250,48 +245,10 @@ def test_placement_is_one_pure_step():
     assert placer.place(long, [decode], [prefill]).reason == "local_busy"
 
 
-class StandInEngine:
-    """A stand-in engine on a real socket (named as such: no engine runs): it reads each request,
-    then drops the connection (an engine that crashed on it) or never answers (a hung one)."""
-
-    def __init__(self, behaviour: str) -> None:
-        import socket
-        import threading
-
-        self.behaviour, self.requests = behaviour, 0
-        self._server = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self._server.getsockname()[1]}"
-        self._held: list = []
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                connection, _ = self._server.accept()
-            except OSError:
-                return
-            data = b""
-            while b"\r\n\r\n" not in data:
-                chunk = connection.recv(65536)
-                if not chunk:
-                    break
-                data += chunk
-            self.requests += data.startswith(b"POST")  # the router's health checks are GETs
-            if self.behaviour == "crash":
-                connection.close()
-            else:
-                self._held.append(connection)
-
-    def close(self) -> None:
-        self._server.close()
-        for connection in self._held:
-            connection.close()
-
-
 def test_a_request_that_broke_an_engine_is_not_retried_on_another():
-    engines = [StandInEngine("crash") for _ in range(2)]
+    engines = [SocketStandIn("crash", f"e{k}") for k in range(2)]
     try:
-        with make_client([Instance(f"e{k}", COLOCATED, e.url, model="m") for k, e in enumerate(engines)]) as client:
+        with make_client([e.instance() for e in engines]) as client:
             response = client.post("/v1/completions", json={"model": "m", "prompt": "x"})
         assert response.status_code == 502
         assert sorted(e.requests for e in engines) == [0, 1]  # it reached one engine, and only one
@@ -301,8 +258,8 @@ def test_a_request_that_broke_an_engine_is_not_retried_on_another():
 
 
 async def test_a_hanging_prefill_instance_costs_timeouts_until_its_circuit_opens():
-    hung = StandInEngine("hang")
-    prefill = Instance("prefill-0", PREFILL, hung.url, model="m")
+    hung = SocketStandIn("hang", "prefill-0")
+    prefill = hung.instance(PREFILL)
     forwarder, decode = pd_forwarder(prefill, prefill_timeout_s=0.5, prefill_circuit_failures=2,
                                      prefill_circuit_s=60)
     body, request = {"model": "m", "prompt": "p"}, RoutingRequest((), 600, 32)

@@ -18,6 +18,9 @@ from router.instances import Instance, InstanceRegistry
 from security.credentials import SECRET_ENV, ClusterCredentials, CredentialsError, EngineKeys, runtime_dir
 
 CREDENTIALS = ClusterCredentials.load()  # the session's (tests/conftest.py)
+ENGINE_PROCESS = CREDENTIALS.engine_host_keys("colocated-0").new_process("127.0.0.1")
+"""The keys one engine process of the session's cluster would be given."""
+ENGINE_HEADERS = {"Authorization": f"Bearer {ENGINE_PROCESS.engine_token}"}
 
 
 def router(**config) -> TestClient:
@@ -28,8 +31,7 @@ def router(**config) -> TestClient:
 
 # What clients may call (with their API key, when keys are configured); everything else the
 # router answers is the operator's.
-CLIENT_ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/openapi.json", "/docs",
-                 "/docs/oauth2-redirect", "/redoc"}
+CLIENT_ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health"}
 
 
 def test_every_operator_route_needs_the_admin_token():
@@ -42,7 +44,7 @@ def test_every_operator_route_needs_the_admin_token():
         for method, path in routes:
             assert client.request(method, path).status_code == 401, path
             assert client.request(method, path, headers={"authorization": "Bearer k1"}).status_code == 401, path
-            assert client.request(method, path, headers=CREDENTIALS.engine_headers()).status_code == 401, path
+            assert client.request(method, path, headers=ENGINE_HEADERS).status_code == 401, path
             if method == "GET":
                 assert client.get(path, headers=CREDENTIALS.admin_headers()).status_code != 401, path
 
@@ -113,7 +115,7 @@ def test_the_router_sends_the_engine_token_to_engines_and_clients_cannot_skip_it
     """A stand-in engine behind the same middleware as ours: the router's request passes, a
     client's straight request (with or without a tenant key) does not; and even the token reaches
     only the cluster's routes and no worker method but ours."""
-    monkeypatch.setenv(*CREDENTIALS.engine_keys().as_env().popitem())
+    monkeypatch.setenv(*ENGINE_PROCESS.as_env().popitem())
     engine = FastAPI()
 
     @engine.post("/v1/completions")
@@ -129,8 +131,10 @@ def test_the_router_sends_the_engine_token_to_engines_and_clients_cannot_skip_it
         return {"tokens": []}
 
     engine.add_middleware(EngineAuthMiddleware)
-    token = CREDENTIALS.engine_headers()
+    token = ENGINE_HEADERS
     with TestClient(engine) as direct:
+        another = CREDENTIALS.engine_host_keys("colocated-0").new_process("127.0.0.1").engine_token
+        assert direct.post("/v1/completions", json={}, headers={"authorization": f"Bearer {another}"}).status_code == 401
         assert direct.post("/v1/completions", json={}).status_code == 401
         assert direct.post("/v1/completions", json={}, headers={"authorization": "Bearer k1"}).status_code == 401
         assert direct.post("/v1/completions", json={}, headers=token).status_code == 200
@@ -144,17 +148,6 @@ def test_the_router_sends_the_engine_token_to_engines_and_clients_cannot_skip_it
             assert refused.status_code == 403
         huge = {"method": "pdc_load_weights", "args": ["x" * (MAX_RPC_BODY_BYTES + 1)]}
         assert direct.post("/collective_rpc", json=huge, headers=token).status_code == 413
-
-
-async def test_the_router_presents_the_engine_token():
-    from router.proxy import Forwarder
-
-    config = RouterConfig(models=(ServedModel(name="m", max_model_len=64),), cluster_secret=CREDENTIALS.secret.hex())
-    forwarder = Forwarder(config, InstanceRegistry(), None, None, config.credentials().engine_headers())
-    try:
-        assert forwarder.session.headers["Authorization"] == f"Bearer {CREDENTIALS.engine_token}"
-    finally:
-        await forwarder.close()
 
 
 def test_leaving_instances_are_forgotten_by_the_index():
@@ -210,11 +203,12 @@ def test_an_engine_process_gets_its_keys_and_no_other_credential(monkeypatch):
     for name in ("RAY_AUTH_TOKEN", "PDCLUSTER_API_KEYS", "GITHUB_TOKEN", "DB_PASSWORD", "OPENAI_API_KEY",
                  "MY_SERVICE_CREDENTIALS", "AWS_ACCESS_KEY_ID"):
         monkeypatch.setenv(name, "do-not-leak")
-    env = engine_process_env("127.0.0.1", 1, None, "0") | CREDENTIALS.engine_keys().as_env()
+    env = engine_process_env("127.0.0.1", 1, None, "0") | ENGINE_PROCESS.as_env()
     assert "do-not-leak" not in str(env) and CREDENTIALS.secret.hex() not in str(env)
     monkeypatch.setattr(os, "environ", env)
     keys = EngineKeys.load()
-    assert keys.engine_token == CREDENTIALS.engine_token and keys.store.server_secret == b""
+    assert keys.engine_token == ENGINE_PROCESS.engine_token and keys.store.server_secret == b""
+    assert CREDENTIALS.engine_key("colocated-0").hex() not in str(env)  # the instance's key stays with its host
     assert keys.store.server_public == CREDENTIALS.curve("store").server_public
     assert CREDENTIALS.admin_token not in str(env) and CREDENTIALS.ray_token not in str(env)
     assert CREDENTIALS.curve("store").server_secret.decode() not in str(env)
@@ -222,9 +216,9 @@ def test_an_engine_process_gets_its_keys_and_no_other_credential(monkeypatch):
 
 def test_derived_keys_differ_per_use_and_per_cluster():
     one, other = ClusterCredentials.generate(), ClusterCredentials.generate()
-    keys = [one.engine_token, one.admin_token, one.weights_key, one.ray_token, one.tenant_salt("a")]
+    keys = [one.engine_key("a").hex(), one.admin_token, one.weights_key, one.ray_token, one.tenant_salt("a")]
     assert len(set(keys)) == len(keys)
-    assert one.tenant_salt("a") != other.tenant_salt("a") and one.engine_token != other.engine_token
+    assert one.tenant_salt("a") != other.tenant_salt("a") and one.engine_key("a") != other.engine_key("a")
     assert one.curve("store").server_public != one.curve("kv-events").server_public
     assert one.secret.hex() not in repr(one) and one.curve("store").server_secret.decode() not in repr(
         one.curve("store"))

@@ -7,9 +7,9 @@ from fastapi.testclient import TestClient
 from prometheus_client import REGISTRY
 
 from decode.role import DECODE
-from engine.environment import free_port
 from engine.lifecycle import InstanceState
 from engine.roles import COLOCATED
+from loadtest.engine_standin import unreachable_instance
 from router.app import build_app
 from router.config import RouterConfig, ServedModel
 from router.instances import Instance, InstanceRegistry
@@ -68,7 +68,7 @@ def test_admin_status_shows_pools_starts_errors_and_is_closed_to_others():
 
 def test_engine_metrics_discovery_lists_running_engines_and_the_relay_takes_only_their_ids():
     registry = InstanceRegistry()
-    registry.add(Instance("d-0", DECODE, f"http://127.0.0.1:{free_port('127.0.0.1')}", model="m"))  # nothing listens
+    registry.add(unreachable_instance("d-0", DECODE))  # nothing listens
     registry.add(Instance("c-1", COLOCATED, "http://127.0.0.1:2", InstanceState.STANDBY, model="m"))  # no vLLM server yet
     credentials = ClusterCredentials.load()
     config = RouterConfig(models=(ServedModel(name="m", max_model_len=128),), health_interval_s=60, queue_timeout_s=0,
@@ -76,7 +76,9 @@ def test_engine_metrics_discovery_lists_running_engines_and_the_relay_takes_only
     admin = credentials.admin_headers()
     with TestClient(build_app(config, registry), base_url="http://router.example:9000") as client:
         assert client.get("/admin/prometheus_sd").status_code == 401
-        assert client.get("/admin/engines/d-0/metrics", headers=credentials.engine_headers()).status_code == 401
+        engine_token = credentials.engine_host_keys("d-0").new_process("127.0.0.1").engine_token
+        assert client.get("/admin/engines/d-0/metrics", headers={"authorization": f"Bearer {engine_token}"}
+                          ).status_code == 401
         targets = client.get("/admin/prometheus_sd", headers=admin).json()
         # The router's own address, not the Host header the request came with (a proxy could let a caller
         # choose it, and with it where Prometheus sends its admin token).

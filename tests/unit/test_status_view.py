@@ -108,7 +108,7 @@ def test_a_browser_is_asked_for_the_admin_token_and_may_read_with_it(path):
         refused = client.get(path)
         assert refused.status_code == 401
         assert refused.headers["www-authenticate"].startswith('Basic realm="pdcluster"')
-        for wrong in (basic("admin", "wrong"), basic("admin", CREDENTIALS.engine_token),
+        for wrong in (basic("admin", "wrong"), basic("admin", CREDENTIALS.engine_host_keys("c-0").new_process("127.0.0.1").engine_token),
                       {"authorization": "Basic !!!not-base64"}, basic("", "")):
             assert client.get(path, headers=wrong).status_code == 401
         assert client.get(path, headers=basic("anyone", CREDENTIALS.admin_token)).status_code == 200

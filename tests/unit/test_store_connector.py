@@ -55,7 +55,7 @@ def test_blocks_round_trip_and_a_load_leaves_already_computed_blocks_alone():
 
 
 def test_a_prompt_stored_by_one_engine_is_loaded_bit_identical_by_another(monkeypatch):
-    monkeypatch.setenv(*CREDENTIALS.engine_keys().as_env().popitem())  # as an engine's host sets them
+    monkeypatch.setenv(*CREDENTIALS.engine_host_keys("colocated-0").new_process("127.0.0.1").as_env().popitem())  # as an engine's host sets them
     shard = ShardServer(64 * 1024**2, KEYS, page_bytes=64 * 1024)
     engines = []
     try:

@@ -10,9 +10,8 @@ server whose /health answers what the test says).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
-import http.server
-import threading
 import time
 from types import SimpleNamespace
 
@@ -21,10 +20,9 @@ from rich.console import Console
 
 from deploy import store_shards
 from deploy.store_shards import STORE_SHARD_PREFIX, StoreShards
-from engine.environment import free_port
 from engine.lifecycle import InstanceState
-from engine.roles import COLOCATED
-from router.instances import HealthMonitor, Instance, InstanceRegistry
+from loadtest.engine_standin import AppStandIn, unreachable_instance
+from router.instances import HealthMonitor, InstanceRegistry
 from security.credentials import ClusterCredentials
 
 
@@ -198,38 +196,30 @@ async def test_a_restarted_shard_is_reported_so_the_router_forgets_what_it_held(
     assert restarts == [True]
 
 
-class _HealthAnswers(http.server.BaseHTTPRequestHandler):
-    def do_GET(self) -> None:
-        engine: StandInEngine = self.server
-        engine.authorizations.add(self.headers.get("Authorization", ""))
-        healthy = engine.healthy
-        engine.failed_answers += not healthy
-        self.send_response(200 if healthy else 503)
-        self.send_header("Content-Length", "0")
-        self.end_headers()
-
-    def log_message(self, *args) -> None:  # quiet
-        pass
-
-
-class StandInEngine(http.server.ThreadingHTTPServer):
-    """Stands in for an engine's server on a real loopback socket (no engine runs): /health answers
-    200 while `healthy`, else 503; it counts the failed answers and keeps the Authorization headers."""
+class HealthSwitch:
+    """The stand-in engine's app: /health answers 200 while `healthy`, else 503; it counts the
+    failed answers and keeps the Authorization headers it was sent."""
 
     def __init__(self) -> None:
-        super().__init__(("127.0.0.1", 0), _HealthAnswers)
         self.healthy = True
         self.failed_answers = 0
         self.authorizations: set[str] = set()
-        self.url = f"http://127.0.0.1:{self.server_address[1]}"
 
-    def __enter__(self) -> StandInEngine:
-        threading.Thread(target=self.serve_forever, daemon=True).start()
-        return self
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return
+        self.authorizations.add(dict(scope["headers"]).get(b"authorization", b"").decode())
+        self.failed_answers += not self.healthy
+        await send({"type": "http.response.start", "status": 200 if self.healthy else 503, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
 
-    def __exit__(self, *exc_info) -> None:
-        self.shutdown()
-        self.server_close()
+
+class StandInEngine(AppStandIn):
+    """Stands in for an engine's server (no engine runs), served as engines are (TLS, token)."""
+
+    def __init__(self, instance_id: str = "colocated-0") -> None:
+        self.switch = HealthSwitch()
+        super().__init__(self.switch, instance_id)
 
 
 async def _until(condition, timeout_s: float = 10.0) -> None:
@@ -240,34 +230,34 @@ async def _until(condition, timeout_s: float = 10.0) -> None:
 
 
 def _monitor(registry: InstanceRegistry, failure_threshold: int) -> HealthMonitor:
-    return HealthMonitor(registry, interval_s=0.05, timeout_s=2.0, failure_threshold=failure_threshold,
-                         engine_headers={"Authorization": "Bearer engine-token"})
+    return HealthMonitor(registry, interval_s=0.05, timeout_s=2.0, failure_threshold=failure_threshold)
 
 
 async def test_an_instance_failing_health_checks_leaves_rotation_and_comes_back_when_it_passes():
     registry = InstanceRegistry()
     with StandInEngine() as engine:
-        instance = Instance("colocated-0", COLOCATED, engine.url, model="m")
+        instance = engine.instance()
         registry.add(instance)
         monitor = _monitor(registry, failure_threshold=3)
         monitor.start()
         try:
             await asyncio.sleep(0.3)  # passing checks change nothing
             assert registry.ready() == [instance]
-            engine.healthy = False
+            engine.switch.healthy = False
             await _until(lambda: not registry.ready())
             assert instance.state == InstanceState.FAILED
-            assert engine.failed_answers >= 3  # not on the first failed check: three in a row
-            engine.healthy = True
+            assert engine.switch.failed_answers >= 3  # not on the first failed check: three in a row
+            engine.switch.healthy = True
             await _until(lambda: registry.ready() == [instance])
         finally:
             await monitor.stop()
-    assert engine.authorizations == {"Bearer engine-token"}  # every check carried the engine token
+    # every check carried this engine process's token (the stand-in's own check refuses others)
+    assert engine.switch.authorizations == {f"Bearer {engine.keys.engine_token}"}
 
 
 async def test_an_instance_nobody_answers_for_leaves_rotation():
     registry = InstanceRegistry()
-    instance = Instance("colocated-0", COLOCATED, f"http://127.0.0.1:{free_port('127.0.0.1')}", model="m")
+    instance = unreachable_instance("colocated-0")
     registry.add(instance)
     monitor = _monitor(registry, failure_threshold=2)
     monitor.start()
@@ -281,8 +271,8 @@ async def test_passing_checks_do_not_put_back_what_the_launcher_took_out():
     """A draining or sleeping instance is its launcher's to move: healthy, it still gets no traffic."""
     registry = InstanceRegistry()
     with StandInEngine() as engine:
-        draining = Instance("colocated-0", COLOCATED, engine.url, InstanceState.DRAINING, model="m")
-        sleeping = Instance("colocated-1", COLOCATED, engine.url, InstanceState.SLEEPING, model="m")
+        draining = engine.instance(state=InstanceState.DRAINING)
+        sleeping = dataclasses.replace(engine.instance(state=InstanceState.SLEEPING), instance_id="colocated-1")
         registry.add(draining)
         registry.add(sleeping)
         monitor = _monitor(registry, failure_threshold=1)

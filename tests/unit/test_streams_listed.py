@@ -17,10 +17,10 @@ from starlette.routing import Route
 from test_abandoned_streams import serving
 
 from engine.environment import free_port
-from engine.roles import COLOCATED
+from loadtest.engine_standin import AppStandIn
 from router.app import build_app
 from router.config import RouterConfig, ServedModel
-from router.instances import Instance, InstanceRegistry
+from router.instances import InstanceRegistry
 from security.credentials import ClusterCredentials
 
 CREDENTIALS = ClusterCredentials.load()  # the session's (tests/conftest.py)
@@ -69,10 +69,10 @@ def stand_in_engine(first_may_break: threading.Event, continuation_may_end: thre
 def test_the_streams_an_instance_relays_are_listed_under_it_and_follow_a_migration():
     first_may_break, continuation_may_end, continued = threading.Event(), threading.Event(), []
     engine = stand_in_engine(first_may_break, continuation_may_end, continued)
-    with serving(engine, free_port("127.0.0.1")) as url_a, serving(engine, free_port("127.0.0.1")) as url_b:
+    with AppStandIn(engine, "engine-a") as engine_a, AppStandIn(engine, "engine-b") as engine_b:
         registry = InstanceRegistry()
-        for instance_id, url in (("engine-a", url_a), ("engine-b", url_b)):
-            registry.add(Instance(instance_id, COLOCATED, url, model="m"))
+        for stand_in in (engine_a, engine_b):
+            registry.add(stand_in.instance())
         config = RouterConfig(models=(ServedModel(name="m", max_model_len=64),), health_interval_s=60,
                               cluster_secret=CREDENTIALS.secret.hex())
         with serving(build_app(config, registry), free_port("127.0.0.1")) as router_url:

@@ -6,39 +6,31 @@ the unit tier. tests/e2e/test_pd_tracing.py checks the whole P/D chain with real
 from __future__ import annotations
 
 import secrets
-import threading
-import time
 
 import pytest
-import uvicorn
 from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
-from engine.environment import free_port
-from engine.roles import COLOCATED
+from loadtest.engine_standin import AppStandIn
 from loadtest.otlp_receiver import OTLPReceiver
 from router.app import build_app
 from router.config import RouterConfig, ServedModel
-from router.instances import Instance, InstanceRegistry
+from router.instances import InstanceRegistry
 from router.tracing import REQUEST_SPAN
 
 COLOCATED_STAGES = ("pdcluster.admission", "pdcluster.analysis", "pdcluster.queue_wait", "pdcluster.placement",
                     "pdcluster.decode_stream")
 
 
-class StandInEngine:
-    """Answers any request with three SSE events and [DONE]; keeps each POST's `traceparent`."""
+class TraceKeeper:
+    """The stand-in engine's app: answers any request with three SSE events and [DONE]; keeps
+    each POST's `traceparent` and `tracestate`."""
 
     def __init__(self) -> None:
         self.traceparents: list[str | None] = []
         self.tracestates: list[str | None] = []
-        self.port = free_port("127.0.0.1")
-        self.url = f"http://127.0.0.1:{self.port}"
-        self._server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="error",
-                                                     interface="asgi3"))
-        self._thread = threading.Thread(target=self._server.run, daemon=True)
 
-    async def app(self, scope, receive, send) -> None:
+    async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return
         if scope["method"] == "POST":  # not the router's health checks
@@ -53,21 +45,26 @@ class StandInEngine:
                         "more_body": True})
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
 
-    def __enter__(self) -> StandInEngine:
-        self._thread.start()
-        deadline = time.monotonic() + 10
-        while not self._server.started and time.monotonic() < deadline:
-            time.sleep(0.05)
-        return self
 
-    def __exit__(self, *exc_info) -> None:
-        self._server.should_exit = True
-        self._thread.join(10)
+class StandInEngine(AppStandIn):
+    """A stand-in engine (named so) serving a TraceKeeper."""
+
+    def __init__(self) -> None:
+        self.keeper = TraceKeeper()
+        super().__init__(self.keeper, "colocated-0")
+
+    @property
+    def traceparents(self) -> list[str | None]:
+        return self.keeper.traceparents
+
+    @property
+    def tracestates(self) -> list[str | None]:
+        return self.keeper.tracestates
 
 
 def router(engine: StandInEngine, endpoint: str | None) -> TestClient:
     registry = InstanceRegistry()
-    registry.add(Instance("colocated-0", COLOCATED, engine.url, model="m"))
+    registry.add(engine.instance())
     config = RouterConfig(models=(ServedModel(name="m", max_model_len=128),), health_interval_s=60, otlp_traces_endpoint=endpoint)
     return TestClient(build_app(config, registry))
 

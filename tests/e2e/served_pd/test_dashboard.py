@@ -201,8 +201,9 @@ def test_engine_metrics_are_relayed_only_for_known_instances(served_pd):
         assert httpx.get(f"{served_pd.url}{path}", headers=admin, timeout=10).status_code == 404
     assert httpx.get(f"{served_pd.url}/admin/prometheus_sd", timeout=10).status_code == 401
     first = targets[0]["labels"]["__metrics_path__"]
-    assert httpx.get(f"{served_pd.url}{first}", headers=served_pd.credentials.engine_headers(),
-                     timeout=10).status_code == 401  # the engine token is no admin credential
+    engine = served_pd.engine_access(targets[0]["labels"]["instance_id"])
+    assert httpx.get(f"{served_pd.url}{first}", headers=engine.headers,
+                     timeout=10).status_code == 401  # an engine's token is no admin credential
 
 
 def draw(answers: dict[tuple[str, str], list[dict]], start: float, path: Path) -> None:

@@ -25,29 +25,34 @@ from loadtest.arrivals import FixedConcurrency
 from loadtest.faults import kill_engine
 from loadtest.report import summarize
 from loadtest.runner import Limits, run_load
-from loadtest.scrape import scrape
+from loadtest.scrape import scrape, scrape_engine
 from loadtest.workloads import RandomLengths
 from prefill.role import PREFILL
 from router.app import build_app
 from router.config import RouterConfig, ServedModel
 from router.instances import Instance, InstanceRegistry
+from security.engine_access import EngineAccess
 from transport.zmq_curve import STORE_PLANE
 
 pytestmark = pytest.mark.slow
 LONG = " ".join(f"line {k}: the quick brown fox jumps over the lazy dog." for k in range(60))
 
 
-def generate(url: str, body: dict, max_tokens: int = 16, headers: dict | None = None) -> list[int]:
+def generate(to: str | EngineAccess, body: dict, max_tokens: int = 16) -> list[int]:
+    """Greedy token ids from a router (its URL) or straight from an engine (its access)."""
     endpoint = "/v1/chat/completions" if "messages" in body else "/v1/completions"
     full = {"model": "tiny", **body, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True}
-    response = httpx.post(f"{url}{endpoint}", json=full, headers=headers, timeout=120)
+    engine = {"headers": to.headers, "verify": to.ssl} if isinstance(to, EngineAccess) else {}
+    url = to.url if isinstance(to, EngineAccess) else to
+    response = httpx.post(f"{url}{endpoint}", json=full, timeout=120, **engine)
     assert response.status_code == 200, response.text
     return response.json()["choices"][0]["token_ids"]
 
 
-def engine_url(server, role: str) -> str:
+def engine(server, role: str) -> EngineAccess:
+    """The access to the server's one engine of `role`."""
     (instance,) = [i for i in server.instances() if i["role"] == role]
-    return instance["url"]
+    return server.engine_access(instance["instance_id"])
 
 
 def test_pd_through_the_store_answers_as_plain_vllm(served_pd, oracle):
@@ -55,12 +60,11 @@ def test_pd_through_the_store_answers_as_plain_vllm(served_pd, oracle):
 
 
 def test_decode_counts_the_transferred_kv_as_external_prefix_hits(served_pd):
-    decode = engine_url(served_pd, "decode")
-    engine, admin = served_pd.credentials.engine_headers(), served_pd.credentials.admin_headers()
-    before, router_before = scrape(decode, headers=engine), scrape(served_pd.url, ("pdcluster_",), headers=admin)
+    decode, admin = engine(served_pd, "decode"), served_pd.credentials.admin_headers()
+    before, router_before = scrape_engine(decode), scrape(served_pd.url, ("pdcluster_",), headers=admin)
     prompt = "A fresh prompt nobody sent before. " + LONG
     generate(served_pd.url, {"prompt": prompt}, max_tokens=4)
-    after, router_after = scrape(decode, headers=engine), scrape(served_pd.url, ("pdcluster_",), headers=admin)
+    after, router_after = scrape_engine(decode), scrape(served_pd.url, ("pdcluster_",), headers=admin)
     delta = {name: after[name] - before.get(name, 0.0) for name in after if after[name] != before.get(name)}
     delta |= {name: v - router_before.get(name, 0.0) for name, v in router_after.items()
               if v != router_before.get(name)}
@@ -104,15 +108,14 @@ def store_shard(server) -> dict:
 
 def test_damaged_chunks_are_rejected_by_checksum_and_recomputed(served, served_pd):
     prompt = "Damaged in the store. " + LONG
-    engine = served_pd.credentials.engine_headers()
-    generate(engine_url(served_pd, "prefill"), {"prompt": prompt}, max_tokens=1, headers=engine)  # stores its KV
+    generate(engine(served_pd, "prefill"), {"prompt": prompt}, max_tokens=1)  # stores its KV
     before = store_shard(served_pd)
     assert before["chunks"] > 0
     keys = served_pd.credentials.curve(STORE_PLANE)
     damaged = request_once(before["endpoint"], protocol.Corrupt(before["chunks"]), 5.0, keys)
     assert damaged["damaged"] == before["chunks"]
     # Straight to the decode instance: its connector finds the prompt in the store and reads it.
-    got = generate(engine_url(served_pd, "decode"), {"prompt": prompt}, headers=engine)
+    got = generate(engine(served_pd, "decode"), {"prompt": prompt})
     after = store_shard(served_pd)
     assert after["rejected"] > before["rejected"]  # the checksum caught it, the shard dropped it
     assert got == generate(served.url, {"prompt": prompt})  # vLLM recomputed: no damaged KV used
@@ -156,13 +159,12 @@ def test_a_killed_store_shard_comes_back_on_its_endpoint_and_hands_kv_over_again
     assert now["endpoint"] == before["endpoint"] and now["chunks"] == 0
     # The engines' store clients find the new shard (after at most a timeout and a pause): a new
     # prompt is stored by the prefill instance and loaded by the decode instance again.
-    decode = engine_url(served_pd, "decode")
+    decode = engine(served_pd, "decode")
     for attempt in itertools.count():
         body = {"prompt": f"After the shard came back, try {attempt}. " + LONG}
-        engine = served_pd.credentials.engine_headers()
-        hits = scrape(decode, headers=engine)["vllm:external_prefix_cache_hits_total"]
+        hits = scrape_engine(decode)["vllm:external_prefix_cache_hits_total"]
         assert generate(served_pd.url, body) == generate(served.url, body)
-        if scrape(decode, headers=engine)["vllm:external_prefix_cache_hits_total"] > hits:
+        if scrape_engine(decode)["vllm:external_prefix_cache_hits_total"] > hits:
             break
         assert time.monotonic() < deadline + 60, "the decode instance never loaded from the new shard"
         time.sleep(1)
@@ -174,19 +176,18 @@ def test_one_tenants_store_chunks_are_invisible_to_another(served_pd):
     prompt finds none of tenant A's chunks (a miss, its KV recomputed), while A's own second
     request loads them (docs/security.md, attack 3; LMCache#4825 is this bug elsewhere)."""
     credentials = served_pd.credentials
-    engine = credentials.engine_headers()
-    decode = engine_url(served_pd, "decode")
+    decode = engine(served_pd, "decode")
     prompt = f"A tenant's private prompt {time.time()}. " + LONG
     salt_a, salt_b = credentials.tenant_salt("tenant-a"), credentials.tenant_salt("tenant-b")
 
     def external_hits(salt: str) -> float:
-        before = scrape(decode, ("vllm:external_prefix_cache_hits",), headers=engine)
-        generate(decode, {"prompt": prompt, "cache_salt": salt}, max_tokens=1, headers=engine)
-        after = scrape(decode, ("vllm:external_prefix_cache_hits",), headers=engine)
+        before = scrape_engine(decode, ("vllm:external_prefix_cache_hits",))
+        generate(decode, {"prompt": prompt, "cache_salt": salt}, max_tokens=1)
+        after = scrape_engine(decode, ("vllm:external_prefix_cache_hits",))
         return after["vllm:external_prefix_cache_hits_total"] - before.get("vllm:external_prefix_cache_hits_total", 0)
 
-    generate(engine_url(served_pd, "prefill"), {"prompt": prompt, "cache_salt": salt_a}, max_tokens=1,
-             headers=engine)  # tenant A's prefill: its chunks go to the store
+    # tenant A's prefill: its chunks go to the store
+    generate(engine(served_pd, "prefill"), {"prompt": prompt, "cache_salt": salt_a}, max_tokens=1)
     assert external_hits(salt_b) == 0
     assert external_hits(salt_a) > 500
 
@@ -203,9 +204,8 @@ def test_through_the_router_one_tenants_store_chunks_are_invisible_to_another(se
     builds (router/app.py), run here so that the fixture's own, keyless router stays as this
     module's other tests use it; no engine more is started. Times are reported, not asserted."""
     credentials = served_pd.credentials
-    engine = credentials.engine_headers()
     instances = {i["role"]: i for i in served_pd.instances()}
-    decode = instances["decode"]["url"]
+    decode = served_pd.engine_access(instances["decode"]["instance_id"])
     body = {"model": "tiny", "prompt": f"Tenant A's private prompt {uuid.uuid4()}. " + LONG, "max_tokens": 1,
             "temperature": 0}
     names = ("vllm:external_prefix_cache_hits_total", "vllm:prefix_cache_hits_total")
@@ -213,7 +213,9 @@ def test_through_the_router_one_tenants_store_chunks_are_invisible_to_another(se
     def router(*roles) -> TestClient:
         registry = InstanceRegistry()
         for role in roles:
-            registry.add(Instance(instances[role.name]["instance_id"], role, instances[role.name]["url"], model="tiny"))
+            listed = instances[role.name]
+            access = served_pd.engine_access(listed["instance_id"])
+            registry.add(Instance(listed["instance_id"], role, access.url, model="tiny", access=access))
         config = RouterConfig(models=(ServedModel(name="tiny", max_model_len=4096, tokenizer=tiny_model),),
                               api_keys={"key-a": "tenant-a", "key-b": "tenant-b"}, remote_prefill_min_tokens=0,
                               cluster_secret=credentials.secret.hex(), health_interval_s=60)
@@ -222,12 +224,12 @@ def test_through_the_router_one_tenants_store_chunks_are_invisible_to_another(se
     def sent(client: TestClient, key: str) -> tuple[float, float, float]:
         """One request of `key`'s tenant: the decode instance's hits from the store (its
         connector) and from its own cache, and the seconds to the answer (one token)."""
-        before = scrape(decode, names, headers=engine)
+        before = scrape_engine(decode, names)
         started = time.perf_counter()
         response = client.post("/v1/completions", json=body, headers={"authorization": f"Bearer {key}"})
         seconds = time.perf_counter() - started
         assert response.status_code == 200, response.text
-        after = scrape(decode, names, headers=engine)
+        after = scrape_engine(decode, names)
         external, own = (after.get(n, 0.0) - before.get(n, 0.0) for n in names)
         return external, own, seconds
 
@@ -235,7 +237,8 @@ def test_through_the_router_one_tenants_store_chunks_are_invisible_to_another(se
         a_external, _, a_first_s = sent(pd, "key-a")
         assert a_external > 500, f"A's first request: {a_external:g} tokens from the store (a remote prefill)"
         deadline = time.monotonic() + 30  # refused while blocks are held (a request just finishing)
-        while not httpx.post(f"{decode}/reset_prefix_cache", headers=engine, timeout=10).json()["success"]:
+        while not httpx.post(f"{decode.url}/reset_prefix_cache", headers=decode.headers, verify=decode.ssl,
+                             timeout=10).json()["success"]:
             assert time.monotonic() < deadline, "the decode instance's prefix cache was never reset"
             time.sleep(0.2)
         b_external, b_own, b_s = sent(decode_only, "key-b")
@@ -254,7 +257,7 @@ def test_a_killed_prefill_costs_no_request(served, served_pd):
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         futures = [pool.submit(generate, served_pd.url, b) for b in bodies]
         time.sleep(0.05)
-        kill_engine(engine_url(served_pd, "prefill"))
+        kill_engine(engine(served_pd, "prefill").url)
         results = [f.result(timeout=120) for f in futures]  # none hangs, none fails
     assert results == expected
     after = [generate(served_pd.url, b) for b in bodies[:1]]  # and the next one prefills locally
