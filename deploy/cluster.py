@@ -6,7 +6,8 @@ from it) into ~/.config/pdcluster (0600; the YAMLs mount that folder on every no
 with the token, the head's launcher reads the secret), runs `ray up`, then starts `pdcluster
 launch` on the head (detached, logging to ~/pdcluster-launch.log) and waits until the router
 answers /health there. No secret is ever put on a command line. pdcluster is expected in
-$PDCLUSTER_HOME (default ~/pdcluster) on every host.
+$PDCLUSTER_HOME (default ~/pdcluster) on every host. The YAMLs start every node's Ray with its files
+in a folder of the cluster user's alone (deploy/ray_head.py), where `launch` finds the head's address.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import yaml
 
+from deploy.ray_head import private_ray_root
 from security.credentials import ClusterCredentials, CredentialsError, default_secret_file, write_private
 
 REMOTE_BIN = "${PDCLUSTER_HOME:-$HOME/pdcluster}/.venv/bin"
@@ -46,8 +48,11 @@ def validate_cluster_yaml(path: Path) -> dict:
 
 def _ray(*args: str, timeout_s: float, check: bool = True) -> subprocess.CompletedProcess:
     ray = str(Path(sys.executable).with_name("ray"))
-    return subprocess.run([ray, *args], env={**os.environ, **RAY_UP_ENV}, timeout=timeout_s, check=check,
-                          text=True, capture_output=True)
+    # Ray's files on this machine (the local provider's node state and its lock) in our private
+    # folder, not in /tmp/ray, where any local user may plant or rewrite them.
+    env = {**os.environ, **RAY_UP_ENV, "RAY_TMPDIR": str(private_ray_root())}
+    return subprocess.run([ray, *args], env=env, timeout=timeout_s, check=check, text=True,
+                          capture_output=True)
 
 
 def head_exec(cluster_yaml: Path, command: str, timeout_s: float = 120, check: bool = True):

@@ -118,7 +118,8 @@ class LocalServer:
 class RayHead:
     """A one-node Ray cluster on loopback that outlives the `pdcluster serve --address` processes
     using it (as on a `ray up` head), run as `ray start --head --block` with the token of the
-    cluster secret in this process's environment or file; owns its processes."""
+    cluster secret in this process's environment or file; owns its processes. Its temp dir (sockets,
+    logs) is a fresh one in `private_ray_root()`: Ray makes it 0777, the root keeps others out."""
 
     PORT_FLAGS = ("--port", "--node-manager-port", "--object-manager-port", "--metrics-export-port",
                   "--dashboard-agent-listen-port", "--dashboard-agent-grpc-port", "--runtime-env-agent-port")
@@ -132,15 +133,21 @@ class RayHead:
         # Fixed free ports: Ray's defaults (6379, 52365, ...) would collide with another head here.
         self.ports = {flag: free_port("127.0.0.1") for flag in self.PORT_FLAGS}
         self.address = f"127.0.0.1:{self.ports['--port']}"
-        self._temp_dir = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))  # short: Ray's socket paths
+        from deploy.ray_head import private_ray_root
+
+        # Short: Ray's socket paths lie under it.
+        self._temp_dir = Path(tempfile.mkdtemp(prefix="head-", dir=private_ray_root()))
         self._process: subprocess.Popen | None = None
 
     def start(self) -> RayHead:
+        from deploy.ray_head import raise_fd_limit
+
         ray = str(Path(sys.executable).with_name("ray"))
         head = LoopbackHead(self.num_cpus, self.resources)  # the head `pdcluster serve` starts itself
         command = [ray, "start", "--head", "--block", *head.start_flags(), f"--temp-dir={self._temp_dir}",
                    *(f"{flag}={port}" for flag, port in self.ports.items())]
         env = {**os.environ, **head.env, **ClusterCredentials.load().ray_auth_env()}
+        raise_fd_limit()  # Ray's processes inherit this process's limit
         log = (self._temp_dir / "ray-start.log").open("w")
         self._process = subprocess.Popen(
             command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
