@@ -16,6 +16,7 @@ from pathlib import Path
 from rich.console import Console
 
 from engine.models import BUILDERS
+from router.config import DEFAULT_CONCURRENCY_PER_KEY
 from router.log_limit import limit_repeats
 
 console = Console(stderr=True)
@@ -166,7 +167,12 @@ def _add_admission_flags(parser: argparse.ArgumentParser) -> None:
         "endpoint, on loopback only. Keys never go on the command line (`ps` shows it)",
     )
     parser.add_argument("--rate-limit", type=float, help="requests/s per API key")
-    parser.add_argument("--max-concurrency-per-key", type=int, help="requests in flight per API key")
+    parser.add_argument("--max-concurrency-per-key", type=int,
+                        help=f"requests in flight per API key (default with API keys: {DEFAULT_CONCURRENCY_PER_KEY})")
+    parser.add_argument("--max-connections-per-address", type=int, default=1024,
+                        help="client connections the router holds from one address (raise it behind a balancer)")
+    parser.add_argument("--header-timeout", type=float, default=10.0,
+                        help="longest a client may take to send a request's headers (s)")
     parser.add_argument(
         "--queue-timeout",
         type=float,

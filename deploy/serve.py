@@ -150,6 +150,7 @@ def _router_config(args: argparse.Namespace, models: list[tuple[Path, str]], eng
         remote_prefill_max_queued_tokens=args.remote_prefill_max_queued_tokens,
         api_keys=load_api_keys(args.api_keys_file), rate_limit_per_s=args.rate_limit, cluster_secret=secret,
         max_concurrency_per_key=args.max_concurrency_per_key,
+        max_connections_per_address=args.max_connections_per_address, header_timeout_s=args.header_timeout,
         queue_timeout_s=args.queue_timeout, max_migrations=args.max_migrations,
         stream_stall_s=args.stream_stall_timeout,
         otlp_traces_endpoint=args.otlp_traces_endpoint,
