@@ -60,15 +60,15 @@ def _token_text(event: dict) -> str | None:
 
 
 async def stream_request(session: aiohttp.ClientSession, url: str, body: dict,
-                         result: RequestResult | None = None) -> RequestResult:
+                         result: RequestResult | None = None, headers: dict[str, str] | None = None) -> RequestResult:
     """POST `body` (stream forced on, usage requested) to `url` and time its events, into
-    `result` if given (a caller can watch a stream's progress there)."""
+    `result` if given (a caller can watch a stream's progress there); `headers`: a tenant's key."""
     body = {**body, "stream": True, "stream_options": {"include_usage": True}}
     result = result or RequestResult(started_at=time.time())
     result.started_at = time.time()
     started = time.perf_counter()
     try:
-        async with session.post(url, json=body) as response:
+        async with session.post(url, json=body, headers=headers) as response:
             if response.status != 200:
                 await response.read()
                 result.error = f"http_{response.status}"

@@ -11,7 +11,11 @@ Benchmarks (each prints and writes its own JSON, read back here):
   store  - `loadtest.store_bench`: store reads and writes (GiB/s; raw NIXL beside them);
   routing - `loadtest.routing_decision`: hashing, index match and scoring of an 8k-token prompt;
   pd     - `loadtest.pd_bench` (one run of 24 requests per topology, tiny model): TTFT, TPOT and
-           throughput of colocated and P/D serving.
+           throughput of colocated and P/D serving;
+  routing_live, routing_live_pd - `loadtest.routing_live` (the multi-tenant agent workload, 5
+           seeds, two colocated instances / P/D 1+1): TTFT p50/p90/p99, wall time and cached share
+           of round robin and kv_aware. This tree's load generator against each tree's server
+           (the workload is newer than the revisions it compares), the others each tree's own.
 Prints a table of medians over rounds and after/before ratios; writes JSON and a PNG.
 """
 
@@ -38,16 +42,27 @@ BENCHES = {
     "pd": (["-m", "loadtest.pd_bench", "--runs", "1", "--requests", "24"],
            lambda r: {f"{name}: {col}": v for name, row in r["medians"].items() for col, v in row.items()
                       if col in ("TTFT p50 ms", "TPOT p50 ms", "req/s")}),
+    "routing_live": (["-m", "loadtest.routing_live", "--seeds", "5"], lambda r: _routing(r)),
+    "routing_live_pd": (["-m", "loadtest.routing_live", "--seeds", "5", "--topology", "pd"], lambda r: _routing(r)),
 }
+SERVED_FROM_TREE = {"routing_live", "routing_live_pd"}
+"""Benchmarks run by this tree's script against the other tree's server (`--serve-tree`)."""
+
+
+def _routing(result: dict) -> dict[str, float]:
+    return {f"{policy} {metric}": value for policy, row in result["medians"].items()
+            for metric, value in row.items() if not metric.endswith("_ratio")}
 
 
 def run(tree: Path, bench: str, out: Path) -> dict[str, float]:
     arguments, extract = BENCHES[bench]
     # Both trees serve the same checkpoints (this checkout's, where it has built them).
     models = os.environ.get("PDCLUSTER_MODEL_ROOT") or str(REPO / ".cache" / "models")
+    if bench in SERVED_FROM_TREE:
+        arguments, tree = [*arguments, "--serve-tree", str(tree)], REPO
     env = {**os.environ, "PYTHONPATH": str(tree), "PDCLUSTER_MODEL_ROOT": models}
     subprocess.run([sys.executable, *arguments, "--out", str(out)], cwd=tree, env=env, check=True,
-                   stdout=subprocess.DEVNULL, timeout=1800)
+                   stdout=subprocess.DEVNULL, timeout=3600)
     return extract(json.loads(out.read_text()))
 
 

@@ -34,6 +34,7 @@ class LocalServer:
         log_path: Path,
         start_timeout_s: float = 600.0,
         ready: Callable[[LocalServer], bool] | None = None,
+        tree: Path | None = None,
     ):
         self.port = free_port("127.0.0.1")
         self.url = f"http://127.0.0.1:{self.port}"
@@ -42,6 +43,8 @@ class LocalServer:
         self.start_timeout_s = start_timeout_s
         self.ready = ready or (lambda server: httpx.get(f"{server.url}/health", timeout=2).status_code == 200)
         """When the server counts as started (default: its /health answers 200)."""
+        self.tree = tree
+        """Serve from this checkout of the repository (another revision's code); None: this one's."""
         self._process: subprocess.Popen | None = None
 
     def start(self) -> LocalServer:
@@ -51,7 +54,8 @@ class LocalServer:
         shutil.rmtree(engine_logs, ignore_errors=True)
         command = [sys.executable, "-m", "deploy.cli", "serve", "--port", str(self.port),
                    "--engine-log-dir", str(engine_logs), *self.args]
-        self._process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
+        env = os.environ.copy() | ({"PYTHONPATH": str(self.tree)} if self.tree else {})
+        self._process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.tree)
         deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline:
             if self._process.poll() is not None:

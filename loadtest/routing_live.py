@@ -1,84 +1,126 @@
-"""KV-aware routing against round robin on real engines: vLLM's own prefix-cache counters and TTFT.
+"""KV-aware routing against round robin on real engines: time to first token, and vLLM's own
+prefix-cache counters.
 
-    python -m loadtest.routing_live [--policies round_robin kv_aware] [--instances 2]
+    python -m loadtest.routing_live [--workload agents|shared_prefix] [--policies round_robin kv_aware]
+                                    [--topology colocated|pd] [--seeds 5] [--serve-tree DIR]
 
-For each policy it starts `pdcluster serve --model tiny --instances N --policy P`, sends the same
-shared-prefix workload (groups of questions behind long system prompts, interleaved across
-groups) at a fixed concurrency, and reads the prefix-cache hit and query counters from every
-engine's /metrics before and after. Prints a table with ratios to the first policy; writes JSON.
+For each policy it starts `pdcluster serve --model tiny` (two colocated instances, or P/D 1+1)
+with `--policy P` and sends one workload per seed, each seed new prompts, at a fixed concurrency:
+by default the multi-tenant agent workload (loadtest/workloads.py AgentSessions: tenants with
+long system prompts, sessions whose prompts grow turn by turn with tool results). Each seed's
+TTFT percentiles, wall time and the share of prompt blocks the engines found cached (their
+`vllm:prefix_cache_hits/queries` counters, before and after) are recorded; the table shows the
+medians over seeds and each policy's ratio to the first. `--serve-tree` serves from another
+checkout of this repository with this load generator (loadtest.compare_revisions uses it to
+compare revisions on the same workload). Writes JSON and a PNG.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
+import statistics
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import Progress
 from rich.table import Table
 
 from loadtest.arrivals import FixedConcurrency
 from loadtest.local_cluster import LocalServer
+from loadtest.output import write_results
 from loadtest.report import summarize
 from loadtest.runner import Limits, run_load
-from loadtest.workloads import SharedPrefix
+from loadtest.workloads import AgentSessions, SharedPrefix
+
+TOPOLOGIES = {"colocated": ["--instances", "2"], "pd": ["--prefill", "1", "--decode", "1"]}
+METRICS = ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "wall_s", "cached_share")
 
 
-def measure(policy: str, instances: int, workload: SharedPrefix, concurrency: int, log_dir: Path) -> dict:
-    args = ["--model", "tiny", "--instances", str(instances), "--policy", policy]
-    with LocalServer(args, log_dir / f"routing_live-{policy}.log") as server:
-        limits = Limits(max_requests=workload.groups * workload.questions)
-        with Progress(transient=True) as progress:
-            load = asyncio.run(
-                run_load(server.url, workload.jobs("tiny"), FixedConcurrency(concurrency), limits, progress)
-            )
-    summary = summarize(load, slo_ttft_s=1.0, slo_tpot_s=0.2, label=policy)
-    return {
-        "policy": policy,
-        "requests": summary["requests"],
-        "errors": sum(summary["errors"].values()),
-        "vllm_prefix_hit_rate": summary["prefix_hit_rate"],
-        "ttft_p50_s": summary["ttft"]["p50_ms"] / 1e3,
-        "ttft_p90_s": summary["ttft"]["p90_ms"] / 1e3,
-        "ttft_mean_s": summary["ttft"]["mean_ms"] / 1e3,
-    }
+def workload(name: str, seed: int) -> AgentSessions | SharedPrefix:
+    if name == "agents":
+        return AgentSessions(seed=seed)
+    return SharedPrefix(groups=8, questions=8, system_words=600, output_tokens=8, seed=seed)
+
+
+def measure(policy: str, args: argparse.Namespace) -> list[dict]:
+    """One server with `policy`; a run per seed (after an untimed warm-up run)."""
+    serve = ["--model", "tiny", *TOPOLOGIES[args.topology], "--policy", policy]
+    log = args.out.parent / f"routing_live-{args.topology}-{policy}.log"
+    runs = []
+    with LocalServer(serve, log, tree=args.serve_tree) as server:
+        for seed in (-1, *range(args.seeds)):  # -1: the warm-up (vLLM's first requests pay lazy set-up)
+            jobs = workload(args.workload, seed)
+            requests = _requests(jobs)
+            load = asyncio.run(run_load(server.url, jobs.jobs("tiny"), FixedConcurrency(args.concurrency),
+                                        Limits(max_requests=requests)))
+            summary = summarize(load, slo_ttft_s=1.0, slo_tpot_s=0.2, label=policy)
+            if seed < 0:
+                continue
+            runs.append({"seed": seed, "requests": summary["requests"], "errors": sum(summary["errors"].values()),
+                         "ttft_p50_s": summary["ttft"]["p50_ms"] / 1e3, "ttft_p90_s": summary["ttft"]["p90_ms"] / 1e3,
+                         "ttft_p99_s": summary["ttft"]["p99_ms"] / 1e3, "wall_s": load.duration_s,
+                         "cached_share": summary["prefix_hit_rate"]})
+            print(f"{policy} seed {seed}: " + " ".join(f"{m}={runs[-1][m]:.3f}" for m in METRICS), flush=True)
+    return runs
+
+
+def _requests(jobs) -> int:
+    if isinstance(jobs, AgentSessions):
+        return jobs.tenants * jobs.sessions * jobs.turns
+    return jobs.groups * jobs.questions
+
+
+def medians(runs: list[dict]) -> dict[str, float]:
+    return {metric: statistics.median(r[metric] for r in runs) for metric in METRICS}
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workload", choices=("agents", "shared_prefix"), default="agents")
     parser.add_argument("--policies", nargs="+", default=["round_robin", "kv_aware"])
-    parser.add_argument("--instances", type=int, default=2)
-    parser.add_argument("--groups", type=int, default=8)
-    parser.add_argument("--questions", type=int, default=8)
-    parser.add_argument("--system-words", type=int, default=600)
+    parser.add_argument("--topology", choices=tuple(TOPOLOGIES), default="colocated")
+    parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--serve-tree", type=Path, help="serve from this checkout of the repository")
     parser.add_argument("--out", type=Path, default=Path("results/routing_live.json"))
     args = parser.parse_args(argv)
-    workload = SharedPrefix(args.groups, args.questions, args.system_words, output_tokens=8)
-    results = [measure(p, args.instances, workload, args.concurrency, args.out.parent) for p in args.policies]
-    base = results[0]
-    table = Table(title=f"{args.instances} engines, {args.groups} groups x {args.questions} questions, "
-                  f"concurrency {args.concurrency} (ratios to {base['policy']})")
-    for column in ("policy", "errors", "vLLM prefix hit rate", "hit ratio", "TTFT p50 s", "p50 ratio",
-                   "TTFT p90 s", "p90 ratio"):
+    results = {policy: measure(policy, args) for policy in args.policies}
+    summary = {policy: medians(runs) for policy, runs in results.items()}
+    base = summary[args.policies[0]]
+    table = Table(title=f"{args.workload}, {args.topology}, concurrency {args.concurrency}: medians of "
+                        f"{args.seeds} seeds (ratios to {args.policies[0]})")
+    for column in ("policy", "TTFT p50 s", "ratio", "TTFT p90 s", "ratio", "TTFT p99 s", "ratio", "wall s",
+                   "cached share"):
         table.add_column(column, justify="right")
-    for r in results:
-        r["hit_rate_ratio"] = r["vllm_prefix_hit_rate"] / max(base["vllm_prefix_hit_rate"], 1e-9)
-        r["ttft_p50_ratio"] = r["ttft_p50_s"] / base["ttft_p50_s"]
-        r["ttft_p90_ratio"] = r["ttft_p90_s"] / base["ttft_p90_s"]
-        table.add_row(r["policy"], str(r["errors"]), f"{r['vllm_prefix_hit_rate']:.3f}", f"{r['hit_rate_ratio']:.2f}",
-                      f"{r['ttft_p50_s']:.3f}", f"{r['ttft_p50_ratio']:.2f}", f"{r['ttft_p90_s']:.3f}",
-                      f"{r['ttft_p90_ratio']:.2f}")
-    Console(width=130).print(table)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(
-        json.dumps({"workload": vars(args) | {"out": str(args.out)}, "results": results}, indent=2)
-    )
+    for policy, row in summary.items():
+        row.update({f"{m}_ratio": row[m] / base[m] for m in METRICS if base[m]})
+        table.add_row(policy, *(f"{row[m]:.3f}" for m in ("ttft_p50_s",)), f"{row['ttft_p50_s_ratio']:.2f}",
+                      f"{row['ttft_p90_s']:.3f}", f"{row['ttft_p90_s_ratio']:.2f}", f"{row['ttft_p99_s']:.3f}",
+                      f"{row['ttft_p99_s_ratio']:.2f}", f"{row['wall_s']:.1f}", f"{row['cached_share']:.3f}")
+    Console(width=140).print(table)
+    data = {"workload": args.workload, "topology": args.topology, "seeds": args.seeds, "concurrency": args.concurrency,
+            "serve_tree": str(args.serve_tree) if args.serve_tree else None, "medians": summary, "runs": results}
+    write_results(args.out, data, lambda png: plot(summary, png, table.title))
     return 0
+
+
+def plot(summary: dict[str, dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(7, 3.5))
+    metrics = ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s")
+    width = 0.8 / len(summary)
+    for k, (policy, row) in enumerate(summary.items()):
+        axis.bar([i + k * width for i in range(len(metrics))], [row[m] for m in metrics], width, label=policy)
+    axis.set_xticks([i + width * (len(summary) - 1) / 2 for i in range(len(metrics))], ["TTFT p50", "p90", "p99"])
+    axis.set_ylabel("seconds")
+    axis.set_title(title, fontsize=8)
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":

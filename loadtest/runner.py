@@ -68,7 +68,11 @@ class MetricsSampler:
             return [self.url]
         if response.status_code != 200:
             return [self.url]  # a plain vLLM server is its own engine
-        return [f"{self.url}/admin/engines/{i['instance_id']}" for i in response.json()["instances"]]
+        instances = response.json()["instances"]
+        relayed = [f"{self.url}/admin/engines/{i['instance_id']}" for i in instances]
+        if instances and httpx.get(f"{relayed[0]}/metrics", headers=self.admin_headers, timeout=5).status_code == 404:
+            return [i["url"] for i in instances]  # a router older than the relay: its engines answer anyone
+        return relayed
 
     def sample(self, started: float) -> None:
         entry: dict = {"t": time.perf_counter() - started, "engines": {}, "router": {}}
@@ -105,12 +109,14 @@ def _admin_headers() -> dict[str, str]:
 
 async def run_job(client: aiohttp.ClientSession, url: str, job: Job, timeout_s: float) -> list[RequestResult]:
     """One job: a request, or a session's turns in order, each turn carrying the history."""
+    headers = {"Authorization": f"Bearer {job.api_key}"} if job.api_key else None
     if not job.turns:
-        return [await _bounded(client, f"{url}{job.endpoint}", job.body, timeout_s)]
-    results, messages = [], []
+        return [await _bounded(client, f"{url}{job.endpoint}", job.body, timeout_s, headers)]
+    results, messages = [], list(job.body.get("messages", []))
     for question in job.turns:
         messages = [*messages, {"role": "user", "content": question}]
-        result = await _bounded(client, f"{url}{job.endpoint}", {**job.body, "messages": messages}, timeout_s)
+        result = await _bounded(client, f"{url}{job.endpoint}", {**job.body, "messages": messages}, timeout_s,
+                                headers)
         results.append(result)
         if not result.ok:
             break
@@ -118,10 +124,11 @@ async def run_job(client: aiohttp.ClientSession, url: str, job: Job, timeout_s: 
     return results
 
 
-async def _bounded(client: aiohttp.ClientSession, url: str, body: dict, timeout_s: float) -> RequestResult:
+async def _bounded(client: aiohttp.ClientSession, url: str, body: dict, timeout_s: float,
+                   headers: dict[str, str] | None = None) -> RequestResult:
     try:
         async with asyncio.timeout(timeout_s):
-            return await stream_request(client, url, body)
+            return await stream_request(client, url, body, headers=headers)
     except TimeoutError:
         return RequestResult(started_at=time.time(), error="timeout")
 

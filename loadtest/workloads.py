@@ -37,8 +37,12 @@ class Job:
     endpoint: str
     body: dict
     turns: list[str] = dataclasses.field(default_factory=list)
+    """A session's user messages, each sent after the history so far (the body's own `messages`
+    first, then every earlier turn and its answer)."""
     arrival_s: float | None = None
     """When a trace says this job arrives (seconds from the start); None: the arrival process decides."""
+    api_key: str | None = None
+    """The tenant's API key its requests carry (None: none)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +121,41 @@ class MultiTurn:
                     "ignore_eos": True}
             yield Job("/v1/chat/completions", body, turns=questions)
             session += 1
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentSessions:
+    """Agents of several tenants, the workload a prefix-aware router exists for: each tenant a long
+    system prompt (its instructions and tools), each session a task whose turns grow by a tool's
+    result and the next step, resent whole with the answers so far: `tenants x sessions x turns`
+    chat requests. Sessions come interleaved across tenants (t0s0, t1s0, ..., t0s1, ...), the
+    order in which a load-only router scatters a tenant's prompt over its instances. With `keys`
+    (one per tenant) each tenant's requests carry its API key, so its cache salt keeps it apart."""
+
+    tenants: int = 4
+    sessions: int = 5
+    turns: int = 4
+    system_words: int = 600
+    tool_words: int = 120
+    user_words: int = 20
+    output_tokens: int = 16
+    seed: int = 0
+    keys: tuple[str, ...] = ()
+    name = "agents"
+
+    def jobs(self, model: str) -> Iterator[Job]:
+        rng = random.Random(self.seed)
+        systems = [f"You are tenant {t}'s agent. Tools: search, fetch, compute. " + random_text(rng, self.system_words)
+                   for t in range(self.tenants)]
+        for session in range(self.sessions):
+            for tenant in range(self.tenants):
+                task = f"Task {tenant}.{session}: " + random_text(rng, self.user_words)
+                steps = [f"Tool result {step}: " + random_text(rng, self.tool_words) + "\nNext: "
+                         + random_text(rng, self.user_words) for step in range(1, self.turns)]
+                body = {"model": model, "messages": [{"role": "system", "content": systems[tenant]}],
+                        "max_tokens": self.output_tokens, "temperature": 0, "ignore_eos": True}
+                yield Job("/v1/chat/completions", body, turns=[task, *steps],
+                          api_key=self.keys[tenant] if self.keys else None)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -94,11 +94,13 @@ class ConnectionBook:
     def admit(self, connection: GuardedConnection, address: str) -> bool:
         """Whether `connection` may stay; at a cap, the oldest pending connection (of its address,
         for the address's cap) is closed to make room, if there is one."""
-        for crowded, pool in ((self.per_address.get(address, 0) >= self.limits.max_per_address,
-                               self._pending_by_address.get(address, {})),
-                              (len(self.open) >= self.limits.max_connections, self._pending)):
-            if not crowded:
+        caps = ((lambda: self.per_address.get(address, 0) >= self.limits.max_per_address,
+                 lambda: self._pending_by_address.get(address, {})),
+                (lambda: len(self.open) >= self.limits.max_connections, lambda: self._pending))
+        for crowded, pending in caps:  # each judged after the displacement the one before made
+            if not crowded():
                 continue
+            pool = pending()
             if not pool:
                 CLOSED.labels(self.name, "refused").inc()
                 return False

@@ -12,11 +12,13 @@ import os
 import signal
 import time
 import uuid
+from urllib.parse import urlparse
 
 import httpx
 import pytest
 from fastapi.testclient import TestClient
 from oracle import assert_conforms
+from stranger import StrangerProcess, needs_stranger
 
 from decode.role import DECODE
 from kvstore import protocol
@@ -249,15 +251,69 @@ def test_through_the_router_one_tenants_store_chunks_are_invisible_to_another(se
     assert a_again_external > 500, f"A again: {a_again_external:g} from the store, {a_again_own:g} cached; {timing}"
 
 
-def test_a_killed_prefill_costs_no_request(served, served_pd):
+WATCHER = """
+import os, select, socket, sys, time
+seen, taken, engine_ports = set(), [], set()
+victim, held, received, accepted = ARGS["victim_port"], None, b"", 0
+print("ready", flush=True)
+ends = time.monotonic() + ARGS["seconds"]
+while time.monotonic() < ends and not select.select([sys.stdin], [], [], 0)[0]:
+    for pid in os.listdir("/proc"):  # every new engine process: try to take its port first
+        try:
+            argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\\0")
+        except OSError:
+            continue
+        if b"engine.preimport" in argv and b"--port" in argv and pid not in seen:
+            seen.add(pid)
+            port = int(argv[argv.index(b"--port") + 1])
+            engine_ports.add(port)
+            try:
+                socket.create_server(("127.0.0.1", port)).close()
+                taken.append(port)
+            except OSError:
+                pass
+    if held is None:  # the dead engine's port: take it, and keep what its callers send
+        try:
+            held = socket.create_server(("127.0.0.1", victim))
+            held.settimeout(0.005)
+        except OSError:
+            pass
+    else:
+        try:
+            connection, _ = held.accept()
+            accepted += 1
+            connection.settimeout(0.5)
+            try:
+                while chunk := connection.recv(65536):
+                    received += chunk
+                    connection.sendall(b"HTTP/1.1 200 OK\\r\\ncontent-length: 2\\r\\n\\r\\n{}")
+            except OSError:
+                pass
+            connection.close()
+        except OSError:
+            pass
+    time.sleep(0.005)
+print(json.dumps({"engine_ports": sorted(engine_ports), "taken": taken, "victim_taken": held is not None,
+                  "accepted": accepted, "received": received.decode("latin-1")}))
+"""
+
+
+@needs_stranger
+def test_a_killed_prefill_costs_no_request_and_its_port_betrays_nothing(served, served_pd):
     """Runs last in this module: it kills the prefill instance. Its actor, which held the one
-    `prefill` resource of this head, is reaped, and the pool starts a replacement there."""
+    `prefill` resource of this head, is reaped, and the pool starts a replacement there. Attacks
+    12.1 and 12.2 as they ran live, by another local user watching /proc: the replacement
+    engine's port, read off its command line, cannot be bound first (its host bound it before the
+    process existed); the dead engine's port, taken at once, gets TLS greetings and nothing else."""
     bodies = [{"prompt": f"Killed prefill {k}. " + LONG * 2} for k in range(4)]
     expected = [generate(served.url, b) for b in bodies]
+    victim = engine(served_pd, "prefill")
+    watcher = StrangerProcess(WATCHER, {"victim_port": urlparse(victim.url).port, "seconds": 400})
+    watcher.ready()
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         futures = [pool.submit(generate, served_pd.url, b) for b in bodies]
         time.sleep(0.05)
-        kill_engine(engine(served_pd, "prefill").url)
+        kill_engine(victim.url)
         results = [f.result(timeout=120) for f in futures]  # none hangs, none fails
     assert results == expected
     after = [generate(served_pd.url, b) for b in bodies[:1]]  # and the next one prefills locally
@@ -266,3 +322,9 @@ def test_a_killed_prefill_costs_no_request(served, served_pd):
     while not [i for i in served_pd.instances() if i["role"] == "prefill" and i["state"] == "ready"]:
         assert time.monotonic() < deadline, served_pd.instances()
         time.sleep(1)
+    watcher.tell("stop")
+    seen = watcher.result()
+    replacement = urlparse(engine(served_pd, "prefill").url).port
+    assert replacement in seen["engine_ports"] and seen["taken"] == [], seen
+    for secret in ("Killed prefill", victim.token, "authorization", "Bearer"):
+        assert secret not in seen["received"]

@@ -9,6 +9,7 @@ restart is a real one, in a real `pdcluster serve`."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import time
@@ -20,6 +21,7 @@ from deploy.launcher import Launcher
 from deploy.ray_head import RAY_NAMESPACE
 from deploy.store_shards import STORE_SHARD_PREFIX
 from engine.config import EngineConfig
+from loadtest.engine_standin import StandInIdentity
 from loadtest.local_cluster import RayHead
 from router.instances import InstanceRegistry
 from router.kv_events import STORE_HOLDER
@@ -100,10 +102,12 @@ def config(tmp_path) -> EngineConfig:
 
 
 def ready_engine(instance_id: str, config: EngineConfig) -> dict:
-    """What a ready colocated engine of `config`'s model describes itself as."""
-    return {"instance_id": instance_id, "role": "colocated", "url": "http://127.0.0.1:9", "state": "ready",
+    """What a ready colocated engine of `config`'s model describes itself as (its endpoint sealed
+    under the cluster's key of that instance)."""
+    endpoint = StandInIdentity(instance_id, 9, CREDENTIALS).endpoint
+    return {"instance_id": instance_id, "role": "colocated", "url": endpoint.url, "state": "ready",
             "model": str(config.model), "served_model_name": config.served_model_name,
-            "kv_events_endpoint": None, "kv_events_replay_endpoint": None}
+            "kv_events_endpoint": None, "kv_events_replay_endpoint": None, "endpoint": dataclasses.asdict(endpoint)}
 
 
 def calls(actor) -> list[str]:
