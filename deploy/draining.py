@@ -11,20 +11,15 @@ import time
 import ray
 
 from engine.lifecycle import InstanceState
-from router.instances import Instance
+from fleet.instances import Instance, InstanceRegistry
 
 
-def _move(instance: Instance, expected: InstanceState, to: InstanceState) -> None:
-    """`instance` to state `to` if it is still in `expected` (a health check may have moved it)."""
-    if instance.state == expected:
-        instance.state = to
-
-
-async def drained(instance: Instance, actor: ray.actor.ActorHandle | None, drain_s: float) -> bool:
+async def drained(registry: InstanceRegistry, instance: Instance, actor: ray.actor.ActorHandle | None,
+                  drain_s: float) -> bool:
     """Out of rotation (DRAINING, here and at its host, where every other router of the cluster
     reads it) until it runs no request, whichever router sent it (the engine's own count), or
     `drain_s` passed; whether it is idle."""
-    instance.state = InstanceState.DRAINING
+    registry.set_state(instance, InstanceState.DRAINING)
     if actor is not None:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(actor.set_draining.remote(True), 10)
@@ -49,9 +44,10 @@ async def engine_idle(actor: ray.actor.ActorHandle | None, timeout_s: float) -> 
         return False
 
 
-async def undrained(instance: Instance, actor: ray.actor.ActorHandle) -> None:
-    """Back into rotation after a drain that did not end in a stop or a sleep."""
-    _move(instance, InstanceState.DRAINING, InstanceState.READY)
+async def undrained(registry: InstanceRegistry, instance: Instance, actor: ray.actor.ActorHandle) -> None:
+    """Back into rotation after a drain that did not end in a stop or a sleep (unless a health
+    check moved it meanwhile)."""
+    registry.set_state(instance, InstanceState.READY, unless_moved_from=InstanceState.DRAINING)
     with contextlib.suppress(Exception):
         await asyncio.wait_for(actor.set_draining.remote(False), 10)
 

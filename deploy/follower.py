@@ -26,9 +26,8 @@ from deploy.launcher import proven_actors
 from deploy.periodic import every
 from deploy.store_shards import STORE_SHARD_PREFIX
 from deploy.topology import ROLES
-from engine.lifecycle import STANDBY_STATES, InstanceState
-from engine.roles import Role
-from router.instances import InstanceRegistry, described_instance
+from engine.lifecycle import STANDBY_STATES, EngineDescription, InstanceState
+from fleet.instances import InstanceRegistry, described_instance
 from security.credentials import ClusterCredentials
 from security.engine_access import EngineAccessRefused
 
@@ -77,27 +76,23 @@ class FleetFollower:
     async def _follow_engines(self, engines: dict) -> None:
         answers = await asyncio.gather(*(asyncio.wait_for(h.describe.remote(), self.timeout_s)
                                          for h in engines.values()), return_exceptions=True)
-        kept = {n for n, info in zip(engines, answers, strict=True) if not isinstance(info, dict)}
+        described = dict(zip(engines, answers, strict=True))
         # Named and proven, but not answering this time (busy, a slow node): kept as they are.
-        seen = set(kept)
-        for name, info in zip(engines, answers, strict=True):
-            if name in kept or (info.get("model"), info.get("served_model_name")) not in self.served:
-                continue
-            state = InstanceState(info["state"])
-            if state not in HOST_STATES:
-                continue  # starting, stopping: not to be served yet, or any more
+        seen = {name for name, answer in described.items() if not isinstance(answer, EngineDescription)}
+        for name, engine in described.items():
+            if name in seen or not engine.serves(self.served) or engine.state not in HOST_STATES:
+                continue  # another model's; starting, stopping: not to be served yet, or any more
             seen.add(name)
             instance = self.registry.get(name)
             if instance is None:
                 try:
-                    self.registry.add(described_instance(info, ROLES[Role(info["role"])], self.credentials))
+                    self.registry.add(described_instance(engine, ROLES[engine.role], self.credentials))
                 except EngineAccessRefused as exc:  # proven actor, endpoint not its host's: never sent to
                     log.error("not following %s: %s", name, exc)
                     continue
-                log.info("following %s (%s) at %s", name, state.value, info["url"])
-            elif instance.state != state and not (instance.state == InstanceState.FAILED
-                                                  and state == InstanceState.READY):
-                instance.state = state
+                log.info("following %s (%s) at %s", name, engine.state.value, engine.url)
+            elif not (instance.state == InstanceState.FAILED and engine.state == InstanceState.READY):
+                self.registry.set_state(instance, engine.state)  # its health checks' FAILED stays
         for instance in self.registry.all():
             if instance.instance_id not in seen:
                 log.info("%s left the cluster's fleet", instance.instance_id)

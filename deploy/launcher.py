@@ -39,9 +39,9 @@ from deploy.topology import ROLES
 from engine.config import EngineConfig
 from engine.environment import is_cpu_build
 from engine.host import EngineHost, SleepRefused
-from engine.lifecycle import InstanceState
-from engine.roles import Role, RoleSpec
-from router.instances import InstanceRegistry, described_instance
+from engine.lifecycle import EngineDescription, InstanceState
+from engine.roles import RoleSpec
+from fleet.instances import InstanceRegistry, described_instance
 from router.status_model import StartRecord
 from security.credentials import ClusterCredentials
 from security.engine_access import EngineAccessRefused
@@ -120,13 +120,13 @@ class Launcher:
         adopted, ended = [], []
         served = {(str(c.model), c.served_model_name) for c in configs}
         for name, actor in engines.items():
-            info = answers[name]
-            if not (isinstance(info, dict) and (info.get("model"), info.get("served_model_name")) in served
-                    and (info["state"] == InstanceState.READY.value or InstanceState(info["state"]).is_standby)):
+            described = answers[name]
+            if not (isinstance(described, EngineDescription) and described.serves(served)
+                    and (described.state == InstanceState.READY or described.state.is_standby)):
                 ended.append(actor)
                 continue
             try:
-                self._register(name, actor, info, {})
+                self._register(name, actor, described, {})
             except EngineAccessRefused:  # proven, but its endpoint not sealed by its host
                 ended.append(actor)
                 continue
@@ -139,10 +139,10 @@ class Launcher:
                            f"in {time.monotonic() - started:.2f} s; stopped {len(ended)} engine(s) that did not fit")
         return tuple(adopted)
 
-    def _register(self, instance_id: str, actor: ray.actor.ActorHandle, info: dict,
+    def _register(self, instance_id: str, actor: ray.actor.ActorHandle, described: EngineDescription,
                   timeline: dict) -> StartedInstance:
-        """Keep a started or adopted engine (`info`: its `describe()`); register it with the router."""
-        instance = described_instance(info, ROLES[Role(info["role"])], self.credentials)
+        """Keep a started or adopted engine; register it with the router."""
+        instance = described_instance(described, ROLES[described.role], self.credentials)
         record = StartedInstance(instance_id, actor, instance.url, instance.role, timeline)
         self.instances[instance_id] = record
         self.registry.add(instance)
@@ -201,8 +201,8 @@ class Launcher:
         started = []
         for instance_id, task in starts.items():
             timeline = task.result()
-            info = await actors[instance_id].describe.remote()
-            started.append(self._register(instance_id, actors[instance_id], info, timeline))
+            described = await actors[instance_id].describe.remote()
+            started.append(self._register(instance_id, actors[instance_id], described, timeline))
             path = ("preimport" if preimported else "standby_start" if standby
                     else timeline["details"].get("weights_source", "disk"))
             self._record(instance_id, path.split("/")[0], timeline)
@@ -223,13 +223,13 @@ class Launcher:
         if instance is None or not instance.state.is_standby:
             raise RuntimeError(f"{instance_id} is not a registered standby")
         path = "preimported" if instance.state == InstanceState.PREIMPORTED else "standby"
-        instance.state = InstanceState.LOADING  # no second activation of the same standby
+        self.registry.set_state(instance, InstanceState.LOADING)  # no second activation of the same standby
         try:
             timeline = await record.actor.activate.remote(peer)
         except Exception:
-            instance.state = InstanceState.FAILED
+            self.registry.set_state(instance, InstanceState.FAILED)
             raise
-        instance.state = InstanceState.READY
+        self.registry.set_state(instance, InstanceState.READY)
         record.timeline = timeline
         self._record(instance_id, path, timeline)
         return timeline
@@ -256,11 +256,11 @@ class Launcher:
 
     async def stop_instance(self, instance_id: str, drain_s: float = 0.0) -> None:
         """Take an instance out of rotation, let it finish what it holds (at most `drain_s`; what
-        is left then goes on elsewhere, router/migration.py), stop its engine, end its actor."""
+        is left then goes on elsewhere, decode/stream_ledger.py), stop its engine, end its actor."""
         instance, actor = self.registry.get(instance_id), self._actors.get(instance_id)
         try:
             if instance is not None:
-                await drained(instance, actor, drain_s)
+                await drained(self.registry, instance, actor, drain_s)
             if actor is not None:
                 await end_engines([actor])
         finally:  # also when cancelled (a shutdown stops the pool controller first): no actor left behind
@@ -278,12 +278,12 @@ class Launcher:
         it did. One that is only unresponsive (frozen, overloaded) is left: it may come back."""
         actor = self._actors.get(instance_id)
         try:
-            info = await asyncio.wait_for(actor.describe.remote(), 4) if actor is not None else None
+            described = await asyncio.wait_for(actor.describe.remote(), 4) if actor is not None else None
         except ray.exceptions.ActorDiedError:  # the actor itself is gone
-            info = None
+            described = None
         except Exception:  # no answer, or unavailable for now (its node cut off): not known to be dead
             return False
-        if info is not None and not info.get("exited"):
+        if described is not None and not described.exited:
             return False
         log.warning("%s: its engine is gone; stopping it to free its place", instance_id)
         await self.stop_instance(instance_id)
@@ -297,19 +297,19 @@ class Launcher:
         instance, record = self.registry.get(instance_id), self.instances.get(instance_id)
         if instance is None or record is None or instance.state != InstanceState.READY:
             return
-        if not await drained(instance, record.actor, drain_s):
-            await undrained(instance, record.actor)
+        if not await drained(self.registry, instance, record.actor, drain_s):
+            await undrained(self.registry, instance, record.actor)
             return
         self._descriptors.pop(instance_id, None)
         try:
             timeline = await record.actor.sleep.remote()
         except SleepRefused:
-            await undrained(instance, record.actor)
+            await undrained(self.registry, instance, record.actor)
             raise
         except Exception:
             await self.stop_instance(instance_id)  # half asleep, or gone: not to be served again
             raise
-        instance.state = InstanceState.SLEEPING
+        self.registry.set_state(instance, InstanceState.SLEEPING)
         self.console.print(f"[green]{instance_id}[/] asleep in {timeline['total_s']:.2f} s "
                            + " ".join(f"{k}={v:.2f}" for k, v in timeline["stages_s"].items()))
 
@@ -332,24 +332,22 @@ class Launcher:
         )
 
     @staticmethod
-    async def _describe_all(actors: dict[str, ray.actor.ActorHandle]) -> dict[str, dict]:
+    async def _describe_all(actors: dict[str, ray.actor.ActorHandle]) -> dict[str, EngineDescription]:
         results = await asyncio.gather(
             *(asyncio.wait_for(a.describe.remote(), 2) for a in actors.values()),
             return_exceptions=True,
         )
-        return {iid: r for iid, r in zip(actors, results, strict=False) if isinstance(r, dict)}
+        return {iid: r for iid, r in zip(actors, results, strict=False) if isinstance(r, EngineDescription)}
 
     @staticmethod
-    def _progress_table(actors: dict, states: dict[str, dict]) -> Table:
+    def _progress_table(actors: dict, described: dict[str, EngineDescription]) -> Table:
         table = Table(title="starting engines", show_edge=False)
         for column in ("instance", "role", "state", "stage done", "elapsed"):
             table.add_column(column)
         for instance_id in actors:
-            info = states.get(instance_id, {})
-            table.add_row(
-                instance_id, info.get("role", ""), info.get("state", "starting"),
-                info.get("last_stage", ""), f"{info.get('elapsed_s', 0):.1f} s",
-            )
+            engine = described.get(instance_id)
+            table.add_row(instance_id, *((engine.role.value, engine.state.value, engine.last_stage,
+                                          f"{engine.elapsed_s:.1f} s") if engine else ("", "starting", "", "")))
         return table
 
     async def shutdown(self, keep_adopted: bool = False) -> None:

@@ -39,7 +39,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from engine.config import EngineConfig
 from engine.lifecycle import STANDBY_STATES, InstanceState
 from engine.roles import RoleSpec
-from router.instances import CapacityQueue, InstanceRegistry, LatencyWindow
+from fleet.instances import InstanceRegistry
+from router.capacity import CapacityQueue, LatencyWindow
 
 if TYPE_CHECKING:  # deploy.launcher imports ray, which must not happen before use_ray()
     from deploy.launcher import Launcher
@@ -77,7 +78,7 @@ class PoolSpec(BaseModel):
     """A pool above min_ready with no request in flight this long loses an instance."""
     drain_s: float = Field(120.0, ge=0)
     """Longest an instance leaving the pool may take to finish its requests, taking no new ones;
-    streams still open then go on on another instance (router/migration.py)."""
+    streams still open then go on on another instance (decode/stream_ledger.py)."""
     target_ttft_s: float | None = Field(None, gt=0)
     """p90 time to first token (streamed requests, the router's last 30 s, only those since this
     pool last grew) above which the pool grows. Set on the pool that prefills."""

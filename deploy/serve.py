@@ -161,7 +161,7 @@ async def _serve(engine_configs, router_config, topology, address: str | None, p
                  start_log: Path, store_bytes: int = 0) -> int:
     from deploy.launcher import Launcher
     from deploy.ray_head import start_ray
-    from router.instances import InstanceRegistry
+    from fleet.instances import InstanceRegistry
 
     started_head = start_ray(address, resources=topology.ray_resources())
     failed = True
@@ -197,8 +197,8 @@ async def _serve_beside(engine_configs, router_config, address: str) -> int:
     `address` owns (deploy/follower.py). It starts and stops nothing but itself."""
     from deploy.follower import FleetFollower
     from deploy.ray_head import start_ray
+    from fleet.instances import InstanceRegistry
     from router.app import build_app
-    from router.instances import InstanceRegistry
     from router.kv_events import STORE_HOLDER
 
     start_ray(address)

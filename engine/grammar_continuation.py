@@ -1,6 +1,6 @@
 """Structured output that goes on from tokens already sent: a vLLM logits processor, loaded by
 every engine of ours (`--logits-processors`), for the router's migration of a structured stream
-(router/migration.py).
+(decode/stream_ledger.py).
 
 A migrated stream's continuation is a completion whose prompt ends with the tokens the client
 already has. vLLM's own structured output would start its grammar at the continuation's first

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import dataclasses
 import json
 import os
 import signal
@@ -32,7 +31,7 @@ import httpx
 
 from engine.config import EngineConfig
 from engine.environment import KV_EVENTS_MARK, KV_EVENTS_PLUGIN, is_cpu_build, listening_socket
-from engine.lifecycle import InstanceState, StartTimeline
+from engine.lifecycle import EngineDescription, InstanceState, StartTimeline
 from engine.process import GROUP_GUARD, die_with_parent, local_client
 from engine.server_command import LISTEN_FD_ENV, kv_events_plugin_installed, server_command, server_env
 from engine.weights import new_weights_file
@@ -97,24 +96,18 @@ class EngineHost:
         """That this actor is the cluster's engine (a launcher adopts only engines that prove it)."""
         return self.keys.prove(nonce)
 
-    def describe(self) -> dict:
-        """What the router needs to know about this instance."""
-        return {
-            "instance_id": self.instance_id,
-            "role": self.config.role.name,
-            "url": self.url,
-            "endpoint": dataclasses.asdict(self.endpoint) if self.endpoint else None,
-            "state": self.state.value,
-            "model": str(self.config.model),
-            "served_model_name": self.config.served_model_name,
-            "kv_events_endpoint": self.kv_events_endpoint,
-            "max_model_len": self.config.max_model_len,
-            "kv_events_replay_endpoint": self.kv_events_replay_endpoint,
-            "pid": self._process.pid if self._process else None,
-            "exited": self._process is not None and self._process.poll() is not None,
-            "last_stage": self.timeline.marks[-1][0] if self.timeline.marks else "",
-            "elapsed_s": time.time() - self.timeline.started_at,
-        }
+    def describe(self) -> EngineDescription:
+        """What the router, a launcher and the progress table need to know about this instance."""
+        return EngineDescription(
+            instance_id=self.instance_id, role=self.config.role.kind, model=str(self.config.model),
+            served_model_name=self.config.served_model_name, max_model_len=self.config.max_model_len,
+            state=self.state, url=self.url, endpoint=self.endpoint, kv_events_endpoint=self.kv_events_endpoint,
+            kv_events_replay_endpoint=self.kv_events_replay_endpoint,
+            pid=self._process.pid if self._process else None,
+            exited=self._process is not None and self._process.poll() is not None,
+            last_stage=self.timeline.marks[-1][0] if self.timeline.marks else "",
+            elapsed_s=time.time() - self.timeline.started_at,
+        )
 
     async def preimport(self) -> dict:
         """Start the server process only up to its imports (engine/preimport.py): it holds no GPU
@@ -394,7 +387,7 @@ class EngineHost:
         except httpx.HTTPError:
             return False
 
-    async def stop(self, grace_s: float = 10.0) -> dict:
+    async def stop(self, grace_s: float = 10.0) -> EngineDescription:
         """Stop the server: SIGTERM to its process group, SIGKILL after `grace_s`."""
         if self.state != InstanceState.STOPPED:
             self.state = InstanceState.DRAINING

@@ -18,7 +18,7 @@ import json
 
 from security.credentials import EngineKeys, bearer_matches
 
-# What the router and the engine's host call (router/proxy.py, router/instances.py, engine/host.py)
+# What the router and the engine's host call (router/proxy.py, fleet/instances.py, engine/host.py)
 # and what an operator scrapes.
 ROUTES = frozenset({
     ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"),

@@ -1,4 +1,5 @@
-"""Instance states and the timeline of a start, stage by stage (read off the server's log)."""
+"""Instance states, what an engine's host tells of its engine (`EngineDescription`), and the
+timeline of a start, stage by stage (read off the server's log)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import re
 import time
 
 from engine.preimport import PREIMPORTED_MARK
+from engine.roles import Role
+from security.engine_access import EngineEndpoint
 
 
 class InstanceState(enum.StrEnum):
@@ -36,6 +39,36 @@ class InstanceState(enum.StrEnum):
 
 STANDBY_STATES = (InstanceState.STANDBY, InstanceState.SLEEPING, InstanceState.PREIMPORTED)
 """Standbys' states, fastest to activate first."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineDescription:
+    """What an engine's host tells whoever asks it through Ray (its launcher, a following router,
+    a launcher adopting it, the progress table): one typed record, read the same everywhere."""
+
+    instance_id: str
+    role: Role
+    model: str
+    """The checkpoint's folder, as the host was configured."""
+    served_model_name: str
+    max_model_len: int
+    state: InstanceState
+    url: str
+    endpoint: EngineEndpoint | None
+    """Its server process's sealed endpoint; None before a process exists."""
+    kv_events_endpoint: str | None
+    kv_events_replay_endpoint: str | None
+    pid: int | None
+    exited: bool
+    """Its server process ran and has ended."""
+    last_stage: str
+    """The start-up stage its timeline reached last."""
+    elapsed_s: float
+    """Seconds since its current start (or activation) began."""
+
+    def serves(self, served: set[tuple[str, str]]) -> bool:
+        """Whether it is an engine of one of `served`'s (checkpoint, served name) pairs."""
+        return (self.model, self.served_model_name) in served
 
 
 # Log lines that end a start-up stage, in the order they appear, with the seconds vLLM itself

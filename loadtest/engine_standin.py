@@ -20,9 +20,9 @@ import uvicorn
 
 from engine.environment import free_port, listening_socket
 from engine.http_auth import EngineAuthMiddleware
-from engine.lifecycle import InstanceState
-from engine.roles import COLOCATED, RoleSpec
-from router.instances import Instance
+from engine.lifecycle import EngineDescription, InstanceState
+from engine.roles import COLOCATED, Role, RoleSpec
+from fleet.instances import Instance
 from security.credentials import ClusterCredentials, EngineKeys, bearer_matches
 from security.engine_access import EngineAccess, EngineEndpoint, EngineIdentity, open_endpoint
 from transport.listener_guard import ListenerLimits, guarded_protocol
@@ -53,6 +53,15 @@ class StandInIdentity:
                  model: str = "m") -> Instance:
         """The router's record of this stand-in."""
         return Instance(self.instance_id, role, self.url, state, model=model, access=self.access)
+
+    def description(self, **fields) -> EngineDescription:
+        """What an engine host would tell of this stand-in (a ready colocated engine of model
+        "m" at /models/m unless `fields` say otherwise)."""
+        described = {"instance_id": self.instance_id, "role": Role.COLOCATED, "model": "/models/m",
+                     "served_model_name": "m", "max_model_len": 128, "state": InstanceState.READY, "url": self.url,
+                     "endpoint": self.endpoint, "kv_events_endpoint": None, "kv_events_replay_endpoint": None,
+                     "pid": 1, "exited": False, "last_stage": "api_server", "elapsed_s": 1.0}
+        return EngineDescription(**{**described, **fields})
 
 
 def unreachable_instance(instance_id: str = "dead-0", role: RoleSpec = COLOCATED) -> Instance:

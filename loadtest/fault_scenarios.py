@@ -47,7 +47,7 @@ class Scenario:
 
 
 # Where a killed engine's streams go on elsewhere: in float32 the continuation's recomputed
-# prefix gives the same greedy tokens as the fault-free run (router/migration.py).
+# prefix gives the same greedy tokens as the fault-free run (decode/stream_ledger.py).
 FLOAT32 = ("--dtype", "float32")
 JSON_SCHEMA = {"type": "object", "required": ["title", "words"],
                "properties": {"title": {"type": "string"}, "words": {"type": "array", "items": {"type": "string"}}}}

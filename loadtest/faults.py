@@ -17,7 +17,7 @@ sent and the victim relays some of those open streams: which ones, the router's 
 event). None within 60 s: the row is an error. The row says how many open streams were on the
 victim at the kill and how many tokens each of those had received, and how many streams' texts
 equal the same burst's without a fault (sent first; the streams the victim held go on
-elsewhere, router/migration.py; in `structured-stream-killed` they carry a regex, in
+elsewhere, decode/stream_ledger.py; in `structured-stream-killed` they carry a regex, in
 `decode-killed-mid-json-stream` a JSON schema as `response_format`, whose grammar goes on from
 the sent tokens: engine/grammar_continuation.py); P/D scenarios also report what the store still
 holds in flight afterwards (leases, reserved bytes: both must be back at 0). Every request is
@@ -181,7 +181,7 @@ def engine_running(server: LocalServer, instance_id: str) -> int:
 
 
 def migrations(server: LocalServer) -> int:
-    """Streams the router has continued on another instance so far (router/migration.py)."""
+    """Streams the router has continued on another instance so far (decode/stream_ledger.py)."""
     text = httpx.get(f"{server.url}/metrics", headers=server.credentials.admin_headers(), timeout=10).text
     return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                    if line.startswith("pdcluster_router_migrations_total")))

@@ -39,6 +39,7 @@ from rich.table import Table
 from decode.role import DECODE
 from engine.config import EngineConfig
 from engine.environment import free_port
+from engine.lifecycle import EngineDescription
 from engine.roles import COLOCATED, RoleSpec
 from loadtest.arrivals import FixedConcurrency, Poisson
 from loadtest.client import RequestResult
@@ -92,20 +93,20 @@ def summarize(results: list[RequestResult], duration_s: float, offered: float) -
     }
 
 
-def _router_process(config: dict, described: list[dict]) -> None:
+def _router_process(config: dict, described: list[EngineDescription]) -> None:
     """The router's app over HTTP, in a process of its own, in front of the engines `described`
     (their hosts' `describe()`)."""
     import uvicorn
 
+    from fleet.instances import InstanceRegistry, described_instance
     from router.app import build_app, server_config
     from router.config import RouterConfig
-    from router.instances import InstanceRegistry, described_instance
 
     router_config = RouterConfig(**config)
-    roles = {role.name: role for role in (COLOCATED, PREFILL, DECODE)}
+    roles = {role.kind: role for role in (COLOCATED, PREFILL, DECODE)}
     registry = InstanceRegistry()
-    for info in described:
-        registry.add(described_instance(info, roles[info["role"]], router_config.credentials()))
+    for engine in described:
+        registry.add(described_instance(engine, roles[engine.role], router_config.credentials()))
     uvicorn.Server(server_config(build_app(router_config, registry))).run()
 
 

@@ -173,9 +173,9 @@ def _serve_router_before(endpoint: dict, port: int, cluster_secret: str, model: 
     import uvicorn
 
     from engine.roles import COLOCATED
+    from fleet.instances import Instance, InstanceRegistry
     from router.app import build_app, server_config
     from router.config import RouterConfig, ServedModel
-    from router.instances import Instance, InstanceRegistry
 
     config = RouterConfig(models=(ServedModel(name=model, max_model_len=4096),), port=port, health_interval_s=3600,
                           otlp_traces_endpoint=otlp_traces_endpoint, cluster_secret=cluster_secret)

@@ -23,8 +23,8 @@ from rich.table import Table
 
 from engine.config import KVHashing
 from engine.roles import COLOCATED
+from fleet.instances import Instance
 from router.hashing import PromptHasher
-from router.instances import Instance
 from router.kv_index import KVIndex
 from router.metrics import percentile
 from router.policies import PolicyContext, RoutingRequest, make_policy

@@ -40,8 +40,8 @@ from rich.table import Table
 
 from decode.role import DECODE
 from engine.roles import COLOCATED
+from fleet.instances import Instance
 from prefill.role import PREFILL
-from router.instances import Instance
 from router.kv_index import KVIndex
 from router.metrics import percentile
 from router.placement import PlacementSettings, Placer

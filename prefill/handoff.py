@@ -22,6 +22,8 @@ from typing import Any
 
 import aiohttp
 
+from fleet.instances import Instance, InstanceRegistry
+
 log = logging.getLogger(__name__)
 # Request fields that make no sense for the one-token prefill request.
 PREFILL_DROPS = ("stream", "stream_options", "min_tokens", "max_completion_tokens", "n", "logprobs",
@@ -52,26 +54,32 @@ def prefill_body(body: dict) -> dict:
             "kv_transfer_params": REMOTE_DECODE}
 
 
-class PrefillClient:
-    """Runs prefill requests over the router's pooled HTTP session; keeps each prefill
-    instance's circuit (`failed_prefills`, `prefill_open_until` on the router's Instance)."""
+class PrefillHop:
+    """Runs the prefill half of placed requests over the router's pooled HTTP session: each is
+    booked on its prefill instance while it runs (a request, and its prompt in the instance's
+    queue) and counted into the instance's circuit, all through the fleet's registry."""
 
-    def __init__(self, session: Callable[[], aiohttp.ClientSession], timeout_s: float, circuit_failures: int,
-                 circuit_s: float, on_unreachable: Callable[[Any, str], None]) -> None:
+    def __init__(self, registry: InstanceRegistry, session: Callable[[], aiohttp.ClientSession], timeout_s: float,
+                 circuit_failures: int, circuit_s: float) -> None:
+        self.registry = registry
         self.session = session
         self.timeout_s = timeout_s
         self.circuit_failures = circuit_failures
         self.circuit_s = circuit_s
-        self.on_unreachable = on_unreachable
 
-    @staticmethod
-    def circuit_closed(instance, now: float) -> bool:
-        return instance.prefill_open_until <= now
-
-    async def run(self, instance, endpoint: str, body: dict,
+    async def run(self, instance: Instance, endpoint: str, body: dict, prompt_tokens: int,
                   trace_headers: Mapping[str, str] | None = None) -> KVHandoff | None:
         """Prefill `body` on `instance`; None (and the reason logged) if it failed or timed out.
         `trace_headers`: the W3C trace context the engine's request span joins (router/tracing.py)."""
+        with self.registry.request(instance):
+            queued = self.registry.queue_prefill(instance, prompt_tokens)
+            try:
+                return await self._prefilled(instance, endpoint, body, trace_headers)
+            finally:
+                queued.done()
+
+    async def _prefilled(self, instance: Instance, endpoint: str, body: dict,
+                         trace_headers: Mapping[str, str] | None) -> KVHandoff | None:
         started = time.monotonic()
         try:
             async with asyncio.timeout(self.timeout_s):
@@ -86,14 +94,12 @@ class PrefillClient:
         except (aiohttp.ClientError, TimeoutError, RuntimeError, ValueError) as exc:
             self._failed(instance, exc)
             return None
-        instance.failed_prefills = 0
+        self.registry.prefill_succeeded(instance)
         return KVHandoff(params, instance.instance_id, time.monotonic() - started)
 
-    def _failed(self, instance, exc: Exception) -> None:
+    def _failed(self, instance: Instance, exc: Exception) -> None:
         if isinstance(exc, aiohttp.ClientConnectionError):
-            self.on_unreachable(instance, f"unreachable: {exc!r}")
-        instance.failed_prefills += 1
-        if instance.failed_prefills >= self.circuit_failures:
-            instance.prefill_open_until = time.monotonic() + self.circuit_s
+            self.registry.mark_failed(instance, f"unreachable: {exc!r}")
+        if self.registry.prefill_failed(instance, self.circuit_failures, self.circuit_s):
             log.warning("no remote prefills on %s for %g s", instance.instance_id, self.circuit_s)
         log.warning("prefill on %s failed (%r); the decode instance prefills locally", instance.instance_id, exc)

@@ -18,6 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from fleet.instances import InstanceRegistry
 from router.admin import add_admin_routes
 from router.admin_auth import basic_password_matches
 from router.admission import (
@@ -30,9 +31,10 @@ from router.admission import (
     validation_message,
 )
 from router.analysis import RequestAnalyzer
+from router.capacity import CapacityQueue
 from router.config import RouterConfig
 from router.errors import BadRequest, RouterError, Unauthorized, error_body
-from router.instances import CapacityQueue, HealthMonitor, InstanceRegistry
+from router.health import HealthMonitor
 from router.kv_events import STORE_HOLDER, KVEventListener
 from router.kv_index import KVIndex
 from router.placement import PlacementSettings, Placer

@@ -56,14 +56,14 @@ class RouterConfig(BaseModel):
     """Longest wait for an engine's next bytes of a response (raise for very long generations)."""
     stream_stall_s: float = Field(30.0, gt=0)
     """Longest gap between an engine's events once its stream has begun: past it the engine counts
-    as broken and the stream goes on elsewhere (router/migration.py), as if it had died."""
+    as broken and the stream goes on elsewhere (decode/stream_ledger.py), as if it had died."""
     max_request_s: float = Field(3600.0, gt=0)
     """Longest a whole request may take, streaming included."""
     max_attempts: int = Field(2, ge=1)
     """Instances tried for a request that failed before any byte was streamed."""
     max_migrations: int = Field(1, ge=0)
     """Times a stream whose engine broke goes on from its sent tokens on another instance
-    (router/migration.py); 0: it ends with an error event."""
+    (decode/stream_ledger.py); 0: it ends with an error event."""
     health_interval_s: float = Field(2.0, gt=0)
     health_timeout_s: float = Field(2.0, gt=0)
     health_failure_threshold: int = Field(2, ge=1)

@@ -6,14 +6,11 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from prometheus_client import Counter, Gauge, Histogram
 
 from router.errors import RouterError
-
-if TYPE_CHECKING:
-    from router.placement import PromptHits
+from router.placement import PlacementReason, PromptHits
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -112,7 +109,9 @@ for _error in _all_subclasses(RouterError):
     ERRORS.labels(_error.type, str(_error.status))
 for _found in ("instance", "store", "none"):
     PROMPT_BLOCKS.labels(_found)
-for _where in ("remote", "local", "local_busy", "fallback_local"):
+FALLBACK_LOCAL = "fallback_local"
+"""The prefills metric's label of a request whose remote prefill failed (its decode instance prefilled)."""
+for _where in {r.prefilled_where for r in PlacementReason} - {None} | {FALLBACK_LOCAL}:
     PREFILLS.labels(_where)
 
 # Filled at scrape time from the router's state (router/status.py scrape_metrics).

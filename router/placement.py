@@ -32,20 +32,32 @@ import dataclasses
 import enum
 from collections.abc import Sequence
 
-from router.instances import Instance
+from fleet.instances import Instance
 from router.kv_index import KVIndex
 from router.policies import RoutingDecision, RoutingPolicy, RoutingRequest
 
 
 class PlacementReason(enum.StrEnum):
     """Why a request runs where it does (the module's docstring says when each applies): the
-    placement span carries it, the router's prefills metric counts by it."""
+    placement span carries it, the router's prefills metric counts by `prefilled_where`. A new
+    reason is written here alone."""
 
     COLOCATED = "colocated"
     SHORT = "short"
     NO_PREFILL = "no_prefill"
     LOCAL_BUSY = "local_busy"
     REMOTE = "remote"
+
+    @property
+    def prefilled_where(self) -> str | None:
+        """Where such a request to a decode instance is prefilled (the prefills metric's label):
+        remote, local (a short prompt, no prefill pool), local_busy; None for a colocated one."""
+        return _PREFILLED_WHERE[self]
+
+
+_PREFILLED_WHERE = {PlacementReason.COLOCATED: None, PlacementReason.SHORT: "local",
+                    PlacementReason.NO_PREFILL: "local", PlacementReason.LOCAL_BUSY: "local_busy",
+                    PlacementReason.REMOTE: "remote"}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,6 +1,8 @@
-"""Forwarding a validated request to an engine and its answer back to the client: its placement
-(router/placement.py), the prefill half elsewhere when placed so (prefill/handoff.py), the
-request (carrying that prefill's KV handoff), and the stream back.
+"""Forwarding a validated request to an engine and its answer back to the client, in steps with
+one job each: the placement (router/placement.py), the prefill half elsewhere when placed so
+(prefill/handoff.py), the request to the serving instance (carrying that prefill's KV handoff),
+and the relay of its answer (router/relay.py, which moves a broken stream on). What a request
+holds on an instance is booked with the fleet's registry (fleet/instances.py).
 
 The engine hop uses aiohttp: its C HTTP parser costs a fraction of httpx's pure-Python h11 per
 streamed chunk, which halved the router's added latency in `loadtest.router_overhead`.
@@ -9,9 +11,8 @@ A request that never reached an engine (connection refused, an engine answering 
 another instance, up to `max_attempts`. One that reached an engine and broke it (the connection
 dropped, a 500, no answer in time) is not retried: a request that crashes one engine would crash
 the next. Once tokens have streamed, a broken stream goes on from them on another instance
-(router/migration.py), up to `max_migrations` times; one that cannot ends with an OpenAI error
-event and `[DONE]`, so a client never hangs. Closing the client's stream closes the engine's,
-which makes vLLM abort the request.
+(router/relay.py), up to `max_migrations` times; one that cannot ends with an OpenAI error
+event and `[DONE]`, so a client never hangs.
 """
 
 from __future__ import annotations
@@ -19,28 +20,26 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
 import aiohttp
 from fastapi.responses import Response
 
+from decode.stream_ledger import StreamLedger, migratable, without_stalls
 from engine.environment import ENGINE_KEEP_ALIVE_S
-from prefill.handoff import PrefillClient
+from fleet.instances import Instance, InstanceRegistry, PendingPrefill
+from prefill.handoff import PrefillHop
 from router import metrics
+from router.capacity import CapacityQueue, LatencyWindow
 from router.config import RouterConfig
-from router.errors import EngineFailed, stream_error_event
-from router.instances import CapacityQueue, Instance, InstanceRegistry, LatencyWindow, PendingPrefill
-from router.migration import StreamLedger, migratable, without_stalls
-from router.placement import Placement, PlacementReason, Placer
+from router.errors import EngineFailed
+from router.placement import Placement, Placer
 from router.policies import RoutingRequest
+from router.relay import StreamRelay
 from router.streaming import EngineStream
 from router.tracing import NO_SPAN, EngineCall, RequestTrace, instance_attributes, placement_attributes
 
 log = logging.getLogger(__name__)
-# The router's prefills metric label of a request its decode instance prefills itself, by why it
-# was so placed ("local" for a short prompt or no prefill pool).
-_LOCAL_PREFILL_LABELS = {PlacementReason.SHORT: "local", PlacementReason.NO_PREFILL: "local",
-                         PlacementReason.LOCAL_BUSY: "local_busy"}
 
 
 class _RetryableEngineError(Exception):
@@ -62,8 +61,9 @@ class Forwarder:
         self.placer = placer
         self.queue = queue
         self.first_tokens = LatencyWindow()
-        self.prefills = PrefillClient(lambda: self.session, config.prefill_timeout_s, config.prefill_circuit_failures,
-                                      config.prefill_circuit_s, registry.mark_failed)
+        self.prefills = PrefillHop(registry, lambda: self.session, config.prefill_timeout_s,
+                                   config.prefill_circuit_failures, config.prefill_circuit_s)
+        self.relay = StreamRelay(registry, lambda: self.session, config.stream_stall_s, config.max_migrations)
         self.timeout = aiohttp.ClientTimeout(
             total=config.max_request_s,
             connect=config.connect_timeout_s,
@@ -109,9 +109,9 @@ class Forwarder:
             placement, send_body, computes = await self.prepare(endpoint, body, request, ready, trace)
             instance = placement.serve.instance
             tried.add(instance.instance_id)
-            prefill = PendingPrefill(instance, computes)
+            prefill = self.registry.queue_prefill(instance, computes)
             try:
-                return await self._send(instance, endpoint, send_body, started, prefill, untried, trace)
+                return await self._send(instance, endpoint, send_body, started, prefill, untried, request, trace)
             except _RetryableEngineError as exc:
                 last_error = str(exc)
                 log.warning("instance %s failed a request: %s", instance.instance_id, exc)
@@ -125,7 +125,7 @@ class Forwarder:
         the serving instance will compute itself."""
         now = time.monotonic()
         prefillers = [i for i in self.registry.ready(lambda role: role.takes_remote_prefills, body["model"])
-                      if self.prefills.circuit_closed(i, now)]
+                      if i.circuit_closed(now)]
         with trace.stage("pdcluster.placement") if trace else NO_SPAN as span:
             placement = self.placer.place(request, servers, prefillers)
             if span:
@@ -138,26 +138,21 @@ class Forwarder:
 
     async def _handed_over(self, endpoint: str, body: dict, request: RoutingRequest,
                            placement: Placement, trace: RequestTrace | None) -> tuple[dict, int]:
-        if placement.prefill is None and placement.reason in _LOCAL_PREFILL_LABELS:
-            metrics.PREFILLS.labels(_LOCAL_PREFILL_LABELS[placement.reason]).inc()
         if placement.prefill is None:
+            if placement.reason.prefilled_where:
+                metrics.PREFILLS.labels(placement.reason.prefilled_where).inc()
             return body, placement.served_prefill_tokens
         prefiller = placement.prefill
-        prefiller.inflight += 1
-        queued = PendingPrefill(prefiller, request.num_tokens)
-        try:
-            with trace.stage("pdcluster.remote_prefill", instance_attributes(prefiller), client=True) if trace \
-                    else NO_SPAN as span:
-                handoff = await self.prefills.run(prefiller, endpoint, body, trace.headers(span) if span else None)
-                if span:
-                    span.set_attribute("pdcluster.kv_handed_over", handoff is not None)
-        finally:
-            prefiller.inflight -= 1
-            queued.done()
+        with trace.stage("pdcluster.remote_prefill", instance_attributes(prefiller), client=True) if trace \
+                else NO_SPAN as span:
+            handoff = await self.prefills.run(prefiller, endpoint, body, request.num_tokens,
+                                              trace.headers(span) if span else None)
+            if span:
+                span.set_attribute("pdcluster.kv_handed_over", handoff is not None)
         if handoff is None:
-            metrics.PREFILLS.labels("fallback_local").inc()
+            metrics.PREFILLS.labels(metrics.FALLBACK_LOCAL).inc()
             return body, placement.uncached_tokens
-        metrics.PREFILLS.labels("remote").inc()
+        metrics.PREFILLS.labels(placement.reason.prefilled_where).inc()
         metrics.KV_HANDOVER_PROMPT_TOKENS.inc(request.num_tokens)
         if trace:
             trace.begin_handover(prefiller, placement.serve.instance, request.num_tokens)
@@ -166,13 +161,13 @@ class Forwarder:
 
     async def _send(
         self, instance: Instance, endpoint: str, body: dict, started: float, prefill: PendingPrefill,
-        others: Callable[[], list[Instance]], trace: RequestTrace | None = None,
+        others: Callable[[], list[Instance]], request: RoutingRequest, trace: RequestTrace | None = None,
     ) -> Response:
         call = trace.engine_call("pdcluster.decode_stream", instance) if trace else None
         ledger = (StreamLedger.start(endpoint, body, self.config.served(body["model"]).max_model_len)
                   if self.config.max_migrations and migratable(endpoint, body) else None)
         body = ledger.engine_body if ledger else body
-        self._enter(instance)
+        self.registry.request_started(instance)
         handed_over = False
         try:
             upstream = await self._post(instance, endpoint, body, call)
@@ -192,17 +187,37 @@ class Forwarder:
                 trace.first_byte(call)
             prefill.done()
             handed_over = True
-            chunks = without_stalls(chunks, self.config.stream_stall_s)
-            relay = (self._relay(instance, endpoint, upstream, first, chunks, started, call) if ledger is None
-                     else self._migrating_relay(instance, endpoint, upstream, first, chunks, started, ledger, others,
-                                                call))
-            return EngineStream(relay, abandon=lambda: self._abandoned(instance, upstream, call))
+            return EngineStream(self._relayed(instance, endpoint, upstream, first, chunks, started, ledger, others,
+                                              request, call),
+                                abandon=lambda: self._abandoned(instance, upstream, call))
         finally:
             prefill.done()
             if not handed_over:
-                self._leave(instance)
+                self.registry.request_ended(instance)
                 if call:  # an exception on its way out (a read that broke) is the engine's failure
                     call.end(502 if sys.exc_info()[0] is not None else None)
+
+    def _relayed(self, instance: Instance, endpoint: str, upstream: aiohttp.ClientResponse, first: bytes, chunks,
+                 started: float, ledger: StreamLedger | None, others: Callable[[], list[Instance]],
+                 request: RoutingRequest, call: EngineCall | None):
+        """The relay of a stream that has begun (router/relay.py), its end recorded here."""
+        chunks = without_stalls(chunks, self.config.stream_stall_s)
+
+        def ended(status: int, migrations: int = 0) -> None:
+            metrics.observe_request(endpoint, status, started, first_byte=False)
+            if call:
+                if ledger is not None:
+                    call.span.set_attribute("pdcluster.migrations", migrations)
+                call.end(status)
+
+        if ledger is None:
+            return self.relay.plain(instance, endpoint, upstream, first, chunks, ended)
+
+        def continue_on(candidates: list[Instance]) -> Instance:  # as the placement step would place it
+            return self.placer.place(request, candidates, []).serve.instance
+
+        return self.relay.migrating(instance, endpoint, upstream, first, chunks, ledger, others, call, ended,
+                                    continue_on)
 
     async def _post(self, instance: Instance, endpoint: str, body: dict,
                     call: EngineCall | None) -> aiohttp.ClientResponse:
@@ -244,144 +259,9 @@ class Forwarder:
             trace.first_byte(call)
         return Response(content, upstream.status, media_type="application/json")
 
-    async def _relay(
-        self, instance: Instance, endpoint: str, upstream: aiohttp.ClientResponse, first: bytes,
-        chunks: AsyncIterator[bytes], started: float, call: EngineCall | None = None,
-    ) -> AsyncIterator[bytes]:
-        status, finished = 200, False
-        try:
-            yield first
-            async for chunk in chunks:
-                yield chunk
-            finished = True
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            status = 502
-            log.warning("stream from %s broke: %r", instance.instance_id, exc)
-            yield stream_error_event(f"the engine's stream broke: {exc!r}")
-        finally:
-            # A stream left early (client gone) is closed, not released: dropping the connection
-            # makes vLLM abort the request.
-            if finished:
-                upstream.release()
-            else:
-                upstream.close()
-            self._leave(instance)
-            metrics.observe_request(endpoint, status, started, first_byte=False)
-            if call:
-                call.end(status)
-
-    async def _migrating_relay(
-        self, instance: Instance, endpoint: str, upstream: aiohttp.ClientResponse, first: bytes,
-        chunks: AsyncIterator[bytes], started: float, ledger: StreamLedger, others: Callable[[], list[Instance]],
-        call: EngineCall | None = None,
-    ) -> AsyncIterator[bytes]:
-        """`_relay`'s job for a migratable stream: through its ledger, and on to another
-        instance (at most `max_migrations` times) when its engine's stream breaks."""
-        status, migrations = 200, 0
-
-        def let_go(broken: bool) -> None:
-            """Done with this engine's stream: dropped if broken (vLLM then aborts), else pooled."""
-            nonlocal instance
-            (upstream.close if broken else upstream.release)()
-            instance.streams.discard(ledger)
-            self._leave(instance)
-            instance = None
-
-        instance.streams.add(ledger)  # here, not before: a relay that never starts never leaves
-        try:
-            while True:
-                try:
-                    for out in ledger.feed(first):
-                        yield out
-                    async for chunk in chunks:
-                        for out in ledger.feed(chunk):
-                            yield out
-                    broke = None if ledger.done else "the engine's stream ended without [DONE]"
-                except (aiohttp.ClientError, TimeoutError) as exc:
-                    broke = None if ledger.done else repr(exc)  # after [DONE] nothing is missing
-                except ValueError as exc:  # not an event stream: nothing to go on from
-                    let_go(broken=True)
-                    status = 502
-                    yield stream_error_event(f"the engine sent a malformed event: {exc}")
-                    return
-                if broke is None:
-                    let_go(broken=False)
-                    return
-                self.registry.mark_failed(instance, f"its stream broke: {broke}")
-                let_go(broken=True)
-                if ledger.finished:  # only the usage and [DONE] were missing
-                    yield ledger.closing()
-                    return
-                moved = None
-                if migrations < self.config.max_migrations and ledger.can_continue():
-                    migrations += 1
-                    moved = await self._continue_elsewhere(endpoint, ledger, others, broke, call)
-                if moved is None:
-                    status = 502
-                    yield stream_error_event(f"the engine's stream broke: {broke}")
-                    return
-                instance, upstream, first, chunks = moved
-                instance.streams.add(ledger)
-        finally:
-            if instance is not None:  # the client left mid-stream
-                let_go(broken=True)
-            metrics.observe_request(endpoint, status, started, first_byte=False)
-            if call:
-                call.span.set_attribute("pdcluster.migrations", migrations)
-                call.end(status)
-
-    async def _continue_elsewhere(
-        self, endpoint: str, ledger: StreamLedger, others: Callable[[], list[Instance]], broke: str,
-        call: EngineCall | None = None,
-    ) -> tuple[Instance, aiohttp.ClientResponse, bytes, AsyncIterator[bytes]] | None:
-        """The continuation of `ledger`'s stream on the least loaded other instance, up to its
-        first bytes; None if there is none or it failed too. Whatever ends it early (the client
-        leaving cancels it) leaves the instance's books and connection as they were."""
-        candidates = others()
-        if not candidates:
-            return None
-        instance = min(candidates, key=lambda i: i.inflight)
-        body = ledger.continuation()
-        log.warning("stream of %s broke (%s): continuing on %s after %d tokens", endpoint, broke,
-                    instance.instance_id, len(body["prompt"]) - len(ledger.prompt_token_ids))
-        metrics.MIGRATIONS.inc()
-        if call:  # the continuation's engine span joins the same decode_stream span
-            call.span.add_event("pdcluster.migrated", instance_attributes(instance))
-        self._enter(instance)
-        upstream, moved = None, None
-        try:
-            upstream = await self.session.post(f"{instance.url}/v1/completions", json=body,
-                                               **instance.request_options(call.headers if call else None))
-            if upstream.status != 200:
-                text = (await upstream.read()).decode(errors="replace")[:500]
-                log.warning("instance %s refused a continued stream: HTTP %d %s", instance.instance_id,
-                            upstream.status, text)
-                if upstream.status >= 500 and upstream.status != 503:
-                    self.registry.mark_failed(instance, f"failed a continued stream: HTTP {upstream.status}")
-                return None
-            chunks = upstream.content.iter_any()
-            moved = instance, upstream, await chunks.__anext__(), without_stalls(chunks, self.config.stream_stall_s)
-            return moved
-        except (aiohttp.ClientError, TimeoutError, StopAsyncIteration) as exc:
-            self.registry.mark_failed(instance, f"failed a continued stream: {exc!r}")
-            return None
-        finally:
-            if moved is None:
-                if upstream is not None:
-                    upstream.close()
-                self._leave(instance)
-
     def _abandoned(self, instance: Instance, upstream: aiohttp.ClientResponse, call: EngineCall | None) -> None:
         """A relay's clean-up when the client left before it began (router/streaming.py)."""
         upstream.close()
-        self._leave(instance)
+        self.registry.request_ended(instance)
         if call:
             call.end(499)
-
-    def _enter(self, instance: Instance) -> None:
-        instance.inflight += 1
-        metrics.INFLIGHT.labels(instance.instance_id).set(instance.inflight)
-
-    def _leave(self, instance: Instance) -> None:
-        instance.inflight -= 1
-        metrics.INFLIGHT.labels(instance.instance_id).set(instance.inflight)

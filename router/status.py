@@ -30,9 +30,9 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 
 from engine.lifecycle import InstanceState
+from fleet.instances import Instance, InstanceRegistry
 from router import metrics
 from router.errors import EngineFailed
-from router.instances import Instance, InstanceRegistry
 from router.status_model import (
     ClusterStatus,
     ErrorRecord,

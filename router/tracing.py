@@ -40,7 +40,7 @@ from urllib.parse import urlparse
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
 
-    from router.instances import Instance
+    from fleet.instances import Instance
     from router.placement import Placement
 
 SERVICE_NAME = "pdcluster-router"

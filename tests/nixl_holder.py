@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
-from transport.nixl import add_peer, new_agent, quiet_progress_threads, transfer  # noqa: E402
 from transport.listener_warden import WARDEN, seal_tcp_listeners  # noqa: E402
+from transport.nixl import add_peer, new_agent, quiet_progress_threads, transfer  # noqa: E402
 
 GLOO_GROUPS = 4  # vLLM 0.32's distributed state made 15 gloo listeners; a few show the same
 

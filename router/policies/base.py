@@ -7,7 +7,7 @@ import importlib
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
-from router.instances import Instance
+from fleet.instances import Instance
 from router.kv_index import BlockHash, KVIndex
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from router.instances import Instance
+from fleet.instances import Instance
 from router.policies.base import PolicyContext, RoutingDecision, RoutingRequest
 
 

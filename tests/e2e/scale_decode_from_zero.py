@@ -60,8 +60,8 @@ def main() -> int:
         from decode.role import DECODE
         from deploy.launcher import Launcher
         from deploy.placement import placement_options
+        from fleet.instances import InstanceRegistry
         from kvstore.sharded_store import ShardedStore
-        from router.instances import InstanceRegistry
         from security.credentials import ClusterCredentials
         from transport.zmq_curve import STORE_PLANE
 

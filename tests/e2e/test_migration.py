@@ -1,5 +1,5 @@
 """A stream whose engine dies goes on on another instance: the client sees one stream, with the
-same greedy tokens and usage as a run without the fault (router/migration.py), structured output
+same greedy tokens and usage as a run without the fault (decode/stream_ledger.py), structured output
 included (its grammar goes on from the sent tokens: engine/grammar_continuation.py).
 
 SmolLM2 in float32: the continuation recomputes the sent tokens' KV in one prefill, where the

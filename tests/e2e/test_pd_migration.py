@@ -2,7 +2,7 @@
 handed over through the store shard): the streams it held go on on the other decode instance,
 and every client gets the text, token ids and usage of the same streams without the fault, a
 JSON-schema chat (`response_format`) included, whose grammar goes on in the state the sent tokens
-left it (router/migration.py, engine/grammar_continuation.py). The continuation's prompt is
+left it (decode/stream_ledger.py, engine/grammar_continuation.py). The continuation's prompt is
 mostly a store hit, not a recompute.
 
 Its own module fixture: one prefill and two decode instances (tiny model, float32 as in

@@ -9,10 +9,10 @@ import pytest
 from fastapi.testclient import TestClient
 
 from engine.roles import COLOCATED
+from fleet.instances import Instance, InstanceRegistry
 from loadtest.scrape import scrape_engine
 from router.app import build_app
 from router.config import RouterConfig, ServedModel
-from router.instances import Instance, InstanceRegistry
 from security.credentials import ClusterCredentials
 
 pytestmark = pytest.mark.slow

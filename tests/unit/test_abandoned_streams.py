@@ -20,10 +20,10 @@ from starlette.responses import StreamingResponse
 from starlette.routing import Route
 
 from engine.environment import free_port
+from fleet.instances import InstanceRegistry
 from loadtest.engine_standin import AppStandIn
 from router.app import build_app
 from router.config import RouterConfig, ServedModel
-from router.instances import InstanceRegistry
 
 KEY = "sk-abandoning-client"
 FIRST_BYTE_S = 1.0

@@ -7,11 +7,11 @@ from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
 from deploy.serve import parse_api_keys
+from fleet.instances import InstanceRegistry
 from router.admission import Admission, KeyLimits, LocalLimits
 from router.app import build_app
 from router.config import RouterConfig, ServedModel
 from router.errors import RateLimited, Unauthorized
-from router.instances import InstanceRegistry
 from security.credentials import ClusterCredentials
 
 BODY = {"model": "m", "prompt": "x"}

@@ -14,8 +14,8 @@ from deploy.placement import placement_options
 from deploy.pool import PoolSpec, wants_more
 from deploy.topology import Topology, roles_to_start
 from engine.roles import COLOCATED
+from fleet.instances import Instance
 from prefill.role import PREFILL
-from router.instances import Instance
 
 CLUSTERS = sorted((Path(__file__).resolve().parents[2] / "deploy" / "clusters").glob("*.yaml"))
 
@@ -134,7 +134,7 @@ async def test_an_instance_leaving_its_pool_takes_no_new_request_and_finishes_wh
     import asyncio
 
     from engine.lifecycle import InstanceState
-    from router.instances import InstanceRegistry
+    from fleet.instances import InstanceRegistry
 
     registry = InstanceRegistry()
     leaving = Instance("colocated-0", COLOCATED, "http://127.0.0.1:1", model="m")
@@ -169,7 +169,7 @@ async def test_a_drain_waits_for_what_other_routers_sent_the_engine():
     import asyncio
 
     from engine.lifecycle import InstanceState
-    from router.instances import InstanceRegistry
+    from fleet.instances import InstanceRegistry
 
     registry = InstanceRegistry()
     leaving = Instance("colocated-0", COLOCATED, "http://127.0.0.1:1", model="m")
@@ -194,7 +194,7 @@ async def test_a_drain_waits_for_what_other_routers_sent_the_engine():
 async def test_a_drain_ends_at_its_deadline():
     import asyncio
 
-    from router.instances import InstanceRegistry
+    from fleet.instances import InstanceRegistry
 
     registry = InstanceRegistry()
     stuck = Instance("colocated-0", COLOCATED, "http://127.0.0.1:1", model="m")
@@ -294,7 +294,8 @@ def engine_configs(folder, *names):
 async def test_a_pool_starts_sleeping_standbys_and_activates_an_awake_one_first(tmp_path):
     from deploy.pool import PoolController
     from engine.lifecycle import InstanceState
-    from router.instances import CapacityQueue, InstanceRegistry
+    from fleet.instances import InstanceRegistry
+    from router.capacity import CapacityQueue
 
     registry, launcher = InstanceRegistry(), RecordingLauncher()
     spec = PoolSpec(model="m", role=COLOCATED, min_ready=0, max_ready=1, standby=1, standby_sleeps=True)
@@ -314,7 +315,8 @@ async def test_a_pool_keeps_preimported_processes_and_uses_them_after_standbys(t
 
     from deploy.pool import PoolController
     from engine.lifecycle import InstanceState
-    from router.instances import CapacityQueue, InstanceRegistry
+    from fleet.instances import InstanceRegistry
+    from router.capacity import CapacityQueue
 
     registry = InstanceRegistry()
     launcher = RecordingLauncher(registry)
@@ -342,7 +344,8 @@ async def test_failed_and_waiting_instances_are_asked_about_and_reaped_once_thei
 
     from deploy.pool import PoolController
     from engine.lifecycle import InstanceState
-    from router.instances import CapacityQueue, InstanceRegistry
+    from fleet.instances import InstanceRegistry
+    from router.capacity import CapacityQueue
 
     registry = InstanceRegistry()
     launcher = RecordingLauncher(registry)
@@ -386,7 +389,8 @@ async def test_an_idle_model_sleeps_and_a_request_for_a_sleeping_one_wakes_only_
 
     from deploy.pool import PoolController
     from engine.lifecycle import InstanceState
-    from router.instances import CapacityQueue, InstanceRegistry
+    from fleet.instances import InstanceRegistry
+    from router.capacity import CapacityQueue
 
     registry, launcher, queue = InstanceRegistry(), RecordingLauncher(), CapacityQueue(4, 5.0)
     specs = [PoolSpec(model=m, role=COLOCATED, min_ready=0, max_ready=1, idle_sleeps=True, idle_s=0.01)
@@ -409,7 +413,8 @@ async def test_an_idle_model_sleeps_and_a_request_for_a_sleeping_one_wakes_only_
 async def test_under_max_awake_a_sleeping_model_wakes_only_after_an_idle_other_sleeps(tmp_path):
     from deploy.pool import PoolController
     from engine.lifecycle import InstanceState
-    from router.instances import CapacityQueue, InstanceRegistry
+    from fleet.instances import InstanceRegistry
+    from router.capacity import CapacityQueue
 
     registry = InstanceRegistry()
     launcher = RecordingLauncher(registry)
@@ -436,7 +441,8 @@ async def test_under_max_awake_grows_at_once_never_wake_more_than_allowed(tmp_pa
 
     from deploy.pool import PoolController
     from engine.lifecycle import InstanceState
-    from router.instances import CapacityQueue, InstanceRegistry
+    from fleet.instances import InstanceRegistry
+    from router.capacity import CapacityQueue
 
     registry = InstanceRegistry()
     launcher = RecordingLauncher(registry)
@@ -478,7 +484,7 @@ async def test_an_instance_put_to_sleep_ends_asleep_awake_or_stopped(case):
     from deploy.launcher import StartedInstance
     from engine.host import SleepRefused
     from engine.lifecycle import InstanceState
-    from router.instances import InstanceRegistry
+    from fleet.instances import InstanceRegistry
 
     registry = InstanceRegistry()
     instance = Instance("c-0", COLOCATED, "http://127.0.0.1:1", model="m")

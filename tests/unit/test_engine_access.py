@@ -14,10 +14,10 @@ from fastapi.testclient import TestClient
 from stranger import StrangerProcess, needs_stranger
 
 from engine.environment import listening_socket
+from fleet.instances import Instance, InstanceRegistry
 from loadtest.engine_standin import AppStandIn, StandInIdentity
 from router.app import build_app
 from router.config import RouterConfig, ServedModel
-from router.instances import Instance, InstanceRegistry
 from security.credentials import ClusterCredentials
 from security.engine_access import EngineAccessRefused
 

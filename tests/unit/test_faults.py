@@ -116,6 +116,6 @@ def test_the_json_schema_row_streams_chats_in_a_schema():
     assert scenario.endpoint == "/v1/chat/completions" and "--decode" in scenario.serve_args
     assert body["messages"] == [{"role": "user", "content": "a prompt"}] and body["temperature"] == 0
     assert body["response_format"]["json_schema"]["schema"] == fault_scenarios.JSON_SCHEMA
-    from router.migration import CHAT, migratable
+    from decode.stream_ledger import CHAT, migratable
 
     assert migratable(CHAT, {**body, "stream": True})  # its streams go on elsewhere

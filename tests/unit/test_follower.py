@@ -6,15 +6,14 @@ named actors are fakes here (named so); tests/e2e/test_two_routers.py follows a 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 
 import pytest
 
 from deploy import follower as follower_module
 from deploy.follower import FleetFollower
-from engine.lifecycle import InstanceState
+from engine.lifecycle import EngineDescription, InstanceState
+from fleet.instances import InstanceRegistry
 from loadtest.engine_standin import StandInIdentity
-from router.instances import InstanceRegistry
 from security.credentials import ClusterCredentials
 
 CREDENTIALS = ClusterCredentials.generate()
@@ -42,19 +41,17 @@ class FakeEngineActor:
 
     def __init__(self, name: str, credentials: ClusterCredentials, model=MODEL, state: str = "ready",
                  sealed_by: ClusterCredentials | None = None) -> None:
-        endpoint = StandInIdentity(name, 1, sealed_by or credentials).endpoint
-        self.info = {"instance_id": name, "role": "colocated", "url": endpoint.url, "state": state,
-                     "model": model[0], "served_model_name": model[1], "kv_events_endpoint": None,
-                     "kv_events_replay_endpoint": None, "endpoint": dataclasses.asdict(endpoint)}
+        self.identity = StandInIdentity(name, 1, sealed_by or credentials)
+        self.fields = {"model": model[0], "served_model_name": model[1], "state": state}
         self._actor_id = type("FakeActorId", (), {"hex": lambda _, name=name: f"id-{name}"})()
         self.prove = _Method(lambda nonce: credentials.prove("engine", nonce))
         self.answering = True
         self.describe = _Method(self._describe)
 
-    def _describe(self) -> dict:
+    def _describe(self) -> EngineDescription:
         if not self.answering:
             raise TimeoutError("a busy actor, a slow node")
-        return dict(self.info)
+        return self.identity.description(**{**self.fields, "state": InstanceState(self.fields["state"])})
 
 
 @pytest.fixture
@@ -74,8 +71,8 @@ async def test_the_fleet_is_followed_as_its_owner_changes_it(actors):
     await follower.sync()
     assert [i.instance_id for i in registry.all()] == ["tiny-colocated-0"]  # its model's, serving or able to
 
-    actors["tiny-colocated-1"].info["state"] = "ready"  # the owner's start finished
-    actors["tiny-colocated-0"].info["state"] = "draining"  # the owner drains it
+    actors["tiny-colocated-1"].fields["state"] = "ready"  # the owner's start finished
+    actors["tiny-colocated-0"].fields["state"] = "draining"  # the owner drains it
     await follower.sync()
     states = {i.instance_id: i.state for i in registry.all()}
     assert states == {"tiny-colocated-0": InstanceState.DRAINING, "tiny-colocated-1": InstanceState.READY}

@@ -18,10 +18,10 @@ from flood import connect_and_close, idle_connections, open_descriptors
 from stranger import needs_stranger
 
 from engine.environment import free_port
+from fleet.instances import InstanceRegistry
 from loadtest.engine_standin import AppStandIn
 from router.app import build_app, server_config
 from router.config import RouterConfig, ServedModel
-from router.instances import InstanceRegistry
 from security.credentials import ClusterCredentials
 from transport.listener_guard import FD_RESERVE, ListenerLimits
 

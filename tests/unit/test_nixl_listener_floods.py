@@ -27,7 +27,7 @@ import psutil
 import pytest
 from stranger import needs_stranger, run_as_stranger
 
-from transport import nixl, listener_warden
+from transport import listener_warden, nixl
 
 pytestmark = pytest.mark.slow  # a process start (NIXL, torch, agents: ~8 s), then floods
 HOLDER = Path(__file__).resolve().parents[1] / "nixl_holder.py"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine.roles import COLOCATED
-from router.instances import Instance
+from fleet.instances import Instance
 from router.kv_index import KVIndex
 from router.policies import POLICIES, PolicyContext, RoutingRequest, make_policy
 from router.policies.prefix_tree import CharRadixTree

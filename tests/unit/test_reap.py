@@ -11,7 +11,8 @@ from deploy import launcher as launcher_module
 from deploy.launcher import Launcher
 from engine.lifecycle import InstanceState
 from engine.roles import COLOCATED
-from router.instances import Instance, InstanceRegistry
+from fleet.instances import Instance, InstanceRegistry
+from loadtest.engine_standin import StandInIdentity
 from security.credentials import ClusterCredentials
 
 
@@ -46,9 +47,9 @@ def killed(monkeypatch) -> list:
 
 
 @pytest.mark.parametrize(("describe", "reaped"), [
-    ({"exited": True}, True),  # its engine process exited (killed, crashed)
+    (StandInIdentity("i", 1).description(exited=True), True),  # its engine process exited (killed, crashed)
     (ray.exceptions.ActorDiedError(), True),  # the actor itself is gone
-    ({"exited": False}, False),  # alive: frozen or slow, it may come back
+    (StandInIdentity("i", 1).description(exited=False), False),  # alive: frozen or slow, it may come back
     (ray.exceptions.ActorUnavailableError("its node is cut off", None), False),  # may come back too
     (TimeoutError("no answer"), False),
 ])

@@ -12,12 +12,13 @@ from prometheus_client import REGISTRY
 from decode.role import DECODE
 from engine.lifecycle import InstanceState
 from engine.roles import COLOCATED
+from fleet.instances import Instance, InstanceRegistry, PendingPrefill
 from loadtest.engine_standin import SocketStandIn, unreachable_instance
 from prefill.role import PREFILL
 from router.app import build_app
+from router.capacity import CapacityQueue, LatencyWindow
 from router.config import RouterConfig, ServedModel
 from router.errors import NoInstance
-from router.instances import CapacityQueue, Instance, InstanceRegistry, LatencyWindow, PendingPrefill
 from router.placement import PlacementSettings, Placer
 from router.policies import PolicyContext, RoutingRequest, make_policy
 from router.proxy import Forwarder

@@ -12,9 +12,9 @@ from fastapi.testclient import TestClient
 from prometheus_client import REGISTRY
 
 from deploy.serve import load_api_keys
+from fleet.instances import InstanceRegistry
 from router.app import build_app
 from router.config import DEFAULT_CONCURRENCY_PER_KEY, RouterConfig, ServedModel
-from router.instances import InstanceRegistry
 from router.log_limit import RepeatLimit
 from security.credentials import CredentialsError, write_private
 

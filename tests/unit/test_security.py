@@ -12,9 +12,9 @@ from fastapi.testclient import TestClient
 
 from engine.http_auth import MAX_RPC_BODY_BYTES, EngineAuthMiddleware
 from engine.roles import COLOCATED
+from fleet.instances import Instance, InstanceRegistry
 from router.app import build_app
 from router.config import RouterConfig, ServedModel
-from router.instances import Instance, InstanceRegistry
 from security.credentials import SECRET_ENV, ClusterCredentials, CredentialsError, EngineKeys, runtime_dir
 
 CREDENTIALS = ClusterCredentials.load()  # the session's (tests/conftest.py)

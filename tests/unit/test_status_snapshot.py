@@ -9,10 +9,10 @@ from prometheus_client import REGISTRY
 from decode.role import DECODE
 from engine.lifecycle import InstanceState
 from engine.roles import COLOCATED
+from fleet.instances import Instance, InstanceRegistry
 from loadtest.engine_standin import unreachable_instance
 from router.app import build_app
 from router.config import RouterConfig, ServedModel
-from router.instances import Instance, InstanceRegistry
 from router.kv_index import KVIndex
 from router.placement import PlacementSettings, Placer, PromptHits
 from router.policies import RoutingRequest, make_policy

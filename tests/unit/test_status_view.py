@@ -10,9 +10,9 @@ from fastapi.testclient import TestClient
 from rich.console import Console
 
 from deploy.status_view import StatusSource, render_status, watch
+from fleet.instances import InstanceRegistry
 from router.app import build_app
 from router.config import RouterConfig, ServedModel
-from router.instances import InstanceRegistry
 from router.status_model import ClusterStatus, HitRates
 from security.credentials import ClusterCredentials
 

@@ -1,5 +1,5 @@
 """The KV store's shards following the engines' nodes (deploy/store_shards.py), and the router's
-health checks (router/instances.py), with no engine and no Ray cluster.
+health checks (fleet/instances.py), with no engine and no Ray cluster.
 
 `StoreShards` runs against fakes of what it asks Ray (named so: `FakeRay`, `FakeShardActorClass`,
 `FakeShard`), which keep the member lists shards are told as kvstore/shard.py does (an older epoch
@@ -21,8 +21,9 @@ from rich.console import Console
 from deploy import store_shards
 from deploy.store_shards import STORE_SHARD_PREFIX, StoreShards
 from engine.lifecycle import InstanceState
+from fleet.instances import InstanceRegistry
 from loadtest.engine_standin import AppStandIn, unreachable_instance
-from router.instances import HealthMonitor, InstanceRegistry
+from router.health import HealthMonitor
 from security.credentials import ClusterCredentials
 
 

@@ -1,4 +1,4 @@
-"""The stream ledger (router/migration.py) on streams shaped as vLLM's, without an engine."""
+"""The stream ledger (decode/stream_ledger.py) on streams shaped as vLLM's, without an engine."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import json
 
 import pytest
 
+from decode.stream_ledger import CHAT, COMPLETIONS, StreamLedger, migratable
 from engine.environment import GRAMMAR_ARG
-from router.migration import CHAT, COMPLETIONS, StreamLedger, migratable
 
 
 def sse(*events: dict | str) -> bytes:
@@ -166,8 +166,8 @@ def test_a_continued_grammar_compiles_as_vllm_would_and_starts_past_the_sent_tex
     import xgrammar
     from vllm import SamplingParams
 
+    from decode.stream_ledger import continued_grammar
     from engine.grammar_continuation import GrammarContinuation
-    from router.migration import continued_grammar
 
     grammar = continued_grammar({"structured_outputs": structured})
     arg = {**grammar, "sent": []}

@@ -17,10 +17,10 @@ from starlette.routing import Route
 from test_abandoned_streams import serving
 
 from engine.environment import free_port
+from fleet.instances import InstanceRegistry
 from loadtest.engine_standin import AppStandIn
 from router.app import build_app
 from router.config import RouterConfig, ServedModel
-from router.instances import InstanceRegistry
 from security.credentials import ClusterCredentials
 
 CREDENTIALS = ClusterCredentials.load()  # the session's (tests/conftest.py)

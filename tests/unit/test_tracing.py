@@ -11,11 +11,11 @@ import pytest
 from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
+from fleet.instances import InstanceRegistry
 from loadtest.engine_standin import AppStandIn
 from loadtest.otlp_receiver import OTLPReceiver
 from router.app import build_app
 from router.config import RouterConfig, ServedModel
-from router.instances import InstanceRegistry
 from router.tracing import REQUEST_SPAN
 
 COLOCATED_STAGES = ("pdcluster.admission", "pdcluster.analysis", "pdcluster.queue_wait", "pdcluster.placement",

@@ -21,6 +21,7 @@ from oracle import assert_conforms
 from stranger import StrangerProcess, needs_stranger
 
 from decode.role import DECODE
+from fleet.instances import Instance, InstanceRegistry
 from kvstore import protocol
 from kvstore.client import request_once
 from loadtest.arrivals import FixedConcurrency
@@ -32,7 +33,6 @@ from loadtest.workloads import RandomLengths
 from prefill.role import PREFILL
 from router.app import build_app
 from router.config import RouterConfig, ServedModel
-from router.instances import Instance, InstanceRegistry
 from security.engine_access import EngineAccess
 from transport.zmq_curve import STORE_PLANE
 

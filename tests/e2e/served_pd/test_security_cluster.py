@@ -9,7 +9,6 @@ restart is a real one, in a real `pdcluster serve`."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import signal
 import time
@@ -21,9 +20,10 @@ from deploy.launcher import Launcher
 from deploy.ray_head import RAY_NAMESPACE
 from deploy.store_shards import STORE_SHARD_PREFIX
 from engine.config import EngineConfig
+from engine.lifecycle import EngineDescription
+from fleet.instances import InstanceRegistry
 from loadtest.engine_standin import StandInIdentity
 from loadtest.local_cluster import RayHead
-from router.instances import InstanceRegistry
 from router.kv_events import STORE_HOLDER
 from security.credentials import ClusterCredentials
 
@@ -101,13 +101,11 @@ def config(tmp_path) -> EngineConfig:
     return EngineConfig(model=tmp_path, served_model_name="tiny")
 
 
-def ready_engine(instance_id: str, config: EngineConfig) -> dict:
+def ready_engine(instance_id: str, config: EngineConfig) -> EngineDescription:
     """What a ready colocated engine of `config`'s model describes itself as (its endpoint sealed
     under the cluster's key of that instance)."""
-    endpoint = StandInIdentity(instance_id, 9, CREDENTIALS).endpoint
-    return {"instance_id": instance_id, "role": "colocated", "url": endpoint.url, "state": "ready",
-            "model": str(config.model), "served_model_name": config.served_model_name,
-            "kv_events_endpoint": None, "kv_events_replay_endpoint": None, "endpoint": dataclasses.asdict(endpoint)}
+    return StandInIdentity(instance_id, 9, CREDENTIALS).description(model=str(config.model),
+                                                                    served_model_name=config.served_model_name)
 
 
 def calls(actor) -> list[str]:
