@@ -6,5 +6,6 @@ from engine.roles import PD_ENV, PD_VLLM_ARGS, Role, RoleSpec
 
 DECODE = RoleSpec(
     Role.DECODE, ray_resource="decode", vllm_args=PD_VLLM_ARGS, env=PD_ENV, kv_transfer=True,
+    direct_kv_role="kv_consumer",
     serves_clients=True, takes_remote_prefills=False, waits_on_queue=True, prefills=False,
 )

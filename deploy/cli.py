@@ -18,6 +18,7 @@ from rich.console import Console
 from engine.models import BUILDERS
 from router.config import DEFAULT_CONCURRENCY_PER_KEY
 from router.log_limit import limit_repeats
+from router.placement import DEFAULT_REMOTE_PREFILL_MIN_TOKENS
 
 console = Console(stderr=True)
 
@@ -187,7 +188,7 @@ def _add_routing_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--remote-prefill-min-tokens",
         type=int,
-        default=256,
+        default=DEFAULT_REMOTE_PREFILL_MIN_TOKENS,
         help="below this many uncached prompt tokens, decode prefills locally",
     )
     parser.add_argument(
@@ -220,6 +221,11 @@ def _add_routing_flags(parser: argparse.ArgumentParser) -> None:
         help="seconds without an event from an engine mid-stream before it counts as broken (and the stream "
         "goes on elsewhere)",
     )
+    parser.add_argument("--request-timeout", type=float, default=600.0,
+                        help="longest wait for an engine's next bytes of an answer (s; raise it for very long "
+                        "generations that stream nothing)")
+    parser.add_argument("--store-timeout", type=float, default=5.0,
+                        help="longest one KV store call (lookup, read, write) may take before it counts as a miss (s)")
 
 
 def _add_observability_flags(parser: argparse.ArgumentParser) -> None:

@@ -31,6 +31,10 @@ class RoleSpec:
     """Environment of the role's vLLM server, beyond every engine's."""
     kv_transfer: bool = False
     """Runs a KV connector: hands prompts' KV over through the store, or directly (NIXL)."""
+    direct_kv_role: str = "kv_both"
+    """vLLM's `kv_role` when KV goes directly from prefill to decode (NixlConnector): the prefill
+    pool produces, the decode pool consumes. Through the store every role is both (see
+    engine/server_command.kv_transfer_config)."""
     serves_clients: bool = True
     """The router sends clients' requests there and streams the answers back."""
     takes_remote_prefills: bool = False

@@ -93,15 +93,19 @@ def _zmq_host(host: str) -> str:
 
 def kv_transfer_config(config: EngineConfig) -> dict:
     """With a store: our StoreConnector (kvstore/), every instance saving the prompts it
-    computes and loading what the store holds. Without: vLLM's NixlConnector, the decode
-    instance reading the prefill's blocks one-sided over UCX. Either way a failed load is
-    recomputed, never an error."""
-    shared = {"kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
-    if config.kv_store_endpoints:
-        return {**shared, "kv_connector": "StoreConnector", "kv_connector_module_path": "kvstore.connector",
+    computes and loading what the store holds: `kv_both` for both pools, since a prefill instance
+    loads the prefix another one stored (its store hits) and a decode instance stores the prompts
+    it prefills itself (a short one, a fallback) for the next. Without: vLLM's NixlConnector, the
+    decode instance reading the prefill's blocks one-sided over UCX, each role as vLLM names it
+    (`kv_producer`, `kv_consumer`). Either way a failed load is recomputed, never an error."""
+    shared = {"kv_load_failure_policy": "recompute"}
+    if config.kv_store_endpoints:  # kvstore/settings.py StoreSettings reads the extra config
+        return {**shared, "kv_role": "kv_both", "kv_connector": "StoreConnector",
+                "kv_connector_module_path": "kvstore.connector",
                 "kv_connector_extra_config": {"endpoints": list(config.kv_store_endpoints),
                                               "timeout_s": config.kv_store_timeout_s}}
-    return {**shared, "kv_connector": "NixlConnector", "kv_buffer_device": "cpu" if is_cpu_build() else "cuda"}
+    return {**shared, "kv_role": config.role.direct_kv_role, "kv_connector": "NixlConnector",
+            "kv_buffer_device": "cpu" if is_cpu_build() else "cuda"}
 
 
 def server_env(config: EngineConfig, host: str, instance_id: str, keys: EngineKeys,

@@ -176,6 +176,10 @@ class InstanceRegistry:
         for callback in self.on_request:
             callback(instance, -1)
 
+    def observed(self, instance: Instance, inflight: int, pending_prefill_tokens: float) -> None:
+        """Load measured from outside this router's books (the simulator's engines)."""
+        instance.inflight, instance.pending_prefill_tokens = inflight, pending_prefill_tokens
+
     def queue_prefill(self, instance: Instance, tokens: int) -> PendingPrefill:
         """`tokens` of prompt to prefill there, counted until the returned record's `done()`."""
         return PendingPrefill(instance, tokens)

@@ -117,14 +117,16 @@ class _Piece:
 
 
 class ShardClient:
-    def __init__(self, endpoint: str, keys: CurveKeys, timeout_s: float = 5.0, staging_bytes: int = 64 * 1024**2,
-                 retry_after_s: float = 10.0):
+    def __init__(self, endpoint: str, keys: CurveKeys, timeout_s: float, staging_bytes: int = 64 * 1024**2,
+                 retry_after_s: float | None = None):
+        """`retry_after_s`: how long the shard counts as down after a call timed out (default:
+        twice `timeout_s`, as StoreSettings.retry_after_s)."""
         import zmq
 
         self.endpoint = endpoint
         self.keys = keys
         self.timeout_s = timeout_s
-        self.retry_after_s = retry_after_s
+        self.retry_after_s = 2 * timeout_s if retry_after_s is None else retry_after_s
         self._down_until = 0.0  # after a timeout, calls fail fast (a miss) instead of each waiting
         self._zmq = zmq
         self._context = zmq.Context()

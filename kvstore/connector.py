@@ -24,7 +24,7 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 
 from kvstore.connector_types import ConnectorSpec, SaveResults, StorePlan
-from kvstore.lmcache_engine import StoreSettings
+from kvstore.settings import StoreSettings
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput

@@ -8,7 +8,8 @@ import hashlib
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
-from kvstore.lmcache_engine import CHUNK_TOKENS, KVLayout, StoreSettings
+from kvstore.lmcache_engine import CHUNK_TOKENS, KVLayout
+from kvstore.settings import StoreSettings
 
 
 def usable_tokens(prompt_len: int, block_size: int) -> int:

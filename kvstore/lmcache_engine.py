@@ -11,6 +11,7 @@ KV memory).
 from __future__ import annotations
 
 import dataclasses
+import math
 import uuid
 from collections.abc import Callable
 
@@ -20,24 +21,9 @@ from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.metadata import LMCacheMetadata
 
 from kvstore.lmcache_plugin import PLUGIN_NAME
+from kvstore.settings import StoreSettings
 
 CHUNK_TOKENS = 256  # LMCache's chunk: the unit of a store key (whole KV blocks of any block size we use)
-
-
-@dataclasses.dataclass(frozen=True)
-class StoreSettings:
-    """What `kv_connector_extra_config` carries (set by engine/host.py)."""
-
-    endpoints: tuple[str, ...]  # the store's shards (ZMQ control sockets)
-    timeout_s: float = 5.0
-    transfer_buffer_gib: float = 0.25  # LMCache's per-engine memory for chunks in flight
-
-    @classmethod
-    def from_extra(cls, extra: dict) -> StoreSettings:
-        if not extra.get("endpoints"):
-            raise ValueError("kv_connector_extra_config needs the store shards' 'endpoints'")
-        return cls(endpoints=tuple(extra["endpoints"]), timeout_s=float(extra.get("timeout_s", cls.timeout_s)),
-                   transfer_buffer_gib=float(extra.get("transfer_buffer_gib", cls.transfer_buffer_gib)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,13 +61,13 @@ def build_engine(
         "max_local_cpu_size": settings.transfer_buffer_gib if gpu_connector else 0.01,
         "save_unfull_chunk": True,
         "pre_caching_hash_algorithm": hash_algorithm,
-        "blocking_timeout_secs": max(1, int(settings.timeout_s)),
+        # LMCache's own wait on a remote get, in whole seconds: never shorter than ours inside it
+        "blocking_timeout_secs": math.ceil(settings.timeout_s),
         "remote_storage_plugins": [PLUGIN_NAME],
         "extra_config": {
             f"remote_storage_plugin.{PLUGIN_NAME}.module_path": "kvstore.lmcache_plugin",
             f"remote_storage_plugin.{PLUGIN_NAME}.class_name": "ShardConnectorAdapter",
-            "pdc_store.endpoints": list(settings.endpoints),
-            "pdc_store.timeout_s": settings.timeout_s,
+            "pdc_store.settings": settings.as_extra(),
             "save_chunk_meta": False,
         },
     })

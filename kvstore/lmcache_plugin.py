@@ -18,6 +18,7 @@ from lmcache.v1.storage_backend.connector import ConnectorAdapter, ConnectorCont
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from kvstore.client import StoreUnavailable
+from kvstore.settings import StoreSettings
 from kvstore.sharded_store import ShardedStore
 from security.credentials import EngineKeys
 from transport.nixl import NixlTransferError
@@ -46,10 +47,8 @@ class ShardRemoteConnector(RemoteConnector):
         extra = context.config.extra_config or {}
         self.loop = context.loop
         self.local_cpu_backend = context.local_cpu_backend
-        self.client = ShardedStore(
-            extra["pdc_store.endpoints"], EngineKeys.load().store,  # the engine's: a client's keys only
-            timeout_s=float(extra.get("pdc_store.timeout_s", 5.0)),
-        )
+        settings = StoreSettings.from_extra(extra["pdc_store.settings"])
+        self.client = ShardedStore(settings, EngineKeys.load().store)  # the engine's: a client's keys only
         buffer = getattr(self.local_cpu_backend.memory_allocator, "buffer", None)
         if buffer is not None and buffer.numel() and buffer.device.type == "cpu":
             # Chunks move straight between LMCache's memory objects and the store.

@@ -11,6 +11,7 @@ import numpy as np
 import xxhash
 
 from kvstore.client import Allocate, ShardClient, StoreUnavailable
+from kvstore.settings import StoreSettings
 from security.credentials import CurveKeys
 
 log = logging.getLogger(__name__)
@@ -27,15 +28,17 @@ class ShardedStore:
     for the list and follows it. Keys whose owner changed miss once (vLLM recomputes them) and
     are stored on their new owner."""
 
-    def __init__(self, endpoints: Sequence[str], keys: CurveKeys, timeout_s: float = 5.0,
-                 staging_bytes: int = 64 * 1024**2):
-        if not endpoints:
+    def __init__(self, settings: StoreSettings, keys: CurveKeys, staging_bytes: int = 64 * 1024**2):
+        if not settings.endpoints:
             raise ValueError("a store needs at least one shard")
-        self.keys, self.timeout_s, self.staging_bytes = keys, timeout_s, staging_bytes
-        self.shards = {e: ShardClient(e, keys, timeout_s, staging_bytes) for e in endpoints}
+        self.keys, self.settings, self.staging_bytes = keys, settings, staging_bytes
+        self.shards = {e: self._client(e) for e in settings.endpoints}
         self.members_epoch = 0
         self._caller_memory: list[tuple[int, int]] = []
         self._following = threading.Lock()
+
+    def _client(self, endpoint: str) -> ShardClient:
+        return ShardClient(endpoint, self.keys, self.settings.timeout_s, self.staging_bytes, self.settings.retry_after_s)
 
     @property
     def rejected(self) -> int:
@@ -64,7 +67,7 @@ class ShardedStore:
             shards = {e: c for e, c in self.shards.items() if e in members}
             for endpoint in [e for e in members if e not in shards]:
                 try:
-                    shard = ShardClient(endpoint, self.keys, self.timeout_s, self.staging_bytes)
+                    shard = self._client(endpoint)
                 except StoreUnavailable as exc:
                     log.warning("new store shard %s unreachable, left out: %s", endpoint, exc)
                     continue

@@ -40,15 +40,15 @@ from rich.table import Table
 
 from decode.role import DECODE
 from engine.roles import COLOCATED
-from fleet.instances import Instance
+from fleet.instances import Instance, InstanceRegistry
 from prefill.role import PREFILL
+from router.kv_events import STORE_HOLDER
 from router.kv_index import KVIndex
 from router.metrics import percentile
-from router.placement import PlacementSettings, Placer
+from router.placement import DEFAULT_REMOTE_PREFILL_MIN_TOKENS, PlacementSettings, Placer
 from router.policies import POLICIES, PolicyContext, RoutingRequest, make_policy
 
 TRACE_BLOCK_TOKENS = 512
-STORE_HOLDER = "store"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +112,7 @@ class SimConfig:
     store_blocks: int = 0
     fetch_cost: float = 0.05
     prefill_instances: int = 0
-    remote_prefill_min_tokens: int = 256
+    remote_prefill_min_tokens: int = DEFAULT_REMOTE_PREFILL_MIN_TOKENS
     remote_prefill_max_queued_tokens: int | None = None
 
 
@@ -124,12 +124,11 @@ class _SimInstance:
         self.finishes: collections.deque[float] = collections.deque()
         self.requests = 0
 
-    def observe(self, now: float, prefill_rate: float) -> None:
+    def observe(self, registry: InstanceRegistry, now: float, prefill_rate: float) -> None:
         """What the router would know of it now (its queue, its requests in flight)."""
-        self.instance.pending_prefill_tokens = max(0.0, self.busy_until - now) * prefill_rate
         while self.finishes and self.finishes[0] <= now:
             self.finishes.popleft()
-        self.instance.inflight = len(self.finishes)
+        registry.observed(self.instance, len(self.finishes), max(0.0, self.busy_until - now) * prefill_rate)
 
     def compute(self, record: TraceRecord, start: float, store: LRUBlocks | None, config: SimConfig) -> tuple[float, int]:
         """Prefill `record` here from `start` on (queued behind earlier work); returns when it is
@@ -153,12 +152,14 @@ def simulate(
     context = PolicyContext(
         index=index,
         store_holders=frozenset({STORE_HOLDER}) if store else frozenset(),
-        prefill_tokens_per_s=config.prefill_rate,
         fetch_cost=config.fetch_cost,
     )
     settings = PlacementSettings(config.remote_prefill_min_tokens, config.remote_prefill_max_queued_tokens)
     placer = Placer(settings, make_policy(policy_name, context), make_policy(policy_name, context))
     sims = _fleet(config)
+    registry = InstanceRegistry()
+    for sim in sims.values():
+        registry.add(sim.instance)
     servers = [s.instance for s in sims.values() if s.instance.role.serves_clients]
     prefillers = [s.instance for s in sims.values() if s.instance.role.takes_remote_prefills]
     ttfts, hit_tokens, prompt_tokens, remote = [], 0, 0, 0
@@ -166,7 +167,7 @@ def simulate(
     for record in records:
         now = record.arrival_s
         for sim in sims.values():
-            sim.observe(now, config.prefill_rate)
+            sim.observe(registry, now, config.prefill_rate)
         request = RoutingRequest(record.hash_ids, record.input_length, TRACE_BLOCK_TOKENS, record.text())
         placement = placer.place(request, servers, prefillers)
         served = sims[placement.serve.instance.instance_id]
@@ -289,7 +290,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fetch-cost", type=float, default=0.05)
     parser.add_argument("--prefill-instances", type=int, default=0,
                         help="P/D: this many prefill instances; --instances are then decode instances")
-    parser.add_argument("--remote-prefill-min-tokens", type=int, default=256)
+    parser.add_argument("--remote-prefill-min-tokens", type=int, default=DEFAULT_REMOTE_PREFILL_MIN_TOKENS)
     parser.add_argument("--remote-prefill-max-queued-tokens", type=int, default=None,
                         help="P/D: when the prefill instance has more prompt tokens queued, decode prefills locally")
     parser.add_argument("--out", type=Path, default=Path("results"), help="folder for JSON and PNG")

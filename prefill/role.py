@@ -5,5 +5,6 @@ from engine.roles import PD_ENV, PD_VLLM_ARGS, Role, RoleSpec
 
 PREFILL = RoleSpec(
     Role.PREFILL, ray_resource="prefill", vllm_args=PD_VLLM_ARGS, env=PD_ENV, kv_transfer=True,
+    direct_kv_role="kv_producer",
     serves_clients=False, takes_remote_prefills=True, waits_on_queue=False, prefills=True,
 )

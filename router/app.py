@@ -177,7 +177,7 @@ def _placer(config: RouterConfig, index: KVIndex, store_endpoints: tuple[str, ..
     the store counted as a holder when there is one."""
     context = PolicyContext(
         index=index, store_holders=frozenset({STORE_HOLDER} if store_endpoints else ()),
-        prefill_tokens_per_s=config.prefill_tokens_per_s, fetch_cost=config.fetch_cost,
+        fetch_cost=config.fetch_cost,
     )
     return Placer(PlacementSettings(config.remote_prefill_min_tokens, config.remote_prefill_max_queued_tokens),
                   make_policy(config.policy, context), make_policy(config.policy, context),

@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, m
 
 from engine.config import KVHashing, OtlpEndpoint
 from engine.environment import is_loopback
+from router.placement import DEFAULT_REMOTE_PREFILL_MIN_TOKENS
 from security.credentials import ClusterCredentials
 
 DEFAULT_CONCURRENCY_PER_KEY = 64
@@ -46,8 +47,6 @@ class RouterConfig(BaseModel):
     speculative_ttl_s: float = Field(2.0, gt=0)
     """How long a just-routed request's blocks count as held before an event confirms them."""
     max_index_blocks_per_instance: int = Field(1_000_000, ge=1)
-    prefill_tokens_per_s: float = Field(20_000.0, gt=0)
-    """An instance's prefill speed in the routing cost model."""
     fetch_cost: float = Field(0.05, ge=0, le=1)
     """Fetching a block from the KV store costs this share of computing it."""
     connect_timeout_s: float = Field(5.0, gt=0)
@@ -67,7 +66,7 @@ class RouterConfig(BaseModel):
     health_interval_s: float = Field(2.0, gt=0)
     health_timeout_s: float = Field(2.0, gt=0)
     health_failure_threshold: int = Field(2, ge=1)
-    remote_prefill_min_tokens: int = Field(256, ge=0)
+    remote_prefill_min_tokens: int = Field(DEFAULT_REMOTE_PREFILL_MIN_TOKENS, ge=0)
     """P/D: a request whose uncached prompt part is shorter is prefilled by its decode instance."""
     remote_prefill_max_queued_tokens: int | None = Field(None, ge=0)
     """P/D: when the chosen prefill instance already has more prompt tokens routed to it and not

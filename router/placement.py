@@ -60,9 +60,14 @@ _PREFILLED_WHERE = {PlacementReason.COLOCATED: None, PlacementReason.SHORT: "loc
                     PlacementReason.REMOTE: "remote"}
 
 
+DEFAULT_REMOTE_PREFILL_MIN_TOKENS = 256
+"""Below this many uncached prompt tokens a decode instance prefills itself (RouterConfig,
+`pdcluster serve --remote-prefill-min-tokens` and the simulator take it from here)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class PlacementSettings:
-    remote_prefill_min_tokens: int = 256
+    remote_prefill_min_tokens: int = DEFAULT_REMOTE_PREFILL_MIN_TOKENS
     remote_prefill_max_queued_tokens: int | None = None
 
 

@@ -152,7 +152,8 @@ async def cluster_status(app: FastAPI, store_endpoints: tuple[str, ...], store_k
     shards = [ShardStatus.model_validate(s) for s in await read_shards(store_endpoints, store_keys)] \
         if store_endpoints else []
     ready, standby = serving_counts(registry)
-    inflight = sum(i.inflight for i in instances if i.role != "prefill")  # a P/D request counts once
+    # a P/D request counts once: where it is served, not where it was prefilled
+    inflight = sum(i.inflight for i in registry.all() if i.role.serves_clients)
     return ClusterStatus(
         generated_at=time.time(), models=[m.name for m in state.config.models],
         health="ok" if ready or standby else "unavailable",

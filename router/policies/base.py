@@ -41,8 +41,6 @@ class PolicyContext:
     index: KVIndex | None = None
     store_holders: frozenset[str] = frozenset()
     """Index holders that are store shards (readable by every instance), not instances."""
-    prefill_tokens_per_s: float = 20_000.0
-    """An instance's prefill speed, to turn queued and uncached tokens into seconds."""
     fetch_cost: float = 0.05
     """Fetching a block from the store costs this fraction of computing it."""
 

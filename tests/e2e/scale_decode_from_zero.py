@@ -61,6 +61,7 @@ def main() -> int:
         from deploy.launcher import Launcher
         from deploy.placement import placement_options
         from fleet.instances import InstanceRegistry
+        from kvstore.settings import StoreSettings
         from kvstore.sharded_store import ShardedStore
         from security.credentials import ClusterCredentials
         from transport.zmq_curve import STORE_PLANE
@@ -74,7 +75,7 @@ def main() -> int:
         launcher = Launcher(InstanceRegistry(), credentials)
         shards = asyncio.run(launcher.start_store_shards(32 * 1024**2))
         # a client from before the scale-up, as an engine's would be
-        store = ShardedStore(shards, credentials.curve(STORE_PLANE))
+        store = ShardedStore(StoreSettings(tuple(shards)), credentials.curve(STORE_PLANE))
         seen = {"decode_nodes_at_start": decode_nodes(), "store_shards_at_start": len(shards)}
 
         @ray.remote

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from kvstore.connector_types import salted, usable_tokens
-from kvstore.lmcache_engine import KVLayout, StoreSettings, build_engine
+from kvstore.lmcache_engine import KVLayout, build_engine
 from kvstore.paged_blocks import PagedBlockConnector
+from kvstore.settings import StoreSettings
 from kvstore.shard import ShardServer
 from security.credentials import ClusterCredentials
 from transport.zmq_curve import STORE_PLANE

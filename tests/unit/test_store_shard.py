@@ -207,10 +207,11 @@ def test_an_unreachable_shard_is_a_clean_error_within_the_timeout():
 
 
 def test_keys_spread_over_shards_and_read_back_in_prefix_order():
+    from kvstore.settings import StoreSettings
     from kvstore.sharded_store import ShardedStore
 
     servers = [ShardServer(4 * 1024**2, KEYS, page_bytes=64 * 1024) for _ in range(2)]
-    store = ShardedStore([s.endpoint for s in servers], KEYS, timeout_s=5.0, staging_bytes=1024**2)
+    store = ShardedStore(StoreSettings(tuple(s.endpoint for s in servers), timeout_s=5.0), KEYS, staging_bytes=1024**2)
     try:
         keys = [f"prefix-chunk-{i}" for i in range(12)]
         payloads = [np.full(10_000 + i, i, dtype=np.uint8) for i in range(12)]
@@ -228,10 +229,11 @@ def test_clients_follow_the_shard_list_when_a_shard_joins_or_leaves():
     """A client started when the store had one shard learns from that shard's replies that the
     launcher added a second one (a node joined), spreads new chunks over both and reads them
     back; then follows a list without the first (its node left)."""
+    from kvstore.settings import StoreSettings
     from kvstore.sharded_store import ShardedStore
 
     first, second = (ShardServer(4 * 1024**2, KEYS, page_bytes=64 * 1024) for _ in range(2))
-    store = ShardedStore([first.endpoint], KEYS, timeout_s=5.0, staging_bytes=1024**2)
+    store = ShardedStore(StoreSettings((first.endpoint,), timeout_s=5.0), KEYS, staging_bytes=1024**2)
     try:
         keys = [f"after-join-{i}" for i in range(16)]
         payloads = [np.full(9_000 + i, i, dtype=np.uint8) for i in range(16)]
