@@ -2,7 +2,7 @@
 on nodes offering the Ray resource `decode`. They prefill themselves when the router decides so
 (a short prompt, a busy or failed prefill pool), but a TTFT target is the prefill pool's."""
 
-from engine.roles import PD_ENV, PD_VLLM_ARGS, Role, RoleSpec
+from engine.role_spec import PD_ENV, PD_VLLM_ARGS, Role, RoleSpec
 
 DECODE = RoleSpec(
     Role.DECODE, ray_resource="decode", vllm_args=PD_VLLM_ARGS, env=PD_ENV, kv_transfer=True,

@@ -8,7 +8,7 @@ standing by, asleep, draining: the owner's pool controller moves them), engines 
 are removed, and the store shards' endpoints and restarts are followed. It never starts, stops
 or moves an actor: scaling is the owner's alone (one pool controller per cluster), and the
 engines outlive this router. What every router of a cluster shares comes from the engines and
-Ray: each keeps its own KV index from the engines' KV events (router/kv_events.py), and the
+Ray: each keeps its own KV index from the engines' KV events (router/kv_event_listener.py), and the
 per-key limits are kept in the cluster's admission ledger (deploy/admission_ledger.py).
 """
 

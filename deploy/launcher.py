@@ -31,16 +31,16 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from deploy.actor_placement import placement_options
 from deploy.admission_ledger import LEDGER_NAME
 from deploy.draining import drained, end_engines, undrained
-from deploy.placement import placement_options
 from deploy.store_shards import STORE_SHARD_PREFIX, StoreShards
 from deploy.topology import ROLES
 from engine.config import EngineConfig
 from engine.environment import is_cpu_build
 from engine.host import EngineHost, SleepRefused
 from engine.lifecycle import EngineDescription, InstanceState
-from engine.roles import RoleSpec
+from engine.role_spec import RoleSpec
 from fleet.instances import InstanceRegistry, described_instance
 from router.status_model import StartRecord
 from security.credentials import ClusterCredentials

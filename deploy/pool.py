@@ -38,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.config import EngineConfig
 from engine.lifecycle import STANDBY_STATES, InstanceState
-from engine.roles import RoleSpec
+from engine.role_spec import RoleSpec
 from fleet.instances import InstanceRegistry
 from router.capacity import CapacityQueue, LatencyWindow
 

@@ -79,10 +79,11 @@ def serve(args: argparse.Namespace) -> int:
 
     try:
         models = resolve_models(args.model, args.served_model_name)
-        topology = Topology.from_args(args.instances, args.prefill, args.decode, args.standby, args.max_instances,
-                                      args.target_ttft, args.colocated, args.sleeping_standbys,
-                                      args.sleep_when_idle, tuple(name for _, name in models), args.max_awake,
-                                      args.preimported)
+        topology = Topology.from_args(
+            args.instances, args.prefill, args.decode, standby=args.standby, max_instances=args.max_instances,
+            target_ttft_s=args.target_ttft, colocated=args.colocated, sleeping_standbys=args.sleeping_standbys,
+            sleep_when_idle=args.sleep_when_idle, models=tuple(name for _, name in models), max_awake=args.max_awake,
+            preimported=args.preimported)
         _check_gpu_sharing(args, topology)
         if args.router_only and args.address is None:
             raise ValueError("--router-only serves the engines of a running cluster: give its --address")
@@ -200,7 +201,7 @@ async def _serve_beside(engine_configs, router_config, address: str) -> int:
     from deploy.ray_head import start_ray
     from fleet.instances import InstanceRegistry
     from router.app import build_app
-    from router.kv_events import STORE_HOLDER
+    from router.kv_event_listener import STORE_HOLDER
 
     start_ray(address)
     registry = InstanceRegistry()
@@ -237,10 +238,10 @@ async def _start_fleet(launcher, registry, engine_configs, router_config, topolo
                        placement_timeout_s: float, store_bytes: int, limits=None):
     """Adopt what a previous launcher left, start the store and the missing engines, build the
     router's app and the pool controller (started); returns both."""
-    from deploy.placement import cpu_core_sets
+    from deploy.actor_placement import cpu_core_sets
     from deploy.pool import PoolController
     from router.app import build_app, import_ahead
-    from router.kv_events import STORE_HOLDER
+    from router.kv_event_listener import STORE_HOLDER
     from router.status import StartLog
 
     starts = StartLog()  # every start from here on, for the router's status view
@@ -254,7 +255,7 @@ async def _start_fleet(launcher, registry, engine_configs, router_config, topolo
         # Adopted shards are kept; nodes without one get one, now and as they join.
         shards = await launcher.start_store_shards(store_bytes, fault_injection)
         launcher.watch_store()
-    # Every engine publishes its KV events, for every router of the cluster (router/kv_events.py).
+    # Every engine publishes its KV events, for every router of the cluster (router/kv_event_listener.py).
     engine_configs = [c.model_copy(update={"kv_events": True, "kv_store_endpoints": shards}) for c in engine_configs]
     taken = {i.instance_id for i in registry.all()}
     roles = [(instance_id, role, config) for config in engine_configs

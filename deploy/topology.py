@@ -8,7 +8,7 @@ import collections
 from dataclasses import dataclass
 
 from decode.role import DECODE
-from engine.roles import COLOCATED, Role, RoleSpec
+from engine.role_spec import COLOCATED, Role, RoleSpec
 from prefill.role import PREFILL
 
 ROLES: dict[Role, RoleSpec] = {spec.kind: spec for spec in (COLOCATED, PREFILL, DECODE)}
@@ -42,7 +42,7 @@ class Topology:
     """Pre-imported server processes per pool (PoolSpec.preimported)."""
 
     @classmethod
-    def from_args(cls, instances: int, prefill: int, decode: int, standby: int = 0, max_instances: int = 0,
+    def from_args(cls, instances: int, prefill: int = 0, decode: int = 0, *, standby: int = 0, max_instances: int = 0,
                   target_ttft_s: float | None = None, colocated: bool = False,
                   sleeping_standbys: bool = False, sleep_when_idle: bool = False,
                   models: tuple[str, ...] = ("model",), max_awake: int | None = None,
@@ -55,7 +55,7 @@ class Topology:
         if sleep_when_idle and (prefill or decode):
             raise ValueError("--sleep-when-idle needs a colocated topology")
         if len(models) > 1 and (prefill or decode):
-            # The router's index of the KV store does not tell models apart (router/kv_events.py).
+            # The router's index of the KV store does not tell models apart (router/kv_event_listener.py).
             raise ValueError("several models need a colocated topology")
         if len(set(models)) != len(models):
             raise ValueError(f"model names must be distinct: {list(models)}")

@@ -9,7 +9,7 @@ from urllib.parse import urlparse
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from engine.environment import KV_HASH_SEED
-from engine.roles import COLOCATED, RoleSpec
+from engine.role_spec import COLOCATED, RoleSpec
 
 
 def _checked_otlp_endpoint(url: str) -> str:
@@ -50,7 +50,7 @@ class EngineConfig(BaseModel):
     served_model_name: str
     """The name clients put in `model`; also the name in vLLM's metrics."""
     role: RoleSpec = COLOCATED
-    """What the instance does (engine/roles.py: its flags, environment, KV connector)."""
+    """What the instance does (engine/role_spec.py: its flags, environment, KV connector)."""
     max_model_len: int = Field(4096, ge=16)
     """Longest prompt plus completion, in tokens."""
     kv_hashing: KVHashing = KVHashing()
@@ -78,7 +78,7 @@ class EngineConfig(BaseModel):
     has (Ray sets it for the GPUs it placed the engine's actor on)."""
     kv_events: bool = False
     """Publish KV events (blocks stored and removed) on the engine's address, for every router of
-    the cluster to subscribe to (engine/kv_events.py)."""
+    the cluster to subscribe to (engine/kv_event_publisher.py)."""
     kv_store_endpoints: tuple[str, ...] = ()
     """The KV store's shards (their control sockets, tcp://host:port; one per node): prefill and
     decode instances then hand KV over through the LMCache-backed store (kvstore/), each chunk

@@ -39,11 +39,11 @@ KV_HASH_SEED = "0"
 
 
 # The vLLM general plugin (pyproject.toml) that puts our KV event publisher in vLLM's place
-# (engine/kv_events.py); engines name it alone in VLLM_PLUGINS.
+# (engine/kv_event_publisher.py); engines name it alone in VLLM_PLUGINS.
 KV_EVENTS_PLUGIN = "pdcluster_kv_events"
 KV_EVENTS_MARK = "pdcluster: kv events bound "
 """What our publisher prints, followed by its bound endpoints as JSON, once it has bound its
-sockets on ports of the system's choosing (engine/kv_events.py); the engine's host reads them
+sockets on ports of the system's choosing (engine/kv_event_publisher.py); the engine's host reads them
 off the log. Ports picked ahead and named on the command line could be bound by another local
 user before the engine core binds them, failing the start."""
 GRAMMAR_LOGITS_PROCESSOR = "engine.grammar_continuation:GrammarContinuation"

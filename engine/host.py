@@ -20,8 +20,6 @@ import asyncio
 import collections
 import contextlib
 import json
-import os
-import signal
 import socket
 import subprocess
 import threading
@@ -32,7 +30,7 @@ import httpx
 from engine.config import EngineConfig
 from engine.environment import KV_EVENTS_MARK, KV_EVENTS_PLUGIN, is_cpu_build, listening_socket
 from engine.lifecycle import EngineDescription, InstanceState, StartTimeline
-from engine.process import GROUP_GUARD, die_with_parent, local_client
+from engine.process import local_client, spawn_group, terminate_group
 from engine.server_command import LISTEN_FD_ENV, kv_events_plugin_installed, server_command, server_env
 from engine.weights import new_weights_file
 from security.credentials import ClusterCredentials, EngineHostKeys
@@ -199,18 +197,7 @@ class EngineHost:
             self._popen(command, env, listener.fileno())
 
     def _popen(self, command: list[str], env: dict[str, str], listener_fd: int) -> None:
-        self._process = subprocess.Popen(
-            ["bash", "-c", GROUP_GUARD, "pdcluster-engine", str(os.getpid()), *command],
-            env=env,
-            pass_fds=(listener_fd,),
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            bufsize=1,
-            start_new_session=True,  # its own process group: stop() ends engine core and workers too
-            preexec_fn=die_with_parent,
-        )
+        self._process = spawn_group(command, env, (listener_fd,))
         threading.Thread(target=self._follow_log, args=(self._process,), daemon=True).start()
 
     async def activate(self, peer: dict | None = None) -> dict:
@@ -396,21 +383,8 @@ class EngineHost:
         return self.describe()
 
     def _terminate(self, grace_s: float) -> None:
-        process = self._process
-        if process is None:
-            return
-        if process.poll() is None:
-            try:
-                os.killpg(process.pid, signal.SIGTERM)
-                process.wait(grace_s)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                pass
-        # The server may be gone while its engine core and workers linger in its group.
-        try:
-            os.killpg(process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        process.wait()
+        if self._process is not None:
+            terminate_group(self._process, grace_s)
         if self.weights_file is not None:
             self.weights_file.unlink(missing_ok=True)
 

@@ -9,7 +9,7 @@ import re
 import time
 
 from engine.preimport import PREIMPORTED_MARK
-from engine.roles import Role
+from engine.role_spec import Role
 from security.engine_access import EngineEndpoint
 
 

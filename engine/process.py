@@ -4,7 +4,9 @@ clients for the node's own engine servers."""
 from __future__ import annotations
 
 import ctypes
+import os
 import signal
+import subprocess
 
 import httpx
 
@@ -40,3 +42,30 @@ def local_client(timeout_s: float, access: EngineAccess) -> httpx.AsyncClient:
     no CA certificates loaded, which took 20-55 ms per client here), its token, no proxy."""
     return httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), verify=access.ssl, trust_env=False,
                              headers=access.headers)
+
+
+def spawn_group(command: list[str], env: dict[str, str], pass_fds: tuple[int, ...]) -> subprocess.Popen[str]:
+    """`command` under GROUP_GUARD in a process group of its own (so `terminate_group` ends its
+    engine core and workers too), dying with this process, its stdin a pipe (engine/preimport.py
+    waits on it), its output one text stream."""
+    return subprocess.Popen(
+        ["bash", "-c", GROUP_GUARD, "pdcluster-engine", str(os.getpid()), *command],
+        env=env, pass_fds=pass_fds, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, bufsize=1, start_new_session=True, preexec_fn=die_with_parent,
+    )
+
+
+def terminate_group(process: subprocess.Popen[str], grace_s: float) -> None:
+    """SIGTERM to `process`'s group, SIGKILL after `grace_s`, and to what lingers (the server may be
+    gone while its engine core and workers live on in its group)."""
+    if process.poll() is None:
+        try:
+            os.killpg(process.pid, signal.SIGTERM)
+            process.wait(grace_s)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait()

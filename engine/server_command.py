@@ -26,7 +26,7 @@ SERVER_MODULE = "engine.serving"
 done and it is told to."""
 LISTEN_FD_ENV = "PDCLUSTER_LISTEN_FD"
 """The descriptor of the listening socket the host bound for the server (engine/serving.py)."""
-KV_EVENTS_PLUGIN_TARGET = "engine.kv_events:register"
+KV_EVENTS_PLUGIN_TARGET = "engine.kv_event_publisher:register"
 """What the entry point KV_EVENTS_PLUGIN names (pyproject.toml)."""
 PLAN_KEY = "pdcluster_gpu_memory_utilization"
 """What the engine's `additional_config` holds only so that vLLM's startup plan is kept per memory
@@ -34,7 +34,7 @@ utilization (vLLM reads nothing of it)."""
 
 
 def kv_events_plugin_installed() -> bool:
-    """Whether vLLM will find our KV event publisher (engine/kv_events.py) in the engine's
+    """Whether vLLM will find our KV event publisher (engine/kv_event_publisher.py) in the engine's
     processes. Without it vLLM falls back, silently, to its plain publisher, whose replay socket
     sends every buffered batch, token ids included, to anyone who reaches it: an engine with KV
     events must not start then."""

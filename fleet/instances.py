@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from engine.lifecycle import EngineDescription, InstanceState
-from engine.roles import RoleSpec
+from engine.role_spec import RoleSpec
 from security.credentials import ClusterCredentials
 from security.engine_access import EngineAccess
 

@@ -17,8 +17,8 @@ import numpy as np
 from lmcache.v1.storage_backend.connector import ConnectorAdapter, ConnectorContext
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
-from kvstore.client import StoreUnavailable
 from kvstore.settings import StoreSettings
+from kvstore.shard_client import StoreUnavailable
 from kvstore.sharded_store import ShardedStore
 from security.credentials import EngineKeys
 from transport.nixl import NixlTransferError

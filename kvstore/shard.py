@@ -2,7 +2,7 @@
 
 `ChunkStore` (kvstore/chunk_store.py) is the bookkeeping. `ShardServer` owns the arena, registers it with
 a NIXL agent so clients read and write it one-sided over UCX (RDMA on clusters, TCP or shared
-memory here), and answers the small control messages (kvstore/protocol.py: reserve, commit,
+memory here), and answers the small control messages (kvstore/messages.py: reserve, commit,
 lease, release, contains, stats) on a ZMQ socket. `StoreShardActor` is the Ray actor that owns a
 server: placement, lifetime and the handle the launcher and tests hold.
 
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvstore import protocol
+from kvstore import messages
 from kvstore.chunk_store import PAGE_BYTES, ChunkStore, ShardStats
 from security.credentials import CurveKeys, ShardKeys, runtime_dir, write_private
 from transport.address import node_address
@@ -91,7 +91,7 @@ class ShardServer:
     def serving(self) -> bool:
         return self._thread.is_alive()
 
-    def handle(self, request: protocol.Request) -> dict:
+    def handle(self, request: messages.Request) -> dict:
         """The answer to one control message; every answer names the epoch of the member list
         this shard holds, so clients learn of a newer one (members) from any reply."""
         with self._lock:
@@ -106,27 +106,27 @@ class ShardServer:
             if epoch > self.members_epoch:
                 self.members, self.members_epoch = tuple(endpoints), epoch
 
-    def _answer(self, request: protocol.Request, now: float) -> dict:
+    def _answer(self, request: messages.Request, now: float) -> dict:
         self.store.expire(now)
         match request:
-            case protocol.Hello():
+            case messages.Hello():
                 return {"agent": self.agent.get_agent_metadata(), "page_bytes": self.store.page_bytes}
-            case protocol.Reserve(nbytes=sizes) if max(sizes, default=0) > self.store.max_chunk_bytes:
+            case messages.Reserve(nbytes=sizes) if max(sizes, default=0) > self.store.max_chunk_bytes:
                 return {"error": f"chunks are limited to {self.store.max_chunk_bytes} bytes on this shard"}
-            case protocol.Reserve(keys=keys, nbytes=sizes, checksums=sums):
+            case messages.Reserve(keys=keys, nbytes=sizes, checksums=sums):
                 granted = [self.store.reserve(k, n, c, now, self.ttl_s)
                            for k, n, c in zip(keys, sizes, sums, strict=True)]
                 return {"extents": [self._absolute(e) if e else None for e in granted],
                         "agent_name": self.agent.name}
-            case protocol.Commit(keys=keys):
+            case messages.Commit(keys=keys):
                 return {"committed": sum(self.store.commit(k) for k in keys)}
-            case protocol.Abort(keys=keys):
+            case messages.Abort(keys=keys):
                 for key in keys:
                     self.store.abort(key)
                 return {}
-            case protocol.Contains(keys=keys):
+            case messages.Contains(keys=keys):
                 return {"count": self.store.contains(keys)}
-            case protocol.Lease(keys=keys):
+            case messages.Lease(keys=keys):
                 leased = self.store.lease(keys, now, self.ttl_s)
                 if leased is None:
                     return {"error": "too many reads in flight on this shard"}
@@ -134,17 +134,17 @@ class ShardServer:
                 for chunk in chunks:
                     chunk["extents"] = self._absolute(chunk["extents"])
                 return {"lease": lease_id, "chunks": chunks, "agent_name": self.agent.name}
-            case protocol.Release(lease=lease_id, damaged=damaged):
+            case messages.Release(lease=lease_id, damaged=damaged):
                 self.store.release(lease_id)
                 for key in damaged:
                     self.store.reject(key)
                 return {}
-            case protocol.Stats():
+            case messages.Stats():
                 return {**dataclasses.asdict(self.store.stats()), "pid": os.getpid(), "boot_id": self.boot_id,
                         "malformed": self.malformed, "refused_handshakes": self._gate.refused}
-            case protocol.Members():
+            case messages.Members():
                 return {"members": list(self.members)}
-            case protocol.Corrupt(count=count) if self.fault_injection:
+            case messages.Corrupt(count=count) if self.fault_injection:
                 return {"damaged": self.store.corrupt(self.arena, count)}
         return {"error": f"{type(request).__name__.lower()} is not served here"}
 
@@ -193,15 +193,15 @@ class ShardServer:
         identity, payload = frames[0], frames[-1]
         try:
             if len(frames) != 3 or frames[1] != b"":
-                raise protocol.ProtocolError(f"expected [identity, empty, payload], got {len(frames)} frames")
-            reply = self.handle(protocol.decode(payload))
-        except protocol.ProtocolError as exc:
+                raise messages.ProtocolError(f"expected [identity, empty, payload], got {len(frames)} frames")
+            reply = self.handle(messages.decode(payload))
+        except messages.ProtocolError as exc:
             self.malformed += 1
             reply = {"error": f"malformed request: {exc}"[:300], "members_epoch": self.members_epoch}
         except Exception as exc:  # a bug answering one request must not stop the shard
             log.exception("store shard failed to answer a request")
             reply = {"error": f"{type(exc).__name__}", "members_epoch": self.members_epoch}
-        self._socket.send_multipart([identity, b"", protocol.encode(reply)])
+        self._socket.send_multipart([identity, b"", messages.encode(reply)])
 
 
 class StoreShardActor:

@@ -10,8 +10,8 @@ from collections.abc import Sequence
 import numpy as np
 import xxhash
 
-from kvstore.client import Allocate, ShardClient, StoreUnavailable
 from kvstore.settings import StoreSettings
+from kvstore.shard_client import Allocate, ShardClient, StoreUnavailable
 from security.credentials import CurveKeys
 
 log = logging.getLogger(__name__)

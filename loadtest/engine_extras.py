@@ -1,6 +1,6 @@
 """What the per-step extras every engine of ours loads cost requests that do not use them: our
 logits processor (engine/grammar_continuation.py, for migrated structured streams) and our KV
-event publisher (engine/kv_events.py), against vLLM's own engine on the same checkpoint.
+event publisher (engine/kv_event_publisher.py), against vLLM's own engine on the same checkpoint.
 
     python -m loadtest.engine_extras [--model tiny] [--runs 5] [--batch 32] [--tokens 128]
 

@@ -21,7 +21,7 @@ import uvicorn
 from engine.environment import free_port, listening_socket
 from engine.http_auth import EngineAuthMiddleware
 from engine.lifecycle import EngineDescription, InstanceState
-from engine.roles import COLOCATED, Role, RoleSpec
+from engine.role_spec import COLOCATED, Role, RoleSpec
 from fleet.instances import Instance
 from security.credentials import ClusterCredentials, EngineKeys, bearer_matches
 from security.engine_access import EngineAccess, EngineEndpoint, EngineIdentity, open_endpoint

@@ -50,10 +50,10 @@ from rich.console import Console
 from rich.table import Table
 
 from loadtest.balancer import balancer
-from loadtest.client import RequestResult, stream_request
 from loadtest.fault_scenarios import SCENARIOS, Scenario, missed_goals
 from loadtest.local_cluster import LocalServer, RayHead
 from loadtest.scrape import scrape
+from loadtest.sse_client import RequestResult, stream_request
 from loadtest.workloads import random_text
 from security.credentials import ClusterCredentials
 

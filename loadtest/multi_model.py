@@ -24,10 +24,10 @@ from pathlib import Path
 import aiohttp
 import httpx
 
-from loadtest.client import stream_request
 from loadtest.cold_start import gpu_memory_used
 from loadtest.local_cluster import LocalServer
 from loadtest.output import write_results
+from loadtest.sse_client import stream_request
 
 PROMPT = "Write one sentence about the sea, request {k}:"
 

@@ -40,11 +40,11 @@ from decode.role import DECODE
 from engine.config import EngineConfig
 from engine.environment import free_port
 from engine.lifecycle import EngineDescription
-from engine.roles import COLOCATED, RoleSpec
+from engine.role_spec import COLOCATED, RoleSpec
 from loadtest.arrivals import FixedConcurrency, Poisson
-from loadtest.client import RequestResult
 from loadtest.report import latency_stats
 from loadtest.runner import Limits, run_load
+from loadtest.sse_client import RequestResult
 from loadtest.workloads import RandomLengths
 from prefill.role import PREFILL
 from router.metrics import percentile

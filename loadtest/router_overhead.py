@@ -172,7 +172,7 @@ def _serve_router_before(endpoint: dict, port: int, cluster_secret: str, model: 
     (the secret comes through multiprocessing's pipe, never argv)."""
     import uvicorn
 
-    from engine.roles import COLOCATED
+    from engine.role_spec import COLOCATED
     from fleet.instances import Instance, InstanceRegistry
     from router.app import build_app, server_config
     from router.config import RouterConfig, ServedModel

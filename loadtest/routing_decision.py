@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from engine.config import KVHashing
-from engine.roles import COLOCATED
+from engine.role_spec import COLOCATED
 from fleet.instances import Instance
 from router.hashing import PromptHasher
 from router.kv_index import KVIndex

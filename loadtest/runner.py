@@ -18,8 +18,8 @@ from rich.progress import Progress
 
 from engine.environment import is_loopback
 from loadtest.arrivals import Arrival, FixedConcurrency, TraceTimes
-from loadtest.client import RequestResult, stream_request
 from loadtest.scrape import scrape
+from loadtest.sse_client import RequestResult, stream_request
 from loadtest.workloads import Job
 
 

@@ -39,10 +39,10 @@ from rich.progress import track
 from rich.table import Table
 
 from decode.role import DECODE
-from engine.roles import COLOCATED
+from engine.role_spec import COLOCATED
 from fleet.instances import Instance, InstanceRegistry
 from prefill.role import PREFILL
-from router.kv_events import STORE_HOLDER
+from router.kv_event_listener import STORE_HOLDER
 from router.kv_index import KVIndex
 from router.metrics import percentile
 from router.placement import DEFAULT_REMOTE_PREFILL_MIN_TOKENS, PlacementSettings, Placer

@@ -30,8 +30,8 @@ from pathlib import Path
 import numpy as np
 
 from engine.environment import UCX_LOOPBACK_ENV
-from kvstore import protocol
-from kvstore.client import ShardClient, request_once
+from kvstore import messages
+from kvstore.shard_client import ShardClient, request_once
 from security.credentials import ClusterCredentials, CurveKeys
 from transport.nixl import add_peer, new_agent, transfer
 from transport.zmq_curve import STORE_PLANE
@@ -64,7 +64,7 @@ def measure(endpoint: str, chunk_bytes: int, chunks: int, runs: int) -> dict[str
     raw_agent = new_agent("pdc-bench")
     buffer = np.zeros(chunk_bytes * chunks, dtype=np.uint8)
     registration = raw_agent.register_memory([(buffer.ctypes.data, buffer.nbytes, 0, "")], "DRAM")
-    peer = add_peer(raw_agent, request_once(endpoint, protocol.Hello(), 10, KEYS)["agent"])
+    peer = add_peer(raw_agent, request_once(endpoint, messages.Hello(), 10, KEYS)["agent"])
     rng = np.random.default_rng(0)
     # Payloads and destinations stand for LMCache's buffer of memory objects, registered with the
     # client as the plugin registers it.
@@ -77,7 +77,7 @@ def measure(endpoint: str, chunk_bytes: int, chunks: int, runs: int) -> dict[str
     try:
         keys = [f"bench-{chunk_bytes}-{i}" for i in range(chunks)]
         client.put(keys, payloads)
-        lease = request_once(endpoint, protocol.Lease(keys), 10, KEYS)
+        lease = request_once(endpoint, messages.Lease(keys), 10, KEYS)
         remote = [tuple(e) for c in lease["chunks"] for e in c["extents"]]
 
         def raw_read(_: int) -> None:
@@ -93,13 +93,13 @@ def measure(endpoint: str, chunk_bytes: int, chunks: int, runs: int) -> dict[str
             assert len(client.get(keys, allocate)) == chunks
 
         results = alternated({"raw_read": raw_read, "store_get": store_get}, runs)
-        request_once(endpoint, protocol.Release(lease["lease"]), 10, KEYS)
+        request_once(endpoint, messages.Release(lease["lease"]), 10, KEYS)
 
         def fresh_keys(run: int, kind: str) -> list[str]:
             return [f"bench-{kind}-{chunk_bytes}-{run}-{i}" for i in range(chunks)]
 
         def raw_write(run: int) -> None:
-            reserve = protocol.Reserve(fresh_keys(run, "raw"), [chunk_bytes] * chunks, [0] * chunks)
+            reserve = messages.Reserve(fresh_keys(run, "raw"), [chunk_bytes] * chunks, [0] * chunks)
             reply = request_once(endpoint, reserve, 10, KEYS)
             transfer(raw_agent, "WRITE", local, [tuple(e) for c in reply["extents"] for e in c], peer, 30.0)
 

@@ -1,7 +1,7 @@
 """The prefill role: engines that compute prompts and hand their KV over (KV producers), placed
 on nodes offering the Ray resource `prefill`; no client streams from them."""
 
-from engine.roles import PD_ENV, PD_VLLM_ARGS, Role, RoleSpec
+from engine.role_spec import PD_ENV, PD_VLLM_ARGS, Role, RoleSpec
 
 PREFILL = RoleSpec(
     Role.PREFILL, ray_resource="prefill", vllm_args=PD_VLLM_ARGS, env=PD_ENV, kv_transfer=True,

@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from router.admin_auth import require_admin
 from router.admission import OPEN_TENANT, Admitted
 from router.analysis import RequestAnalyzer
-from router.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from router.openai_requests import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from router.status import (
     ScrapeTargetGroup,
     cluster_status,

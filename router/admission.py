@@ -22,7 +22,7 @@ from pydantic import ValidationError
 
 from router.config import RouterConfig
 from router.errors import BadRequest, ModelNotFound, PayloadTooLarge, RateLimited, Unauthorized
-from router.protocol import SamplingRequest
+from router.openai_requests import SamplingRequest
 
 OPEN_TENANT = "public"
 

@@ -30,8 +30,8 @@ from engine.process import die_with_parent
 from router.config import RouterConfig
 from router.errors import BadRequest, Overloaded
 from router.hashing import PromptHasher
+from router.openai_requests import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from router.policies import RoutingRequest
-from router.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 
 TOKENIZING_NICENESS = 10
 """How much lower the tokenizing processes' CPU priority is than the router's (os.nice)."""

@@ -35,11 +35,11 @@ from router.capacity import CapacityQueue
 from router.config import RouterConfig
 from router.errors import BadRequest, RouterError, Unauthorized, error_body
 from router.health import HealthMonitor
-from router.kv_events import STORE_HOLDER, KVEventListener
+from router.kv_event_listener import STORE_HOLDER, KVEventListener
 from router.kv_index import KVIndex
+from router.openai_requests import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from router.placement import PlacementSettings, Placer
 from router.policies import PolicyContext, make_policy
-from router.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from router.proxy import Forwarder
 from router.status import ErrorLog, StartLog, serving_counts
 from router.status_page import add_status_page

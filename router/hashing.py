@@ -17,7 +17,7 @@ from typing import Any
 
 from engine.config import KVHashing
 from router.kv_index import BlockHash
-from router.protocol import RENDERING_PARAMETERS
+from router.openai_requests import RENDERING_PARAMETERS
 
 
 class PromptHasher:
@@ -47,7 +47,7 @@ class PromptHasher:
         conversation = [{**m, "content": _text_content(m.get("content"))} for m in messages]
         continue_final = bool(options.get("continue_final_message", False))
         # The model's own template only: the request's options are its variables, never the
-        # rendering's parameters (router/protocol.py refuses those too).
+        # rendering's parameters (router/openai_requests.py refuses those too).
         variables = {k: v for k, v in (options.get("chat_template_kwargs") or {}).items()
                      if k not in RENDERING_PARAMETERS}
         text = self.tokenizer.apply_chat_template(

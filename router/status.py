@@ -104,20 +104,20 @@ async def read_shards(endpoints: tuple[str, ...], keys: CurveKeys,
     """Each KV store shard's Stats answer (kvstore/chunk_store.py ShardStats and the shard's own
     counters) with its endpoint, or {"endpoint", "error"} for one that did not answer. The shards
     are those the first answering endpoint counts now (nodes join and leave), else `endpoints`."""
-    from kvstore import protocol
-    from kvstore.client import StoreUnavailable, request_once
+    from kvstore import messages
+    from kvstore.shard_client import StoreUnavailable, request_once
 
     members: list[str] = []
     for endpoint in endpoints:
         with contextlib.suppress(StoreUnavailable):
-            answer = await asyncio.to_thread(request_once, endpoint, protocol.Members(), timeout_s, keys)
+            answer = await asyncio.to_thread(request_once, endpoint, messages.Members(), timeout_s, keys)
             members = answer["members"]
             break
 
     async def stats(endpoint: str) -> dict:
         try:
             return {"endpoint": endpoint,
-                    **await asyncio.to_thread(request_once, endpoint, protocol.Stats(), timeout_s, keys)}
+                    **await asyncio.to_thread(request_once, endpoint, messages.Stats(), timeout_s, keys)}
         except StoreUnavailable as exc:
             return {"endpoint": endpoint, "error": str(exc)}
 

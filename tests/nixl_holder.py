@@ -5,7 +5,7 @@
 
 Its NIXL agents: the weight plane's (memory registered, metadata handed out: engine/weights.py),
 the KV connector's (connected to the shard-like agent named on the command line, one read done:
-kvstore/client.py) and one as vLLM's NixlConnector makes it (`num_threads=4`), NIXL quieted first
+kvstore/shard_client.py) and one as vLLM's NixlConnector makes it (`num_threads=4`), NIXL quieted first
 as engine/worker_extension.py does. Its torch.distributed state as vLLM's (one rank, a TCPStore and
 gloo groups), sealed once made (transport.listener_warden.seal_tcp_listeners). It prints one JSON line (what
 a peer needs to read its weights), then answers each line on stdin: "read" with the checksum of

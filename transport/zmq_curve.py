@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 ZAP_DOMAIN = "pdcluster"
 # The cluster's CURVE planes, each with its own key pairs (security/credentials.py).
 STORE_PLANE = "store"  # the KV store's control sockets (kvstore/shard.py)
-KV_EVENTS_PLANE = "kv-events"  # engines' KV event sockets and the router's (engine/ and router/kv_events.py)
+KV_EVENTS_PLANE = "kv-events"  # engines' KV event sockets and the router's (engine/ and router/kv_event_listener.py)
 
 
 def serve_curve(socket: zmq.Socket, keys: CurveKeys) -> None:

@@ -58,8 +58,8 @@ def main() -> int:
         import ray
 
         from decode.role import DECODE
+        from deploy.actor_placement import placement_options
         from deploy.launcher import Launcher
-        from deploy.placement import placement_options
         from fleet.instances import InstanceRegistry
         from kvstore.settings import StoreSettings
         from kvstore.sharded_store import ShardedStore

@@ -29,7 +29,7 @@ for module in ("vllm", "lmcache", "nixl"):
 from decode.role import DECODE  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.host import EngineHost  # noqa: E402
-from engine.roles import COLOCATED, RoleSpec  # noqa: E402
+from engine.role_spec import COLOCATED, RoleSpec  # noqa: E402
 from kvstore.shard import ShardServer  # noqa: E402
 from loadtest.scrape import scrape_engine  # noqa: E402
 from prefill.role import PREFILL  # noqa: E402

@@ -11,7 +11,7 @@ import pytest
 from router.analysis import TOKENIZING_NICENESS, RequestAnalyzer
 from router.config import RouterConfig, ServedModel
 from router.errors import Overloaded
-from router.protocol import ChatCompletionRequest, CompletionRequest
+from router.openai_requests import ChatCompletionRequest, CompletionRequest
 
 pytestmark = pytest.mark.slow  # seconds: each tokenizing process loads the tokenizer anew
 

@@ -9,11 +9,11 @@ import pytest
 import yaml
 
 from decode.role import DECODE
+from deploy.actor_placement import placement_options
 from deploy.cluster import ClusterConfigError, validate_cluster_yaml
-from deploy.placement import placement_options
 from deploy.pool import PoolSpec, wants_more
 from deploy.topology import Topology, roles_to_start
-from engine.roles import COLOCATED
+from engine.role_spec import COLOCATED
 from fleet.instances import Instance
 from prefill.role import PREFILL
 

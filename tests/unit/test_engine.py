@@ -8,7 +8,7 @@ import time
 import pytest
 from pydantic import ValidationError
 
-from deploy.placement import cpu_core_sets
+from deploy.actor_placement import cpu_core_sets
 from engine.config import EngineConfig
 from engine.environment import engine_env, engine_process_env
 from engine.lifecycle import STAGE_PATTERNS, StartTimeline

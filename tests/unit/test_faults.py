@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from loadtest import fault_scenarios, faults
-from loadtest.client import RequestResult
+from loadtest.sse_client import RequestResult
 
 
 class FakeRouter:

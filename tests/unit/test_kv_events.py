@@ -10,7 +10,7 @@ import pytest
 
 from engine.environment import free_port
 from router import metrics
-from router.kv_events import KVEventListener
+from router.kv_event_listener import KVEventListener
 from router.kv_index import KVIndex
 from security.credentials import ClusterCredentials
 from transport.zmq_curve import KV_EVENTS_PLANE, connect_curve
@@ -26,10 +26,10 @@ def engine_keys(monkeypatch):
 
 
 def publisher(endpoint: str, replay: str, topic: str, ours: bool = True):
-    """An engine's publisher: ours (engine/kv_events.py), or vLLM's plain one (a stranger)."""
+    """An engine's publisher: ours (engine/kv_event_publisher.py), or vLLM's plain one (a stranger)."""
     from vllm.distributed.kv_events import ZmqEventPublisher
 
-    from engine.kv_events import ClusterEventPublisher
+    from engine.kv_event_publisher import ClusterEventPublisher
 
     kind = ClusterEventPublisher if ours else ZmqEventPublisher
     return kind(data_parallel_rank=0, endpoint=endpoint, replay_endpoint=replay, topic=topic)
@@ -143,7 +143,7 @@ async def test_blocks_an_engine_saved_to_the_store_are_indexed_as_the_stores(end
     import msgspec
 
     from kvstore import STORE_MEDIUM
-    from router.kv_events import STORE_HOLDER
+    from router.kv_event_listener import STORE_HOLDER
 
     index = KVIndex()
     listener = listener_for(index, {"prefill-0": endpoints[1]}.get)
@@ -450,7 +450,7 @@ async def test_malformed_replay_requests_leave_the_publisher_replaying_and_publi
 
     import zmq
 
-    from engine.kv_events import _gates
+    from engine.kv_event_publisher import _gates
 
     pub, replay = endpoints
     engine = publisher(pub, replay, "engine-a")

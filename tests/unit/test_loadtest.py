@@ -83,7 +83,7 @@ def test_load_tests_refuse_targets_beyond_loopback(url):
     ],
 )
 def test_token_events_are_the_ones_vllm_bench_times(event, expected):
-    from loadtest.client import _token_text
+    from loadtest.sse_client import _token_text
 
     assert _token_text(event) == expected
 
@@ -91,8 +91,8 @@ def test_token_events_are_the_ones_vllm_bench_times(event, expected):
 def test_goodput_counts_only_requests_that_met_every_part_of_the_slo():
     """The streaming SLO judges each request by its own p99 gap: one stall in a smooth stream of
     256 tokens passes, three (over 1% of its gaps) do not; the loose SLO looks at TPOT alone."""
-    from loadtest.client import RequestResult
     from loadtest.pd_goodput import LOOSE, STREAMING, summarize
+    from loadtest.sse_client import RequestResult
 
     def stream(ttft_s: float, gaps: list[float]) -> RequestResult:
         times = [ttft_s]

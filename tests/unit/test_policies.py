@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.roles import COLOCATED
+from engine.role_spec import COLOCATED
 from fleet.instances import Instance
 from router.kv_index import KVIndex
 from router.policies import POLICIES, PolicyContext, RoutingRequest, make_policy

@@ -10,7 +10,7 @@ import ray.exceptions
 from deploy import launcher as launcher_module
 from deploy.launcher import Launcher
 from engine.lifecycle import InstanceState
-from engine.roles import COLOCATED
+from engine.role_spec import COLOCATED
 from fleet.instances import Instance, InstanceRegistry
 from loadtest.engine_standin import StandInIdentity
 from security.credentials import ClusterCredentials

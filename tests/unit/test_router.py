@@ -11,7 +11,7 @@ from prometheus_client import REGISTRY
 
 from decode.role import DECODE
 from engine.lifecycle import InstanceState
-from engine.roles import COLOCATED
+from engine.role_spec import COLOCATED
 from fleet.instances import Instance, InstanceRegistry, PendingPrefill
 from loadtest.engine_standin import SocketStandIn, unreachable_instance
 from prefill.role import PREFILL

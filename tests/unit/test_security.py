@@ -11,7 +11,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from engine.http_auth import MAX_RPC_BODY_BYTES, EngineAuthMiddleware
-from engine.roles import COLOCATED
+from engine.role_spec import COLOCATED
 from fleet.instances import Instance, InstanceRegistry
 from router.app import build_app
 from router.config import RouterConfig, ServedModel

@@ -8,7 +8,7 @@ from prometheus_client import REGISTRY
 
 from decode.role import DECODE
 from engine.lifecycle import InstanceState
-from engine.roles import COLOCATED
+from engine.role_spec import COLOCATED
 from fleet.instances import Instance, InstanceRegistry
 from loadtest.engine_standin import unreachable_instance
 from router.app import build_app

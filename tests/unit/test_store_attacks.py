@@ -14,9 +14,9 @@ import msgpack
 import pytest
 import zmq
 
-from kvstore import protocol
-from kvstore.client import ShardClient, StoreUnavailable, request_once
+from kvstore import messages
 from kvstore.shard import ShardServer
+from kvstore.shard_client import ShardClient, StoreUnavailable, request_once
 from security.credentials import ClusterCredentials
 from transport.zmq_curve import STORE_PLANE, connect_curve
 
@@ -53,9 +53,9 @@ def answered(endpoint: str, keys, request, timeout_s: float = 1.0) -> bool:
 @pytest.mark.slow  # a fuzzer: seconds
 def test_strangers_get_no_answer(shard):
     stranger = ClusterCredentials.generate().curve(STORE_PLANE)  # another cluster's keys
-    assert not answered(shard.endpoint, stranger, protocol.Hello())
+    assert not answered(shard.endpoint, stranger, messages.Hello())
     knows_the_server = dataclasses.replace(stranger, server_public=KEYS.server_public)
-    assert not answered(shard.endpoint, knows_the_server, protocol.Hello())  # the ZAP gate refuses
+    assert not answered(shard.endpoint, knows_the_server, messages.Hello())  # the ZAP gate refuses
     context = zmq.Context()
     plain = context.socket(zmq.REQ)  # no CURVE at all
     plain.setsockopt(zmq.LINGER, 0)
@@ -65,7 +65,7 @@ def test_strangers_get_no_answer(shard):
     plain.close(0)
     context.term()
     assert shard.stats().chunks == 0 and shard._gate.refused >= 1
-    assert answered(shard.endpoint, KEYS, protocol.Hello())  # a member is answered
+    assert answered(shard.endpoint, KEYS, messages.Hello())  # a member is answered
 
 
 def test_absurd_sizes_are_an_error_and_evict_nothing(shard):
@@ -74,10 +74,10 @@ def test_absurd_sizes_are_an_error_and_evict_nothing(shard):
         before = client.stats()
         for sizes in ([10**12], [shard.store.capacity_bytes + 1]):
             with pytest.raises(StoreUnavailable, match="limited"):
-                request_once(shard.endpoint, protocol.Reserve(["huge"], sizes, [0]), 5.0, KEYS)
+                request_once(shard.endpoint, messages.Reserve(["huge"], sizes, [0]), 5.0, KEYS)
         for bad in ({"op": "reserve", "keys": ["x"], "nbytes": [-1], "checksums": [0]},
                     {"op": "reserve", "keys": ["x", "y"], "nbytes": [1], "checksums": [0]},
-                    {"op": "contains", "keys": ["x"] * (protocol.MAX_KEYS + 1)},
+                    {"op": "contains", "keys": ["x"] * (messages.MAX_KEYS + 1)},
                     {"op": "lease", "keys": ["k" * 100_000]},
                     {"op": "corrupt", "count": 1}):
             with pytest.raises(StoreUnavailable):

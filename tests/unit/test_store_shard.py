@@ -8,10 +8,10 @@ import time
 import numpy as np
 import pytest
 
-from kvstore import protocol
+from kvstore import messages
 from kvstore.chunk_store import ChunkStore
-from kvstore.client import ShardClient
 from kvstore.shard import ShardServer
+from kvstore.shard_client import ShardClient
 from security.credentials import ClusterCredentials
 from transport.zmq_curve import STORE_PLANE
 
@@ -111,7 +111,7 @@ def hellos_to(server: ShardServer, monkeypatch) -> list[dict]:
     seen, handle = [], server.handle
 
     def counting(request) -> dict:
-        if isinstance(request, protocol.Hello):
+        if isinstance(request, messages.Hello):
             seen.append(request)
         return handle(request)
 
@@ -150,7 +150,7 @@ def test_chunks_round_trip_through_nixl_bit_identical_and_damage_is_a_miss(shard
 def test_a_shard_that_stops_answering_costs_one_timeout_then_fails_fast():
     import time
 
-    from kvstore.client import StoreUnavailable
+    from kvstore.shard_client import StoreUnavailable
 
     server = ShardServer(1024**2, KEYS, page_bytes=64 * 1024)
     client = ShardClient(server.endpoint, KEYS, timeout_s=0.5, staging_bytes=64 * 1024, retry_after_s=30)
@@ -171,7 +171,7 @@ def test_a_shard_that_stops_answering_costs_one_timeout_then_fails_fast():
 def test_a_shard_restarted_on_its_port_is_used_again_by_its_clients(monkeypatch):
     """A restarted shard (new process: new NIXL agent, empty arena) on the same endpoint: at most
     a timeout and a pause, then its clients read and write it as before."""
-    from kvstore.client import StoreUnavailable
+    from kvstore.shard_client import StoreUnavailable
 
     first = ShardServer(1024**2, KEYS, page_bytes=64 * 1024)
     client = ShardClient(first.endpoint, KEYS, timeout_s=1.0, staging_bytes=512 * 1024, retry_after_s=0.2)
@@ -200,7 +200,7 @@ def test_a_shard_restarted_on_its_port_is_used_again_by_its_clients(monkeypatch)
 
 
 def test_an_unreachable_shard_is_a_clean_error_within_the_timeout():
-    from kvstore.client import StoreUnavailable
+    from kvstore.shard_client import StoreUnavailable
 
     with pytest.raises(StoreUnavailable):
         ShardClient("tcp://127.0.0.1:9", KEYS, timeout_s=0.5)

@@ -19,7 +19,7 @@ from stranger import needs_stranger
 from test_kv_events import listener_for, publisher, stored, until
 from test_store_attacks import KEYS, answered
 
-from kvstore import protocol
+from kvstore import messages
 from kvstore.shard import ShardServer
 from router.kv_index import KVIndex
 from security.credentials import ClusterCredentials
@@ -41,11 +41,11 @@ def test_a_store_shards_control_socket_answers_through_idle_and_churning_strange
         port = urlparse(shard.endpoint).port
         calm = open_descriptors(os.getpid())
         with idle_connections(port, 20_000, send="") as held:
-            assert answered(shard.endpoint, KEYS, protocol.Hello(), timeout_s=10)
+            assert answered(shard.endpoint, KEYS, messages.Hello(), timeout_s=10)
             assert open_descriptors(os.getpid()) - calm < ceiling()
         assert held["opened"] + held["failed"] == 20_000
         connect_and_close(port, 50_000)
-        assert answered(shard.endpoint, KEYS, protocol.Hello(), timeout_s=10)
+        assert answered(shard.endpoint, KEYS, messages.Hello(), timeout_s=10)
         assert open_descriptors(os.getpid()) - calm < 64
     finally:
         shard.close()

@@ -22,8 +22,8 @@ from stranger import StrangerProcess, needs_stranger
 
 from decode.role import DECODE
 from fleet.instances import Instance, InstanceRegistry
-from kvstore import protocol
-from kvstore.client import request_once
+from kvstore import messages
+from kvstore.shard_client import request_once
 from loadtest.arrivals import FixedConcurrency
 from loadtest.faults import kill_engine
 from loadtest.report import summarize
@@ -114,7 +114,7 @@ def test_damaged_chunks_are_rejected_by_checksum_and_recomputed(served, served_p
     before = store_shard(served_pd)
     assert before["chunks"] > 0
     keys = served_pd.credentials.curve(STORE_PLANE)
-    damaged = request_once(before["endpoint"], protocol.Corrupt(before["chunks"]), 5.0, keys)
+    damaged = request_once(before["endpoint"], messages.Corrupt(before["chunks"]), 5.0, keys)
     assert damaged["damaged"] == before["chunks"]
     # Straight to the decode instance: its connector finds the prompt in the store and reads it.
     got = generate(engine(served_pd, "decode"), {"prompt": prompt})

@@ -24,7 +24,7 @@ from engine.lifecycle import EngineDescription
 from fleet.instances import InstanceRegistry
 from loadtest.engine_standin import StandInIdentity
 from loadtest.local_cluster import RayHead
-from router.kv_events import STORE_HOLDER
+from router.kv_event_listener import STORE_HOLDER
 from security.credentials import ClusterCredentials
 
 pytestmark = pytest.mark.slow

@@ -1,6 +1,6 @@
 """The client side of a store shard: batched put, get and contains of KV chunks.
 
-Control messages (kvstore/protocol.py) go over the shard's ZMQ socket as a CURVE client of the
+Control messages (kvstore/messages.py) go over the shard's ZMQ socket as a CURVE client of the
 store plane (only the cluster's members get answers), bounded by `timeout_s`; the bytes move
 one-sided over NIXL/UCX between a registered staging buffer of ours and the shard's arena (one
 transfer per batch). Every chunk carries an xxh3 checksum computed by the writer and checked by
@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import xxhash
 
-from kvstore import protocol
+from kvstore import messages
 from security.credentials import CurveKeys
 from transport.nixl import NixlTransferError, PostedTransfer, add_peer, new_agent, transfer
 from transport.zmq_curve import connect_curve
@@ -49,14 +49,14 @@ def checksum(data: np.ndarray) -> int:
     return xxhash.xxh3_64_intdigest(memoryview(data))
 
 
-def _op(request: protocol.Request) -> str:
+def _op(request: messages.Request) -> str:
     return type(request).__name__.lower()
 
 
 def _reply(socket, op: str, timeout_s: float, endpoint: str) -> dict:
     if not socket.poll(int(timeout_s * 1000)):
         raise StoreUnavailable(f"store shard {endpoint} did not answer {op!r} within {timeout_s} s")
-    return protocol.decode_reply(socket.recv())
+    return messages.decode_reply(socket.recv())
 
 
 def _socket(context, endpoint: str, keys: CurveKeys):
@@ -69,14 +69,14 @@ def _socket(context, endpoint: str, keys: CurveKeys):
     return socket
 
 
-def request_once(endpoint: str, request: protocol.Request, timeout_s: float, keys: CurveKeys) -> dict:
+def request_once(endpoint: str, request: messages.Request, timeout_s: float, keys: CurveKeys) -> dict:
     """One control message to a shard, with no transfer agent (stats, fault injection)."""
     import zmq
 
     context = zmq.Context()
     socket = _socket(context, endpoint, keys)
     try:
-        socket.send(protocol.encode(request))
+        socket.send(messages.encode(request))
         reply = _reply(socket, _op(request), timeout_s, endpoint)
     finally:
         socket.close(0)
@@ -139,7 +139,7 @@ class ShardClient:
         self._registration = self.agent.register_memory(
             [(self.staging.ctypes.data, self.staging.nbytes, 0, "")], "DRAM"
         )
-        self.peer = add_peer(self.agent, self._call(protocol.Hello())["agent"])
+        self.peer = add_peer(self.agent, self._call(messages.Hello())["agent"])
         self._verifier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pdc-kv-verify")
         self.rejected = 0  # chunks whose checksum did not match
         self._caller_memory: list[tuple[int, int]] = []  # caller memory transfers use directly
@@ -160,16 +160,16 @@ class ShardClient:
 
     def contains(self, keys: Sequence[str]) -> int:
         with self._lock:
-            return self._call(protocol.Contains(list(keys)))["count"]
+            return self._call(messages.Contains(list(keys)))["count"]
 
     def stats(self) -> dict:
         with self._lock:
-            return self._call(protocol.Stats())
+            return self._call(messages.Stats())
 
     def members(self) -> list[str]:
         """Every shard of the store, as the launcher last told this one (see ShardedStore)."""
         with self._lock:
-            return self._call(protocol.Members())["members"]
+            return self._call(messages.Members())["members"]
 
     def put(self, keys: Sequence[str], payloads: Sequence[np.ndarray]) -> int:
         """Store chunks (uint8 arrays); returns how many were written (keys already stored, or
@@ -186,7 +186,7 @@ class ShardClient:
         `allocate(nbytes)` (a uint8 array and what to return for it; the caller's own memory),
         else to a new array. Memory allocated for chunks not returned is the caller's to free."""
         with self._lock:
-            reply = self._call(protocol.Lease(list(keys)))
+            reply = self._call(messages.Lease(list(keys)))
             damaged: list[str] = []
             try:
                 self._meet(reply["agent_name"])
@@ -195,7 +195,7 @@ class ShardClient:
                     damaged.append(keys[len(found)])
                 return found
             finally:  # its answer is collected before our next message, off the read's path
-                self._call(protocol.Release(reply["lease"], damaged), answer_later=True)
+                self._call(messages.Release(reply["lease"], damaged), answer_later=True)
 
     def close(self) -> None:
         with self._lock:
@@ -211,7 +211,7 @@ class ShardClient:
 
     def _put_batch(self, keys: list[str], payloads: list[np.ndarray]) -> int:
         sums = [checksum(p) for p in payloads]
-        reply = self._call(protocol.Reserve(keys, [p.nbytes for p in payloads], sums))
+        reply = self._call(messages.Reserve(keys, [p.nbytes for p in payloads], sums))
         granted = [(k, p, e) for k, p, e in zip(keys, payloads, reply["extents"], strict=True) if e]
         if not granted:
             return 0
@@ -229,9 +229,9 @@ class ShardClient:
         try:
             transfer(self.agent, "WRITE", local, remote, self.peer, self.timeout_s)
         except NixlTransferError:
-            self._call(protocol.Abort(names))
+            self._call(messages.Abort(names))
             raise
-        return self._call(protocol.Commit(names))["committed"]
+        return self._call(messages.Commit(names))["committed"]
 
     def _read(self, chunks: list[dict], allocate: Allocate) -> tuple[list, bool]:
         """The leased chunks that arrived intact, up to the first damaged one; and whether one was.
@@ -303,7 +303,7 @@ class ShardClient:
             )
         return _group(sizes, self.staging.nbytes)
 
-    def _call(self, request: protocol.Request, answer_later: bool = False) -> dict:
+    def _call(self, request: messages.Request, answer_later: bool = False) -> dict:
         """One control message and its answer. With `answer_later`, return once it is sent: its
         answer is read (and a refusal logged) before the next message, or at close."""
         if time.monotonic() < self._down_until:
@@ -312,7 +312,7 @@ class ShardClient:
             self._socket = _socket(self._context, self.endpoint, self.keys)
         try:
             self._collect_answer()
-            self._socket.send(protocol.encode(request))
+            self._socket.send(messages.encode(request))
             if answer_later:
                 self._unanswered = _op(request)
                 return {}
@@ -332,7 +332,7 @@ class ShardClient:
         means the shard behind our endpoint was restarted (a new agent, a new arena): learn it."""
         if agent_name == self.peer:
             return
-        metadata = self._call(protocol.Hello())["agent"]
+        metadata = self._call(messages.Hello())["agent"]
         with contextlib.suppress(Exception):  # the old agent is gone; forgetting it may complain
             self.agent.remove_remote_agent(self.peer)
         self.peer = add_peer(self.agent, metadata)

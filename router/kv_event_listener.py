@@ -1,6 +1,6 @@
 """Feeding the KV index from vLLM's KV events.
 
-Every engine runs vLLM's own publisher (`--kv-events-config`; engine/kv_events.py puts it on the
+Every engine runs vLLM's own publisher (`--kv-events-config`; engine/kv_event_publisher.py puts it on the
 cluster's CURVE keys and strips token ids): a PUB socket with the instance id as topic and a
 replay ROUTER socket, both bound on the engine's address as CURVE servers. The router's one SUB
 socket connects to every engine it knows (`follow`, as instances are registered) with the plane's

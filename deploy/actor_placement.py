@@ -3,7 +3,7 @@ sets for CPU engines sharing one machine."""
 
 from __future__ import annotations
 
-from engine.roles import RoleSpec
+from engine.role_spec import RoleSpec
 
 
 def cpu_core_sets(engines: int, cores: int) -> list[str]:
