@@ -22,7 +22,7 @@ from security.credentials import EngineKeys, bearer_matches
 # and what an operator scrapes.
 ROUTES = frozenset({
     ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
-    ("GET", "/health"), ("GET", "/metrics"), ("POST", "/reset_prefix_cache"), ("POST", "/collective_rpc"),
+    ("GET", "/health"), ("GET", "/load"), ("GET", "/metrics"), ("POST", "/reset_prefix_cache"), ("POST", "/collective_rpc"),
     ("POST", "/sleep"), ("POST", "/wake_up"),
 })
 WORKER_METHODS = frozenset({"pdc_load_weights", "pdc_export_weights", "pdc_release_weights", "pdc_keep_host_copy",

@@ -55,6 +55,7 @@ def server_command(config: EngineConfig, host: str, port: int, instance_id: str)
         "--prefix-caching-hash-algo", c.kv_hashing.algorithm,
         "--gpu-memory-utilization", str(c.gpu_memory_utilization),
         "--disable-uvicorn-access-log",
+        "--enable-server-load-tracking",  # GET /load: what every router's policy counts (router/health.py)
         "--load-format", "dummy",
         "--worker-extension-cls", "engine.worker_extension.WeightPlaneExtension",
         "--middleware", "engine.http_auth.EngineAuthMiddleware",

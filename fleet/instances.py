@@ -39,7 +39,10 @@ class Instance:
     url: str
     state: InstanceState = InstanceState.READY
     inflight: int = 0
-    """Requests the router has sent there and not yet seen finish (prefills included)."""
+    """Requests this router has sent there and not yet seen finish (prefills included)."""
+    engine_load: int = 0
+    """Requests the engine itself last said it holds, whichever router sent them (vLLM's server
+    load, read by every router's health loop)."""
     pending_prefill_tokens: float = 0.0
     """Prompt tokens routed there whose prefill has not finished (the router's estimate)."""
     failed_checks: int = 0
@@ -67,6 +70,12 @@ class Instance:
         if self.access is None:
             raise RuntimeError(f"instance {self.instance_id} was registered with no access to its engine")
         return {"ssl": self.access.ssl, "headers": {**self.access.headers, **(headers or {})}}
+
+    @property
+    def load(self) -> int:
+        """Requests there as policies count them: this router's own (exact, at once) or the
+        engine's (every router's, up to a health interval old), whichever is more."""
+        return max(self.inflight, self.engine_load)
 
     def circuit_closed(self, now: float) -> bool:
         """Whether remote prefills may go here (P/D)."""
@@ -175,6 +184,10 @@ class InstanceRegistry:
         instance.inflight -= 1
         for callback in self.on_request:
             callback(instance, -1)
+
+    def engine_reported(self, instance: Instance, load: int) -> None:
+        """What the engine said it holds (its health loop's reading of vLLM's server load)."""
+        instance.engine_load = load
 
     def observed(self, instance: Instance, inflight: int, pending_prefill_tokens: float) -> None:
         """Load measured from outside this router's books (the simulator's engines)."""

@@ -1,6 +1,9 @@
 """The health loop: every instance in rotation (or out of it for failing) asked for its /health
-each `interval_s`; what it answers goes to the registry, which takes an instance out of rotation
-after `failure_threshold` failed checks in a row and puts it back after one that passed."""
+and its load (vLLM's server load: the requests it holds, whichever router sent them) each
+`interval_s`; what it answers goes to the registry, which takes an instance out of rotation
+after `failure_threshold` failed checks in a row and puts it back after one that passed, and
+gives policies the engine's load beside this router's own (routers side by side each see every
+router's requests)."""
 
 from __future__ import annotations
 
@@ -43,9 +46,25 @@ class HealthMonitor:
             await asyncio.sleep(self.interval_s)
 
     async def check(self, session: aiohttp.ClientSession, instance: Instance) -> None:
+        healthy, load = await asyncio.gather(self._healthy(session, instance), self._load(session, instance))
+        self.registry.health_checked(instance, healthy, self.failure_threshold)
+        if load is not None:
+            self.registry.engine_reported(instance, load)
+
+    @staticmethod
+    async def _healthy(session: aiohttp.ClientSession, instance: Instance) -> bool:
         try:
             async with session.get(f"{instance.url}/health", **instance.request_options()) as answer:
-                healthy = answer.status == 200
+                return answer.status == 200
         except (aiohttp.ClientError, TimeoutError):
-            healthy = False
-        self.registry.health_checked(instance, healthy, self.failure_threshold)
+            return False
+
+    @staticmethod
+    async def _load(session: aiohttp.ClientSession, instance: Instance) -> int | None:
+        """vLLM's server load (`--enable-server-load-tracking`); None if it does not say."""
+        try:
+            async with session.get(f"{instance.url}/load", **instance.request_options()) as answer:
+                load = (await answer.json(content_type=None)).get("server_load") if answer.status == 200 else None
+        except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError):
+            return None
+        return load if isinstance(load, int) and load >= 0 else None

@@ -30,4 +30,4 @@ class LeastLoaded:
         pass
 
     def choose(self, candidates: Sequence[Instance], request: RoutingRequest) -> RoutingDecision:
-        return RoutingDecision(min(candidates, key=lambda i: (i.pending_prefill_tokens, i.inflight)))
+        return RoutingDecision(min(candidates, key=lambda i: (i.pending_prefill_tokens, i.load)))

@@ -48,7 +48,7 @@ class KVAware:
             )
             computed = request.num_tokens - cached - fetched
             cost_tokens = instance.pending_prefill_tokens + computed + ctx.fetch_cost * fetched
-            key = (cost_tokens, instance.inflight, (position - turn) % len(candidates))
+            key = (cost_tokens, instance.load, (position - turn) % len(candidates))
             if best is None or key < best[0]:
                 best = (key, instance, cached, fetched)
         assert best is not None

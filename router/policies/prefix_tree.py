@@ -118,7 +118,7 @@ class PrefixTreeChars:
         self.trees: dict[str, CharRadixTree] = {}
 
     def choose(self, candidates: Sequence[Instance], request: RoutingRequest) -> RoutingDecision:
-        loads = [i.inflight for i in candidates]
+        loads = [i.load for i in candidates]
         imbalanced = (max(loads) - min(loads) > self.balance_abs_threshold
                       and max(loads) > min(loads) * self.balance_rel_threshold)
         trees = [self.trees.setdefault(i.instance_id, CharRadixTree()) for i in candidates]

@@ -8,7 +8,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-OWNED = {"state", "inflight", "pending_prefill_tokens", "failed_checks", "failed_prefills", "prefill_open_until"}
+OWNED = {"state", "inflight", "engine_load", "pending_prefill_tokens", "failed_checks", "failed_prefills", "prefill_open_until"}
 OWNER = ROOT / "fleet" / "instances.py"
 PACKAGES = ("router", "prefill", "decode", "deploy", "fleet", "loadtest")
 

@@ -284,3 +284,46 @@ async def test_passing_checks_do_not_put_back_what_the_launcher_took_out():
             await monitor.stop()
     assert (draining.state, sleeping.state) == (InstanceState.DRAINING, InstanceState.SLEEPING)
     assert registry.ready() == []
+
+
+class LoadedEngine:
+    """A stand-in engine's app that says it holds `load` requests (vLLM's /load) and counts the
+    completions it gets."""
+
+    def __init__(self, load: int) -> None:
+        self.load, self.completions = load, 0
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return
+        body = b"{}"
+        if scope["path"] == "/load":
+            body = f'{{"server_load": {self.load}}}'.encode()
+        elif scope["path"] == "/v1/completions":
+            self.completions += 1
+            body = b'{"choices": [{"index": 0, "text": "ok"}]}'
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": body})
+
+
+async def test_routers_side_by_side_count_the_load_the_engines_report():
+    """Another router's requests fill one engine (it says so on /load): this router, which sent
+    it none, sends its own to the other, and its health loop keeps both in rotation."""
+    from router.policies import PolicyContext, RoutingRequest, make_policy
+
+    busy, idle = LoadedEngine(load=7), LoadedEngine(load=0)
+    with AppStandIn(busy, "c-0") as busy_engine, AppStandIn(idle, "c-1") as idle_engine:
+        registry = InstanceRegistry()
+        instances = [busy_engine.instance(), idle_engine.instance()]
+        for instance in instances:
+            registry.add(instance)
+        monitor = _monitor(registry, failure_threshold=2)
+        monitor.start()
+        try:
+            await _until(lambda: instances[0].engine_load == 7)
+        finally:
+            await monitor.stop()
+        policy = make_policy("kv_aware", PolicyContext())
+        chosen = {policy.choose(instances, RoutingRequest((), 0, 32)).instance.instance_id for _ in range(4)}
+        assert chosen == {"c-1"} and [i.load for i in instances] == [7, 0]
+        assert registry.ready() == instances
