@@ -8,6 +8,7 @@ import time
 import pytest
 from fastapi.testclient import TestClient
 from prometheus_client import REGISTRY
+from routers import router_client
 
 from decode.role import DECODE
 from engine.lifecycle import InstanceState
@@ -25,14 +26,7 @@ from router.proxy import Forwarder
 
 
 def make_client(instances: list[Instance]) -> TestClient:
-    registry = InstanceRegistry()
-    for instance in instances:
-        registry.add(instance)
-    config = RouterConfig(
-        models=(ServedModel(name="m", max_model_len=128),), health_interval_s=60, policy="round_robin",
-        queue_timeout_s=0,
-    )
-    return TestClient(build_app(config, registry))
+    return router_client(instances, raise_server_exceptions=True, policy="round_robin")
 
 
 def test_no_instance_is_a_503_with_retry_after():

@@ -10,10 +10,9 @@ import os
 import pytest
 from fastapi.testclient import TestClient
 from prometheus_client import REGISTRY
+from routers import router_client
 
 from deploy.serve import load_api_keys
-from fleet.instances import InstanceRegistry
-from router.app import build_app
 from router.config import DEFAULT_CONCURRENCY_PER_KEY, RouterConfig, ServedModel
 from router.log_limit import RepeatLimit
 from security.credentials import CredentialsError, write_private
@@ -22,8 +21,7 @@ MODEL = (ServedModel(name="m", max_model_len=64),)
 
 
 def router(**config) -> TestClient:
-    settings = RouterConfig(models=MODEL, health_interval_s=60, queue_timeout_s=0, **config)
-    return TestClient(build_app(settings, InstanceRegistry()), raise_server_exceptions=False)
+    return router_client(**config)
 
 
 def schema_format(schema: dict) -> dict:

@@ -9,6 +9,7 @@ import stat
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
+from routers import router_client
 
 from engine.http_auth import MAX_RPC_BODY_BYTES, EngineAuthMiddleware
 from engine.role_spec import COLOCATED
@@ -24,9 +25,7 @@ ENGINE_HEADERS = {"Authorization": f"Bearer {ENGINE_PROCESS.engine_token}"}
 
 
 def router(**config) -> TestClient:
-    settings = RouterConfig(models=(ServedModel(name="m", max_model_len=64),), health_interval_s=60, queue_timeout_s=0,
-                            cluster_secret=CREDENTIALS.secret.hex(), **config)
-    return TestClient(build_app(settings, InstanceRegistry()), raise_server_exceptions=False)
+    return router_client(models=(ServedModel(name="m", max_model_len=64),), **config)
 
 
 # What clients may call (with their API key, when keys are configured); everything else the

@@ -8,11 +8,9 @@ import base64
 import pytest
 from fastapi.testclient import TestClient
 from rich.console import Console
+from routers import router_client
 
 from deploy.status_view import StatusSource, render_status, watch
-from fleet.instances import InstanceRegistry
-from router.app import build_app
-from router.config import RouterConfig, ServedModel
 from router.status_model import ClusterStatus, HitRates
 from security.credentials import ClusterCredentials
 
@@ -93,9 +91,7 @@ def test_top_redraws_the_given_number_of_times_and_survives_a_failed_fetch(monke
 
 
 def router() -> TestClient:
-    settings = RouterConfig(models=(ServedModel(name="m", max_model_len=64),), health_interval_s=60, queue_timeout_s=0,
-                            cluster_secret=CREDENTIALS.secret.hex())
-    return TestClient(build_app(settings, InstanceRegistry()), raise_server_exceptions=False)
+    return router_client()
 
 
 def basic(user: str, password: str) -> dict[str, str]:

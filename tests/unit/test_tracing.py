@@ -10,11 +10,10 @@ import secrets
 import pytest
 from fastapi.testclient import TestClient
 from pydantic import ValidationError
+from routers import router_client
 
-from fleet.instances import InstanceRegistry
 from loadtest.engine_standin import AppStandIn
 from loadtest.otlp_receiver import OTLPReceiver
-from router.app import build_app
 from router.config import RouterConfig, ServedModel
 from router.tracing import REQUEST_SPAN
 
@@ -63,10 +62,8 @@ class StandInEngine(AppStandIn):
 
 
 def router(engine: StandInEngine, endpoint: str | None) -> TestClient:
-    registry = InstanceRegistry()
-    registry.add(engine.instance())
-    config = RouterConfig(models=(ServedModel(name="m", max_model_len=128),), health_interval_s=60, otlp_traces_endpoint=endpoint)
-    return TestClient(build_app(config, registry))
+    return router_client([engine.instance()], raise_server_exceptions=True, otlp_traces_endpoint=endpoint,
+                         queue_timeout_s=30)
 
 
 def test_a_request_is_one_trace_and_the_engine_joins_its_stream_span():

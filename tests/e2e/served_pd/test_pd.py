@@ -58,7 +58,17 @@ def engine(server, role: str) -> EngineAccess:
 
 
 def test_pd_through_the_store_answers_as_plain_vllm(served_pd, oracle):
+    """Plain vLLM's answers, every one of them through a remote prefill (the threshold is 0): a
+    run whose prefills all fell back to the decode instance would answer the same, and fail here."""
+    admin = served_pd.credentials.admin_headers()
+
+    def remote_prefills() -> float:
+        return scrape(served_pd.url, ("pdcluster_router_prefills",), headers=admin,
+                      labels={"where": "remote"}).get("pdcluster_router_prefills_total", 0.0)
+
+    before = remote_prefills()
     assert_conforms(served_pd.url, "tiny", oracle("tiny"))
+    assert remote_prefills() - before == 2 * len(oracle("tiny"))  # every prompt, asked twice, prefilled remotely
 
 
 def test_decode_counts_the_transferred_kv_as_external_prefix_hits(served_pd):
