@@ -21,9 +21,9 @@ from rich.progress import Progress
 from loadtest import report
 from loadtest.arrivals import Bursts, Constant, FixedConcurrency, Poisson, TraceTimes
 from loadtest.runner import Limits, check_target, run_load
-from loadtest.workloads import MooncakeReplay, MultiTurn, RandomLengths, SharedPrefix
+from loadtest.workloads import AgentSessions, MooncakeReplay, MultiTurn, RandomLengths, SharedPrefix
 
-WORKLOADS = ("random", "shared_prefix", "multi_turn", "mooncake")
+WORKLOADS = ("random", "shared_prefix", "multi_turn", "agents", "mooncake")
 ARRIVALS = ("poisson", "constant", "burst", "concurrency", "trace")
 
 
@@ -45,7 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--groups", type=int, default=8, help="shared_prefix")
     parser.add_argument("--questions", type=int, default=8, help="shared_prefix")
     parser.add_argument("--system-words", type=int, default=600, help="shared_prefix")
-    parser.add_argument("--turns", type=int, default=3, help="multi_turn")
+    parser.add_argument("--turns", type=int, default=3, help="multi_turn, agents")
+    parser.add_argument("--tenants", type=int, default=4, help="agents")
+    parser.add_argument("--sessions", type=int, default=5, help="agents: sessions per tenant")
     parser.add_argument("--trace", type=Path, help="mooncake: a Mooncake-format JSONL")
     parser.add_argument("--block-tokens", type=int, default=512, help="mooncake: tokens per hash id")
     parser.add_argument("--max-input-tokens", type=int, default=3072, help="mooncake")
@@ -66,6 +68,9 @@ def make_workload(args: argparse.Namespace):
                             seed=args.seed)
     if args.workload == "multi_turn":
         return MultiTurn(args.turns, output_tokens=args.output_tokens, seed=args.seed)
+    if args.workload == "agents":
+        return AgentSessions(args.tenants, args.sessions, args.turns, args.system_words,
+                             output_tokens=args.output_tokens, seed=args.seed)
     if args.trace is None:
         raise SystemExit("--workload mooncake needs --trace")
     return MooncakeReplay(
