@@ -77,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--no-eager", action="store_true", help="compile and capture graphs (GPUs)")
+    parser.add_argument("--variants", nargs="+", choices=tuple(VARIANTS), default=list(VARIANTS),
+                        help="which to run (plain first: the ratios are to it)")
     parser.add_argument("--child", choices=tuple(VARIANTS))
     parser.add_argument("--out", type=Path, default=Path("results/engine_extras.json"))
     args = parser.parse_args(argv)
@@ -89,9 +91,11 @@ def main(argv: list[str] | None = None) -> int:
         speed = one_variant(args.model, processor, events, args.batch, args.tokens, not args.no_eager)
         print(json.dumps({"tokens_per_s": speed}))
         return 0
-    samples: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    if args.variants[0] != "plain":
+        parser.error("--variants begins with plain (the ratios are to it)")
+    samples: dict[str, list[float]] = {v: [] for v in args.variants}
     for run in range(args.runs):
-        for variant in VARIANTS:
+        for variant in args.variants:
             samples[variant].append(run_child(variant, args))
             print(f"run {run + 1}/{args.runs} {variant}: {samples[variant][-1]:.1f} tokens/s", flush=True)
     medians = {v: statistics.median(s) for v, s in samples.items()}

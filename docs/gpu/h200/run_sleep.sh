@@ -10,6 +10,9 @@
 #           IMPORTTIME=1 also vLLM's import profile
 #   swap1b|swap8b: loadtest.model_swap, four distinct checkpoints (derive_checkpoints: the output
 #           head re-drawn, every other file hard-linked), one awake at a time, CUDA graphs
+#   extras1b: loadtest.engine_extras, decode throughput of vLLM's engine with our logits processor
+#           against plain, the ~1B Llama, CUDA graphs (our KV event plugin is not installed here:
+#           vLLM's entry points would not find it)
 set -eo pipefail
 [ -d /tmp/site ] || bash /tmp/vparts/install.sh > /tmp/install.log 2>&1
 source /tmp/vparts/env.sh
@@ -35,5 +38,8 @@ case "$1" in
           models=$(python3 -c "import sys; from pathlib import Path; from engine.models import derive_checkpoints; print(','.join(map(str, derive_checkpoints(Path(sys.argv[1]), 4))))" "/tmp/models/$name")
           python3 -m loadtest.model_swap --models "$models" $([ -n "$EAGER" ] || echo --no-eager) --rounds "${ROUNDS:-8}" \
             --out "${OUT:-/tmp}/model_swap-m${1#swap}.json" ;;
-  *) echo "usage: $0 test|cold1b|cold8b|fresh1b|fresh8b|swap1b|swap8b" >&2; exit 2 ;;
+  extras1b) build llama1b-tied
+          python3 -m loadtest.engine_extras --model /tmp/models/llama1b-tied --no-eager --variants plain logits_processor \
+            --runs "${RUNS:-3}" --batch "${BATCH:-32}" --tokens 256 --out "${OUT:-/tmp}/engine_extras-m1b.json" ;;
+  *) echo "usage: $0 test|cold1b|cold8b|fresh1b|fresh8b|swap1b|swap8b|extras1b" >&2; exit 2 ;;
 esac
