@@ -40,10 +40,14 @@ from engine.config import EngineConfig
 from engine.environment import engine_process_env, free_port
 from engine.host import EngineHost
 from loadtest.output import write_results
+from security.credentials import ClusterCredentials
 from security.engine_access import EngineAccess
 
 PROMPT = "The first token after a cold start"
 PATHS = ("plain", "plain-plan", "disk", "preimported", "standby", "sleeping")
+
+CLUSTER = ClusterCredentials.generate()
+"""The engines of one run sign their weights alike (a standby takes only its cluster's peer's)."""
 
 
 async def first_token(url: str, model: str, max_tokens: int = 1, prompt: str = PROMPT,
@@ -105,7 +109,8 @@ async def fresh_start(config: EngineConfig, run: int, preimported: bool = False)
     """(b), or (e) if `preimported`: our EngineHost with no engine of ours before it; weights from
     disk through the weight plane. (e) starts a process that imports vLLM first (untimed, as a
     pool keeps them ahead) and records the GPU memory it held meanwhile."""
-    host = EngineHost(config, f"cold-{'preimported' if preimported else 'disk'}-{run}", host="127.0.0.1")
+    name = f"cold-{'preimported' if preimported else 'disk'}-{run}"
+    host = EngineHost(config, name, host="127.0.0.1", keys=CLUSTER.engine_host_keys(name))
     try:
         extra = {}
         if preimported:
@@ -153,7 +158,8 @@ async def standby_start(config: EngineConfig, peer: EngineHost, run: int, check_
     """(c), or (d) if `sleep`: activate a standby with the peer's weights; the standby's own
     start is not counted."""
     config = config.model_copy(update={"sleep_mode": sleep})
-    standby = EngineHost(config, f"cold-{'sleeping' if sleep else 'standby'}-{run}", host="127.0.0.1")
+    name = f"cold-{'sleeping' if sleep else 'standby'}-{run}"
+    standby = EngineHost(config, name, host="127.0.0.1", keys=CLUSTER.engine_host_keys(name))
     try:
         used_before = await settled_gpu_memory_used()
         untimed = await standby.start(standby=True)
@@ -185,7 +191,7 @@ async def bench(
 ) -> dict[str, list[dict]]:
     peer_config = config.model_copy(update={"cpu_cores": cores[0]})
     new_config = config.model_copy(update={"cpu_cores": cores[1]})
-    peer = EngineHost(peer_config, "cold-peer", host="127.0.0.1")
+    peer = EngineHost(peer_config, "cold-peer", host="127.0.0.1", keys=CLUSTER.engine_host_keys("cold-peer"))
     if {"standby", "sleeping"} & set(paths):
         await peer.start()
     results: dict[str, list[dict]] = {path: [] for path in paths}

@@ -27,6 +27,9 @@ from oracle import ask_all, assert_conforms, differences, oracle_answers  # noqa
 from engine.config import EngineConfig  # noqa: E402
 from engine.host import EngineHost, EngineStartError  # noqa: E402
 from engine.lifecycle import InstanceState  # noqa: E402
+from security.credentials import ClusterCredentials  # noqa: E402
+
+CREDENTIALS = ClusterCredentials.generate()  # one cluster: its peers and standbys sign weights alike
 
 pytestmark = pytest.mark.slow
 
@@ -57,8 +60,8 @@ def want(config, artifacts) -> dict:
 
 
 def test_disk_loader_and_cuda_ipc_standby_answer_as_plain_vllm(config, want):
-    peer = EngineHost(config, "peer-1b", host="127.0.0.1")
-    standby = EngineHost(config, "standby-1b", host="127.0.0.1")
+    peer = EngineHost(config, "peer-1b", host="127.0.0.1", keys=CREDENTIALS.engine_host_keys("peer-1b"))
+    standby = EngineHost(config, "standby-1b", host="127.0.0.1", keys=CREDENTIALS.engine_host_keys("standby-1b"))
 
     async def start_both() -> None:
         await asyncio.gather(peer.start(), standby.start(standby=True))
@@ -79,8 +82,9 @@ def test_disk_loader_and_cuda_ipc_standby_answer_as_plain_vllm(config, want):
 def test_sleeping_standby_wakes_with_peer_weights_and_answers_as_plain_vllm(config, want):
     """A standby asleep (weights and KV cache given back) wakes with the peer's weights over CUDA
     IPC. It cannot be a CUDA IPC peer itself (memory vLLM maps has no IPC handle): it says so."""
-    peer = EngineHost(config, "peer-1b", host="127.0.0.1")
-    sleeper = EngineHost(config.model_copy(update={"sleep_mode": True}), "sleeping-1b", host="127.0.0.1")
+    peer = EngineHost(config, "peer-1b", host="127.0.0.1", keys=CREDENTIALS.engine_host_keys("peer-1b"))
+    sleeper = EngineHost(config.model_copy(update={"sleep_mode": True}), "sleeping-1b", host="127.0.0.1",
+                         keys=CREDENTIALS.engine_host_keys("sleeping-1b"))
 
     async def start_all() -> None:
         # One after another: vLLM sizes its KV cache from the memory free while it profiles, which

@@ -17,9 +17,11 @@ from oracle import ask_all, assert_conforms, differences
 from engine.config import EngineConfig
 from engine.host import EngineHost
 from engine.lifecycle import InstanceState
+from security.credentials import ClusterCredentials
 
 pytestmark = pytest.mark.slow
 MODELS = ("smollm2", "tiny", "tiny-tied")
+CREDENTIALS = ClusterCredentials.load()  # the session's: peers and standbys of one cluster sign alike
 
 
 @pytest.fixture(scope="module", params=MODELS)
@@ -37,8 +39,9 @@ def config(model, model_dir, artifacts) -> EngineConfig:
 def engines(config, model, oracle):
     """A ready engine loaded from disk (the peer), checked against plain vLLM before it lends its
     weights, and a spare standby started beside it (a start costs seconds; two at once, less)."""
-    peer = EngineHost(config, f"peer-{model}", host="127.0.0.1")
-    spare = EngineHost(config, f"standby-{model}-0", host="127.0.0.1")
+    peer = EngineHost(config, f"peer-{model}", host="127.0.0.1", keys=CREDENTIALS.engine_host_keys(f"peer-{model}"))
+    spare = EngineHost(config, f"standby-{model}-0", host="127.0.0.1",
+                       keys=CREDENTIALS.engine_host_keys(f"standby-{model}-0"))
     started = {"peer": peer, "spares": [spare], "all": [peer, spare]}
 
     async def start_both() -> None:
@@ -64,7 +67,8 @@ def standby(engines, config, model, oracle):
     if engines["spares"]:
         host = engines["spares"].pop()
     else:
-        host = EngineHost(config, f"standby-{model}-{len(engines['all']) - 1}", host="127.0.0.1")
+        name = f"standby-{model}-{len(engines['all']) - 1}"
+        host = EngineHost(config, name, host="127.0.0.1", keys=CREDENTIALS.engine_host_keys(name))
         engines["all"].append(host)
         asyncio.run(host.start(standby=True))
     try:
