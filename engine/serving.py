@@ -31,7 +31,11 @@ def inherited_listener() -> socket.socket:
     """The listening socket the host handed over."""
     descriptor = int(os.environ[LISTEN_FD_ENV])
     listener = socket.socket(fileno=descriptor)
-    os.set_inheritable(descriptor, False)  # vLLM's engine core and workers need none of it
+    # vLLM's engine core and workers need none of it: not across an exec (the CPU build spawns
+    # them), nor a fork (on CUDA), where a copy would keep the port taking connections after the
+    # server died
+    os.set_inheritable(descriptor, False)
+    os.register_at_fork(after_in_child=listener.close)
     return listener
 
 

@@ -187,9 +187,24 @@ def watched_listeners() -> Iterator[None]:
 
 
 
+_inherited: set[int] = set()
+"""Socket inodes this process had when it was forked: its parent's, whatever they are (vLLM on
+CUDA forks its engine core from the API server and its workers from the engine core, which
+inherit the HTTP listener and the KV-event sockets): never sealed here, a filter on a socket
+holds for every process that shares it."""
+
+
+def _note_inherited() -> None:
+    _inherited.clear()
+    _inherited.update(socket_descriptors())
+
+
+os.register_at_fork(after_in_child=_note_inherited)
+
+
 def seal_tcp_listeners() -> list[int]:
-    """Make every TCP listener this process has now, but the UCX ones the warden watches, drop
-    whatever arrives for it from now on (a socket filter; established connections are not
+    """Make every TCP listener this process made itself, but the UCX ones the warden watches,
+    drop whatever arrives for it from now on (a socket filter; established connections are not
     affected); returns their ports. For listeners whose peers have all connected: a vLLM
     worker's torch.distributed groups (a gloo listener each, and the TCPStore, on all addresses)
     never take a connection again once made, yet they leave every connection a client closed in
@@ -197,7 +212,7 @@ def seal_tcp_listeners() -> list[int]:
     GLOO_ENFORCE): 15 of the 16 listeners of vLLM 0.32's distributed state did so here."""
     sealed = []
     for inode, (fd, port) in tcp_listeners(socket_descriptors(), backlog=None).items():
-        listener = _duplicate(fd, inode) if inode not in WARDEN.listeners else None
+        listener = _duplicate(fd, inode) if inode not in WARDEN.listeners.keys() | _inherited else None
         if listener is not None:
             with listener:
                 listener.setsockopt(socket.SOL_SOCKET, _SO_ATTACH_FILTER, _DROP_EVERYTHING_PROGRAM)
