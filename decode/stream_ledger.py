@@ -58,13 +58,15 @@ _DONE = b"data: [DONE]\n\n"
 DEFAULT_COMPLETION_TOKENS = 16  # vLLM's (and OpenAI's) max_tokens of a completion that sets none
 
 
-def migratable(endpoint: str, body: dict[str, Any]) -> bool:
-    """Whether a stream of this request can be continued on another instance."""
+def migratable(endpoint: str, body: dict[str, Any], structured: bool = True) -> bool:
+    """Whether a stream of this request can be continued on another instance; with `structured`
+    false (the engines load no grammar-continuation processor), not one under a grammar."""
     if endpoint not in (COMPLETIONS, CHAT) or not body.get("stream") or body.get("n", 1) != 1:
         return False
     if any(_is_set(body.get(name)) for name in _NOT_MIGRATABLE):
         return False
-    if any(body.get(name) for name in _OUTPUT_PENALTIES) or continued_grammar(body) is None:
+    grammar = continued_grammar(body)
+    if any(body.get(name) for name in _OUTPUT_PENALTIES) or grammar is None or (grammar and not structured):
         return False
     prompt = body.get("prompt")
     return endpoint == CHAT or isinstance(prompt, str) or (isinstance(prompt, list) and isinstance(prompt[0], int))

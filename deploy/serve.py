@@ -134,7 +134,7 @@ def _engine_configs(args: argparse.Namespace, models: list[tuple[Path, str]], to
         gpu_share=1 / args.engines_per_gpu,
         sleep_mode=topology.sleep_when_idle,
         start_timeout_s=args.start_timeout,
-        kv_store_timeout_s=args.store_timeout,
+        kv_store_timeout_s=args.store_timeout, structured_migration=args.structured_migration,
         log_dir=args.engine_log_dir.resolve() if args.engine_log_dir else None,
         otlp_traces_endpoint=args.otlp_traces_endpoint,
     ) for path, name in models]
@@ -155,6 +155,7 @@ def _router_config(args: argparse.Namespace, models: list[tuple[Path, str]], eng
         max_connections_per_address=args.max_connections_per_address, header_timeout_s=args.header_timeout,
         queue_timeout_s=args.queue_timeout, max_migrations=args.max_migrations,
         stream_stall_s=args.stream_stall_timeout, request_timeout_s=args.request_timeout,
+        structured_migration=args.structured_migration,
         otlp_traces_endpoint=args.otlp_traces_endpoint,
     )
 

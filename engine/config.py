@@ -101,6 +101,12 @@ class EngineConfig(BaseModel):
     otlp_traces_endpoint: OtlpEndpoint | None = None
     """Export vLLM's request spans (`llm_request`, joined to the router's trace by the
     `traceparent` it sends) over OTLP/gRPC there; None exports none."""
+    structured_migration: bool = False
+    """Load the logits processor that continues a migrated structured stream in its grammar's
+    state (engine/grammar_continuation.py). Off by default: vLLM 0.26 on CUDA runs any engine with
+    a custom logits processor on its V1 model runner, not V2 (0.86x decode throughput at batch 128
+    on an H200, docs/routing.md); without it such streams end with an error event when their
+    engine dies, as any stream that cannot migrate."""
     extra_args: tuple[str, ...] = ()
     """Further `vllm serve` arguments, passed through verbatim."""
 

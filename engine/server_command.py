@@ -59,12 +59,13 @@ def server_command(config: EngineConfig, host: str, port: int, instance_id: str)
         "--load-format", "dummy",
         "--worker-extension-cls", "engine.worker_extension.WeightPlaneExtension",
         "--middleware", "engine.http_auth.EngineAuthMiddleware",
-        "--logits-processors", GRAMMAR_LOGITS_PROCESSOR,
         # vLLM's startup plan (server_env) is keyed without the utilization: a plan measured at
         # 0.9 would size a 0.45 engine's KV cache for 0.9 (compiled graphs too are then kept per
         # utilization).
         "--additional-config", json.dumps({PLAN_KEY: c.gpu_memory_utilization}),
     ]
+    if c.structured_migration:
+        command += ["--logits-processors", GRAMMAR_LOGITS_PROCESSOR]
     if c.enforce_eager:
         command.append("--enforce-eager")
     if c.sleep_mode:

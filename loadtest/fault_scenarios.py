@@ -86,7 +86,7 @@ SCENARIOS = {
     # other decode instance carries the schema's grammar in the state the sent tokens left it.
     "decode-killed-mid-json-stream": Scenario(
         "decode-killed-mid-json-stream",
-        ("--prefill", "1", "--decode", "2", "--remote-prefill-min-tokens", "0", *FLOAT32),
+        ("--prefill", "1", "--decode", "2", "--remote-prefill-min-tokens", "0", "--structured-migration", *FLOAT32),
         "decode", 0.0, 40, 256, json_schema=JSON_SCHEMA, goals=(*MIGRATION_GOALS, "store_settled"),
     ),
     "store-shard-killed": Scenario(
@@ -100,7 +100,7 @@ SCENARIOS = {
     ),
     "structured-stream-killed": Scenario(
         # Unbounded, so each stream runs to max_tokens (xgrammar does not hold `{600}` exactly: seen)
-        "structured-stream-killed", ("--instances", "2", *FLOAT32), "colocated", 0.0, 40, 512, regex="[a-z ]+",
+        "structured-stream-killed", ("--instances", "2", "--structured-migration", *FLOAT32), "colocated", 0.0, 40, 512, regex="[a-z ]+",
         goals=MIGRATION_GOALS,
     ),
     "instance-drained-under-load": Scenario(

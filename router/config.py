@@ -60,6 +60,10 @@ class RouterConfig(BaseModel):
     """Longest a whole request may take, streaming included."""
     max_attempts: int = Field(2, ge=1)
     """Instances tried for a request that failed before any byte was streamed."""
+    structured_migration: bool = False
+    """Streams under a grammar (JSON schema or object, regex, EBNF, choice) migrate too: the
+    engines then load the grammar-continuation processor (EngineConfig.structured_migration; one
+    flag sets both)."""
     max_migrations: int = Field(1, ge=0)
     """Times a stream whose engine broke goes on from its sent tokens on another instance
     (decode/stream_ledger.py); 0: it ends with an error event."""

@@ -165,7 +165,8 @@ class Forwarder:
     ) -> Response:
         call = trace.engine_call("pdcluster.decode_stream", instance) if trace else None
         ledger = (StreamLedger.start(endpoint, body, self.config.served(body["model"]).max_model_len)
-                  if self.config.max_migrations and migratable(endpoint, body) else None)
+                  if self.config.max_migrations and migratable(endpoint, body, self.config.structured_migration)
+                  else None)
         body = ledger.engine_body if ledger else body
         self.registry.request_started(instance)
         handed_over = False

@@ -36,6 +36,7 @@ def served_two(model_dir, artifacts):
 
     model_dir(MODEL)
     server = LocalServer(["--model", MODEL, "--instances", "2", "--kv-cache-gib", "1", "--dtype", "float32",
+                          "--structured-migration",
                           "--stream-stall-timeout", str(STALL_S)], artifacts / "serve-migration.log").start()
     try:
         yield server

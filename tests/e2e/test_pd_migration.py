@@ -45,7 +45,7 @@ def served_pd_two_decodes(tiny_model, artifacts):
     # 1, 3 on the other), so each holds a plain stream and a JSON-schema one: the kill's
     # precondition by arrangement, not by luck (kv_aware placed them so in 2 of 11 runs here).
     args = ["--model", "tiny", "--prefill", "1", "--decode", "2", "--remote-prefill-min-tokens", "0",
-            "--dtype", "float32", "--kv-cache-gib", "1", "--policy", "round_robin"]
+            "--dtype", "float32", "--kv-cache-gib", "1", "--policy", "round_robin", "--structured-migration"]
     server = LocalServer(args, artifacts / "serve-pd-migration.log").start()
     try:
         yield server

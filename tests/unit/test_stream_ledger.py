@@ -184,3 +184,13 @@ def _accepts_prefix(grammar, text: str) -> bool:
     tokenizer = xgrammar.TokenizerInfo([chr(c) for c in range(32, 127)])
     matcher = xgrammar.GrammarMatcher(xgrammar.GrammarCompiler(tokenizer).compile_grammar(grammar))
     return all(matcher.accept_string(c) for c in text)
+
+
+def test_a_stream_under_a_grammar_migrates_only_where_engines_can_continue_it():
+    """Without the grammar-continuation processor (`--structured-migration` off, the default) a
+    structured stream ends with an error event when its engine dies; plain ones still migrate."""
+    schema = {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}}
+    chat = {"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": True}
+    assert migratable(CHAT, chat, structured=False) and migratable(CHAT, chat, structured=True)
+    assert not migratable(CHAT, {**chat, "response_format": schema}, structured=False)
+    assert migratable(CHAT, {**chat, "response_format": schema}, structured=True)
