@@ -36,6 +36,39 @@ def _prefix_hit_rate(samples: list[dict]) -> float | None:
     return hits / queries if queries else None
 
 
+def _busiest_share(samples: list[dict]) -> float | None:
+    """The share of the requests finished between the first and last sample that the busiest
+    engine served (1/N is even; a hot spot shows as more)."""
+    if len(samples) < 2:
+        return None
+    first, last = samples[0]["engines"], samples[-1]["engines"]
+    key = "vllm:request_success_total"
+    done = [last[u].get(key, 0.0) - first[u].get(key, 0.0) for u in last if u in first]
+    return max(done) / sum(done) if sum(done) else None
+
+
+def _mean_change(samples: list[dict], source: str, name: str) -> float | None:
+    """The mean of histogram `name`'s observations between the first and last sample, over the
+    router's (`source` "router") or every engine's ("engines")."""
+    if len(samples) < 2:
+        return None
+
+    def totals(sample: dict) -> tuple[float, float]:
+        parts = [sample["router"]] if source == "router" else list(sample["engines"].values())
+        return (sum(p.get(f"{name}_sum", 0.0) for p in parts), sum(p.get(f"{name}_count", 0.0) for p in parts))
+
+    (sum0, count0), (sum1, count1) = totals(samples[0]), totals(samples[-1])
+    return (sum1 - sum0) / (count1 - count0) if count1 > count0 else None
+
+
+def _router_added_s(samples: list[dict]) -> float | None:
+    """Mean time to first byte at the router less the engines' own mean time to first token:
+    what the router (and the hop to the engine) adds to a request, under this load."""
+    router = _mean_change(samples, "router", "pdcluster_router_time_to_first_byte_seconds")
+    engines = _mean_change(samples, "engines", "vllm:time_to_first_token_seconds")
+    return router - engines if router is not None and engines is not None else None
+
+
 def _remote_prefills(samples: list[dict]) -> dict | None:
     """How many requests the router prefilled on a prefill instance between the first and last
     sample, and their mean duration (the prefill part of a P/D request's time to first token)."""
@@ -73,6 +106,9 @@ def summarize(run: LoadRun, slo_ttft_s: float, slo_tpot_s: float, label: str = "
         "tpot": latency_stats(tpots),
         "e2e": latency_stats([r.e2e_s for r in ok if r.e2e_s is not None]),
         "prefix_hit_rate": _prefix_hit_rate(run.samples),
+        "busiest_share": _busiest_share(run.samples),
+        "engine_ttft_mean_s": _mean_change(run.samples, "engines", "vllm:time_to_first_token_seconds"),
+        "router_added_s": _router_added_s(run.samples),
         "remote_prefills": _remote_prefills(run.samples),
         "max_queue_depth": max(queue, default=0),
     }

@@ -33,7 +33,8 @@ from loadtest.runner import Limits, run_load
 from loadtest.workloads import AgentSessions, SharedPrefix
 
 TOPOLOGIES = {"colocated": ["--instances", "2"], "pd": ["--prefill", "1", "--decode", "1"]}
-METRICS = ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "wall_s", "cached_share")
+METRICS = ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "wall_s", "cached_share", "busiest_share",
+           "engine_ttft_mean_s", "router_added_s")
 
 
 def workload(name: str, seed: int) -> AgentSessions | SharedPrefix:
@@ -59,8 +60,9 @@ def measure(policy: str, args: argparse.Namespace) -> list[dict]:
             runs.append({"seed": seed, "requests": summary["requests"], "errors": sum(summary["errors"].values()),
                          "ttft_p50_s": summary["ttft"]["p50_ms"] / 1e3, "ttft_p90_s": summary["ttft"]["p90_ms"] / 1e3,
                          "ttft_p99_s": summary["ttft"]["p99_ms"] / 1e3, "wall_s": load.duration_s,
-                         "cached_share": summary["prefix_hit_rate"]})
-            print(f"{policy} seed {seed}: " + " ".join(f"{m}={runs[-1][m]:.3f}" for m in METRICS), flush=True)
+                         "cached_share": summary["prefix_hit_rate"],
+                         **{m: summary[m] for m in ("busiest_share", "engine_ttft_mean_s", "router_added_s")}})
+            print(f"{policy} seed {seed}: " + " ".join(f"{m}={runs[-1][m]:.3f}" for m in METRICS if runs[-1][m] is not None), flush=True)
     return runs
 
 
@@ -71,7 +73,8 @@ def _requests(jobs) -> int:
 
 
 def medians(runs: list[dict]) -> dict[str, float]:
-    return {metric: statistics.median(r[metric] for r in runs) for metric in METRICS}
+    values = {metric: [r[metric] for r in runs if r[metric] is not None] for metric in METRICS}
+    return {metric: statistics.median(v) if v else None for metric, v in values.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,13 +93,16 @@ def main(argv: list[str] | None = None) -> int:
     table = Table(title=f"{args.workload}, {args.topology}, concurrency {args.concurrency}: medians of "
                         f"{args.seeds} seeds (ratios to {args.policies[0]})")
     for column in ("policy", "TTFT p50 s", "ratio", "TTFT p90 s", "ratio", "TTFT p99 s", "ratio", "wall s",
-                   "cached share"):
+                   "cached share", "busiest share",
+                   "engine TTFT mean s", "router adds s"):
         table.add_column(column, justify="right")
     for policy, row in summary.items():
-        row.update({f"{m}_ratio": row[m] / base[m] for m in METRICS if base[m]})
+        row.update({f"{m}_ratio": row[m] / base[m] for m in METRICS if base[m] and row[m] is not None})
         table.add_row(policy, *(f"{row[m]:.3f}" for m in ("ttft_p50_s",)), f"{row['ttft_p50_s_ratio']:.2f}",
                       f"{row['ttft_p90_s']:.3f}", f"{row['ttft_p90_s_ratio']:.2f}", f"{row['ttft_p99_s']:.3f}",
-                      f"{row['ttft_p99_s_ratio']:.2f}", f"{row['wall_s']:.1f}", f"{row['cached_share']:.3f}")
+                      f"{row['ttft_p99_s_ratio']:.2f}", f"{row['wall_s']:.1f}", f"{row['cached_share']:.3f}",
+                      *(f"{row[m]:.3f}" if row[m] is not None else "-"
+                        for m in ("busiest_share", "engine_ttft_mean_s", "router_added_s")))
     Console(width=140).print(table)
     data = {"workload": args.workload, "topology": args.topology, "seeds": args.seeds, "concurrency": args.concurrency,
             "serve_tree": str(args.serve_tree) if args.serve_tree else None, "medians": summary, "runs": results}

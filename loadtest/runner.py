@@ -52,7 +52,8 @@ class MetricsSampler:
     engine's through its router's relay, with the admin token)."""
 
     ENGINE_KEYS = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total",
-                   "vllm:num_requests_waiting", "vllm:num_requests_running")
+                   "vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:request_success_total",
+                   "vllm:time_to_first_token_seconds_sum", "vllm:time_to_first_token_seconds_count")
 
     def __init__(self, url: str, interval_s: float = 1.0) -> None:
         self.url = url
