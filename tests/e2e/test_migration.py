@@ -107,36 +107,50 @@ def test_a_killed_engine_costs_no_stream_and_no_token(served_two, structured, fa
     expected = [s.result() for s in reference]
     assert all(usage["completion_tokens"] == MAX_TOKENS and not errors for _, usage, errors, _ in expected)
     assert len(expected[2][3]) == MAX_TOKENS and not expected[0][3]  # token ids for who asked only
-    migrations_before = _migrations(served_two)
 
-    streams = [Stream(url, k, structured) for k in range(len(PROMPTS))]
+    # A round whose streams on the victim all ended before the fault landed (one stream started
+    # late, e.g. on a grammar compile, while the others ran to their end) tested nothing: replay it.
+    for _ in range(3):
+        migrations_before = _migrations(served_two)
+        streams, at_kill = _fault_mid_stream(served_two, structured, fault)
+        results = [s.result() for s in streams]
+        # Every stream, cut and continued or not, is the fault-free one: same text token for token,
+        # usage counted once, no error event, one id as the client sees it.
+        assert [r[2] for r in results] == [[]] * len(streams)
+        assert [r[0] for r in results] == [e[0] for e in expected]
+        assert [r[1] for r in results] == [e[1] for e in expected]
+        assert [r[3] for r in results] == [e[3] for e in expected]
+        assert all(len(s.ids) == 1 for s in streams)
+        deadline = time.monotonic() + 10  # the router's books: every stream left every instance it entered
+        while any(i["inflight"] for i in served_two.instances()):
+            assert time.monotonic() < deadline, served_two.instances()
+            time.sleep(0.1)
+        _wait_for_two_ready(served_two)  # the pool controller brings the killed instance's capacity back
+        if _migrations(served_two) > migrations_before:
+            break
+    else:
+        pytest.fail(f"three rounds and no stream was cut by the fault: events at the fault {at_kill}")
+
+
+def _fault_mid_stream(server, structured: bool, fault: str) -> tuple[list[Stream], list[int]]:
+    """Starts one stream per prompt and, once each has sent tokens, kills or freezes the instance
+    holding the most of them; a frozen one is thawed after its streams ended."""
+    streams = [Stream(server.url, k, structured) for k in range(len(PROMPTS))]
     deadline = time.monotonic() + 60
     while min(s.events for s in streams) < 3:  # every stream has sent tokens
         assert time.monotonic() < deadline
         time.sleep(0.005)
-    victim = max((i for i in served_two.instances() if i["state"] == "ready"), key=lambda i: i["inflight"])
+    victim = max((i for i in server.instances() if i["state"] == "ready"), key=lambda i: i["inflight"])
+    assert victim["inflight"] >= 1, victim
     kill_engine(victim["url"], signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
     at_kill = [s.events for s in streams]
-    try:
-        results = [s.result() for s in streams]
-    finally:
-        if fault == "frozen":
+    if fault == "frozen":
+        try:
+            for s in streams:
+                s.result()
+        finally:
             kill_engine(victim["url"], signal.SIGCONT)  # it serves again once its health checks pass
-
-    # The fault hit streams in flight that had sent tokens: the victim held some (streams on the
-    # other instance may have finished meanwhile), and at least one of them was cut and continued.
-    assert victim["inflight"] >= 1 and min(at_kill) >= 3, (victim, at_kill)
-    assert _migrations(served_two) - migrations_before >= 1, at_kill
-    assert [r[2] for r in results] == [[]] * len(streams)  # no error event
-    assert [r[0] for r in results] == [e[0] for e in expected]  # the same text, token for token
-    assert [r[1] for r in results] == [e[1] for e in expected]  # usage counted once
-    assert [r[3] for r in results] == [e[3] for e in expected]
-    assert all(len(s.ids) == 1 for s in streams)  # one stream, one id, as the client sees it
-    deadline = time.monotonic() + 10  # the router's books: every stream left every instance it entered
-    while any(i["inflight"] for i in served_two.instances()):
-        assert time.monotonic() < deadline, served_two.instances()
-        time.sleep(0.1)
-    _wait_for_two_ready(served_two)  # the pool controller brings the killed instance's capacity back
+    return streams, at_kill
 
 
 def _wait_for_two_ready(server) -> None:

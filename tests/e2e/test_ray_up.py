@@ -81,7 +81,7 @@ def test_pdcluster_up_on_a_local_cluster_attacked_from_another_host(tmp_path, ti
     assert all(ipaddress.ip_address(host) in SUBNET and not ipaddress.ip_address(host).is_loopback for host in HOSTS)
     hosts = {i["role"]: i["url"].split("//")[1].split(":")[0] for i in seen["instances"]}
     assert hosts == {"prefill": HOSTS[1], "decode": HOSTS[2]}  # placed by the YAML's roles
-    assert all(i["state"] == "ready" for i in seen["instances"])
+    assert all(i["state"] == "ready" and i["url"].startswith("https://") for i in seen["instances"])
     assert seen["chat_status"] == 200 and seen["chat"]["usage"]["completion_tokens"] == 8
     assert any('where="remote"' in line and not line.endswith(" 0.0") for line in seen["prefills"])
     assert seen["down_rc"] == 0
