@@ -144,7 +144,7 @@ def _router_config(args: argparse.Namespace, models: list[tuple[Path, str]], eng
                    secret: str) -> RouterConfig:
     """The router's config, serving every model of `models` (hashing prompts as their engines do)."""
     return RouterConfig(
-        host=args.host, port=args.port, policy=args.policy,
+        host=args.host, port=args.port, policy=args.policy, request_cost_tokens=args.request_cost_tokens,
         models=tuple(ServedModel(name=name, max_model_len=args.max_model_len, tokenizer=path)
                      for path, name in models),
         kv_hashing=engine_configs[0].kv_hashing, allow_remote=args.address is not None,

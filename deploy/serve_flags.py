@@ -9,6 +9,7 @@ from pathlib import Path
 
 from router.config import DEFAULT_CONCURRENCY_PER_KEY
 from router.placement import DEFAULT_REMOTE_PREFILL_MIN_TOKENS
+from router.policies import DEFAULT_REQUEST_COST_TOKENS
 
 
 def env_default(name: str, default: str) -> str:
@@ -168,6 +169,13 @@ def _add_admission_flags(parser: argparse.ArgumentParser) -> None:
 def _add_routing_flags(parser: argparse.ArgumentParser) -> None:
     """Where requests run: the policy, remote or local prefill, the KV handoff, migrations."""
     parser.add_argument("--policy", default="kv_aware", help="routing policy (router.policies.POLICIES)")
+    parser.add_argument(
+        "--request-cost-tokens",
+        type=float,
+        default=DEFAULT_REQUEST_COST_TOKENS,
+        help="kv_aware: what a request in flight on an instance costs a new one there, in prompt tokens "
+        "computed (0: queued prefill work and cache hits alone decide)",
+    )
     parser.add_argument(
         "--remote-prefill-min-tokens",
         type=int,

@@ -22,6 +22,7 @@ from router.status_model import ClusterStatus, HitRates, InstanceStatus, PoolSta
 
 STARTS_SHOWN = 12
 ERRORS_SHOWN = 10
+PLACEMENTS_SHOWN = 8
 BAR_WIDTH = 48
 STAGE_STYLES = ("blue", "green", "yellow", "magenta", "red", "cyan", "bright_black", "bright_blue",
                 "bright_green", "bright_magenta")
@@ -167,6 +168,32 @@ def store_table(shards: list[ShardStatus]) -> RenderableType:
     return table
 
 
+def placements_table(status: ClusterStatus) -> RenderableType:
+    """The last requests' placements: each candidate's cached blocks, queued prefill tokens,
+    requests in flight and the policy's score, the chosen one in bold (a hot spot is one
+    instance chosen over and over while its queue grows)."""
+    placements = status.recent_placements[-PLACEMENTS_SHOWN:]
+    if not placements:
+        return Text("Recent placements: none yet", style="dim")
+    table = Table(title="Recent placements (newest first; cached blocks · queued tokens · in flight · score)",
+                  title_justify="left")
+    for column in ("time", "model", "prompt tokens", "reason", "candidates"):
+        table.add_column(column, overflow="fold")
+    for placement in reversed(placements):
+        lines = Text()
+        for k, c in enumerate(placement.candidates):
+            score = "-" if c.score is None else f"{c.score:.0f}"
+            store = f"+{c.store_blocks} store" if c.store_blocks else ""
+            lines.append(("\n" if k else "") + f"{c.instance_id}: {c.cached_blocks}{store} · "
+                         f"{c.queued_tokens:.0f} · {c.load} · {score}",
+                         style="bold" if c.instance_id == placement.chosen else "")
+        table.add_row(time.strftime("%H:%M:%S", time.localtime(placement.at)), placement.model,
+                      str(placement.prompt_tokens),
+                      f"{placement.reason}, prefilled on {placement.prefill}" if placement.prefill else placement.reason,
+                      lines)
+    return table
+
+
 def errors_table(status: ClusterStatus) -> RenderableType:
     errors = status.recent_errors[-ERRORS_SHOWN:]
     if not errors:
@@ -184,7 +211,7 @@ def render_status(status: ClusterStatus, url: str) -> Group:
     """Every section of the status page, for a terminal."""
     return Group(header(status, url), pools_table(status.pools), instances_table(status.instances),
                  starts_table(status.starts), hit_rates_table(status.hit_rates), store_table(status.store),
-                 errors_table(status))
+                 placements_table(status), errors_table(status))
 
 
 def watch(source: StatusSource, console: Console, interval_s: float, refreshes: int | None = None,

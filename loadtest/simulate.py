@@ -3,7 +3,7 @@ index.
 
     pdcluster simulate --trace ../shared/traces/mooncake_conversation_trace.jsonl \
         [--policy kv_aware ...] [--instances 8 --cache-blocks 1000 --prefill-rate 20000 --speed 1
-         --store-blocks 0 --fetch-cost 0.05] [--prefill-instances 0 --remote-prefill-min-tokens 256
+         --store-blocks 0 --fetch-cost 0.05 --request-cost-tokens 512] [--prefill-instances 0 --remote-prefill-min-tokens 256
          --remote-prefill-max-queued-tokens N]
 
 A Mooncake record is (timestamp ms, input_length, output_length, hash_ids), each hash id naming
@@ -46,7 +46,7 @@ from router.kv_event_listener import STORE_HOLDER
 from router.kv_index import KVIndex
 from router.metrics import percentile
 from router.placement import DEFAULT_REMOTE_PREFILL_MIN_TOKENS, PlacementSettings, Placer
-from router.policies import POLICIES, PolicyContext, RoutingRequest, make_policy
+from router.policies import DEFAULT_REQUEST_COST_TOKENS, POLICIES, PolicyContext, RoutingRequest, make_policy
 
 TRACE_BLOCK_TOKENS = 512
 
@@ -112,6 +112,7 @@ class SimConfig:
     store_blocks: int = 0
     fetch_cost: float = 0.05
     prefill_instances: int = 0
+    request_cost_tokens: float = DEFAULT_REQUEST_COST_TOKENS
     remote_prefill_min_tokens: int = DEFAULT_REMOTE_PREFILL_MIN_TOKENS
     remote_prefill_max_queued_tokens: int | None = None
 
@@ -152,7 +153,7 @@ def simulate(
     context = PolicyContext(
         index=index,
         store_holders=frozenset({STORE_HOLDER}) if store else frozenset(),
-        fetch_cost=config.fetch_cost,
+        fetch_cost=config.fetch_cost, request_cost_tokens=config.request_cost_tokens,
     )
     settings = PlacementSettings(config.remote_prefill_min_tokens, config.remote_prefill_max_queued_tokens)
     placer = Placer(settings, make_policy(policy_name, context), make_policy(policy_name, context))
@@ -288,6 +289,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speed", type=float, default=1.0, help="replay speed-up of the arrival times")
     parser.add_argument("--store-blocks", type=int, default=0)
     parser.add_argument("--fetch-cost", type=float, default=0.05)
+    parser.add_argument("--request-cost-tokens", type=float, default=DEFAULT_REQUEST_COST_TOKENS,
+                        help="kv_aware's price of a request in flight (pdcluster serve's flag)")
     parser.add_argument("--prefill-instances", type=int, default=0,
                         help="P/D: this many prefill instances; --instances are then decode instances")
     parser.add_argument("--remote-prefill-min-tokens", type=int, default=DEFAULT_REMOTE_PREFILL_MIN_TOKENS)
@@ -300,7 +303,8 @@ def run(args: argparse.Namespace) -> int:
     console = Console()
     trace = load_trace(args.trace, args.speed)
     config = SimConfig(args.instances, args.cache_blocks, args.prefill_rate, args.store_blocks, args.fetch_cost,
-                       args.prefill_instances, args.remote_prefill_min_tokens, args.remote_prefill_max_queued_tokens)
+                       args.prefill_instances, args.remote_prefill_min_tokens, args.remote_prefill_max_queued_tokens,
+                       args.request_cost_tokens)
     results = [simulate(trace, name, config) for name in args.policy]
     title = (f"{args.trace.name}: {len(trace)} requests, {config.instances} instances x {config.cache_blocks} "
              f"blocks, {config.prefill_rate:g} tok/s, store {config.store_blocks} blocks")

@@ -134,6 +134,7 @@ def build_app(
     # retire(instance_id) drains and stops an instance: set by whoever owns the engines.
     app.state.retire, app.state.retiring = None, set()
     app.state.starts, app.state.errors = starts or StartLog(), ErrorLog()
+    app.state.placements = forwarder.placements
     intake = Intake(config, admission)
     _add_error_handlers(app)
     _add_openai_routes(app, intake, analyzer, forwarder)
@@ -177,7 +178,7 @@ def _placer(config: RouterConfig, index: KVIndex, store_endpoints: tuple[str, ..
     the store counted as a holder when there is one."""
     context = PolicyContext(
         index=index, store_holders=frozenset({STORE_HOLDER} if store_endpoints else ()),
-        fetch_cost=config.fetch_cost,
+        fetch_cost=config.fetch_cost, request_cost_tokens=config.request_cost_tokens,
     )
     return Placer(PlacementSettings(config.remote_prefill_min_tokens, config.remote_prefill_max_queued_tokens),
                   make_policy(config.policy, context), make_policy(config.policy, context),

@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, m
 from engine.config import KVHashing, OtlpEndpoint
 from engine.environment import is_loopback
 from router.placement import DEFAULT_REMOTE_PREFILL_MIN_TOKENS
+from router.policies import DEFAULT_REQUEST_COST_TOKENS
 from security.credentials import ClusterCredentials
 
 DEFAULT_CONCURRENCY_PER_KEY = 64
@@ -49,6 +50,9 @@ class RouterConfig(BaseModel):
     max_index_blocks_per_instance: int = Field(1_000_000, ge=1)
     fetch_cost: float = Field(0.05, ge=0, le=1)
     """Fetching a block from the KV store costs this share of computing it."""
+    request_cost_tokens: float = Field(DEFAULT_REQUEST_COST_TOKENS, ge=0)
+    """What one request in flight on an instance costs a new one there, in prompt tokens
+    computed (kv_aware; router/policies/kv_aware.py says why)."""
     connect_timeout_s: float = Field(5.0, gt=0)
     """Longest wait to open a connection to an engine."""
     request_timeout_s: float = Field(600.0, gt=0)

@@ -82,6 +82,21 @@ class PromptHits:
 
 
 @dataclasses.dataclass(frozen=True)
+class CandidateView:
+    """One instance the serving policy weighed, as it stood when the request was placed: the
+    prompt's leading blocks it held (by the router's index), those the store held beyond them,
+    its queued prefill tokens and requests in flight, and the policy's score (None: the policy
+    scores nothing, e.g. round robin)."""
+
+    instance_id: str
+    cached_blocks: int
+    store_blocks: int
+    queued_tokens: float
+    load: int
+    score: float | None
+
+
+@dataclasses.dataclass(frozen=True)
 class Placement:
     serve: RoutingDecision
     """The instance that streams the answer, and what the policy expects it to find cached."""
@@ -91,6 +106,9 @@ class Placement:
     uncached_tokens: int
     """Prompt tokens in neither the serving instance's cache nor the store: the prefill work."""
     hits: PromptHits = PromptHits()
+    candidates: tuple[CandidateView, ...] = ()
+    """Every serving candidate as the policy saw it (the recent placements view, a hot spot's
+    evidence)."""
 
     @property
     def served_prefill_tokens(self) -> int:
@@ -114,14 +132,18 @@ class Placer:
         if self.index is not None and request.block_hashes:  # once, for the hits and the policies
             request = dataclasses.replace(request, matched=self.index.match(request.block_hashes))
         matched = request.matched or {}
+        # Read before the policy chooses: its speculative insert counts the blocks as held.
+        in_store = max((matched.get(holder, 0) for holder in self.store_holders), default=0)
+        before = [(i, matched.get(i.instance_id, 0), i.pending_prefill_tokens, i.load) for i in servers]
         serve = self.serve_policy.choose(servers, request)
         uncached = max(0, request.num_tokens - serve.cached_tokens - serve.store_tokens)
         held = matched.get(serve.instance.instance_id, 0)
-        in_store = max((matched.get(holder, 0) for holder in self.store_holders), default=0)
         hits = PromptHits(len(request.block_hashes), held, max(in_store - held, 0))
+        candidates = tuple(CandidateView(i.instance_id, cached, max(in_store - cached, 0), queued, load,
+                                         serve.scores.get(i.instance_id)) for i, cached, queued, load in before)
 
         def placed(prefill: Instance | None, reason: PlacementReason) -> Placement:
-            return Placement(serve, prefill, reason, uncached, hits)
+            return Placement(serve, prefill, reason, uncached, hits, candidates)
 
         if not serve.instance.role.kv_transfer:
             return placed(None, PlacementReason.COLOCATED)

@@ -36,6 +36,7 @@ from router.errors import EngineFailed
 from router.placement import Placement, Placer
 from router.policies import RoutingRequest
 from router.relay import StreamRelay
+from router.status import PlacementLog
 from router.streaming import EngineStream
 from router.tracing import NO_SPAN, EngineCall, RequestTrace, instance_attributes, placement_attributes
 
@@ -61,6 +62,7 @@ class Forwarder:
         self.placer = placer
         self.queue = queue
         self.first_tokens = LatencyWindow()
+        self.placements = PlacementLog()
         self.prefills = PrefillHop(registry, lambda: self.session, config.prefill_timeout_s,
                                    config.prefill_circuit_failures, config.prefill_circuit_s)
         self.relay = StreamRelay(registry, lambda: self.session, config.stream_stall_s, config.max_migrations)
@@ -133,6 +135,7 @@ class Forwarder:
                 span.set_attributes(attributes)
                 trace.root.set_attributes(attributes)
         metrics.count_prompt_hits(placement.hits)
+        self.placements.record(body["model"], request.num_tokens, placement)
         send_body, computes = await self._handed_over(endpoint, body, request, placement, trace)
         return placement, send_body, computes
 

@@ -3,6 +3,7 @@
 
     StartLog      the last engine starts, stage by stage (the launcher hands each one over
                   through a callback: the router never imports deploy/)
+    PlacementLog  the last requests' placements, each candidate as the policy saw it
     ErrorLog      the last errors answered to clients (and errors_total by kind)
     read_shards   every KV store shard's Stats, as GET /admin/store and the metrics scrape read them
     cluster_status(app, ...) -> ClusterStatus
@@ -22,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import time
 
 import aiohttp
@@ -33,11 +35,14 @@ from engine.lifecycle import InstanceState
 from fleet.instances import Instance, InstanceRegistry
 from router import metrics
 from router.errors import EngineFailed
+from router.placement import Placement
 from router.status_model import (
+    CandidateRecord,
     ClusterStatus,
     ErrorRecord,
     HitRates,
     InstanceStatus,
+    PlacementRecord,
     PoolStatus,
     RequestCounts,
     ShardStatus,
@@ -46,7 +51,8 @@ from router.status_model import (
 from security.credentials import CurveKeys
 
 MAX_RECORDS = 50
-"""Starts and errors kept for the status view (ClusterStatus promises at most 50 of each)."""
+"""Starts, placements and errors kept for the status view (ClusterStatus promises at most 50 of
+each)."""
 MAX_MESSAGE_CHARS = 300
 SHARD_TIMEOUT_S = 5.0
 SCRAPE_SHARD_TIMEOUT_S = 2.0
@@ -67,6 +73,24 @@ class StartLog:
 
     def recent(self) -> list[StartRecord]:
         return list(self._records)
+
+
+class PlacementLog:
+    """The last `MAX_RECORDS` placements, oldest first. Kept as the placement step made them (a
+    request pays for no record it may never be asked for); made into records when read."""
+
+    def __init__(self, size: int = MAX_RECORDS) -> None:
+        self._placements: collections.deque[tuple[float, str, int, Placement]] = collections.deque(maxlen=size)
+
+    def record(self, model: str, prompt_tokens: int, placement: Placement) -> None:
+        self._placements.append((time.time(), model, prompt_tokens, placement))
+
+    def recent(self) -> list[PlacementRecord]:
+        return [PlacementRecord(
+            at=at, model=model, prompt_tokens=tokens, prompt_blocks=p.hits.blocks, reason=p.reason.value,
+            chosen=p.serve.instance.instance_id, prefill=p.prefill.instance_id if p.prefill else None,
+            candidates=[CandidateRecord(**dataclasses.asdict(c)) for c in p.candidates],
+        ) for at, model, tokens, p in self._placements]
 
 
 class ErrorLog:
@@ -140,7 +164,7 @@ def _pools(registry: InstanceRegistry) -> list[PoolStatus]:
 
 async def cluster_status(app: FastAPI, store_endpoints: tuple[str, ...], store_keys: CurveKeys) -> ClusterStatus:
     """The snapshot every operator view draws (app.state: registry, index, queue, config, starts,
-    errors)."""
+    placements, errors)."""
     state = app.state
     registry, index = state.registry, state.index
     instances = [
@@ -160,7 +184,7 @@ async def cluster_status(app: FastAPI, store_endpoints: tuple[str, ...], store_k
         requests=RequestCounts(served=metrics.requests_answered() + state.errors.total, inflight=inflight,
                                queued=state.queue.waiting),
         pools=_pools(registry), instances=instances, starts=state.starts.recent(), hit_rates=hit_rates(),
-        store=shards, recent_errors=state.errors.recent(),
+        store=shards, recent_placements=state.placements.recent(), recent_errors=state.errors.recent(),
     )
 
 

@@ -72,6 +72,41 @@ class ShardStatus(BaseModel):
     """Why this shard did not answer (the other fields are then None)."""
 
 
+class CandidateRecord(BaseModel):
+    """One instance a request could have gone to, as the routing policy saw it then."""
+
+    instance_id: str
+    cached_blocks: int
+    """The prompt's leading KV blocks it held (by the router's index)."""
+    store_blocks: int
+    """Blocks beyond those that the KV store held (it would load them)."""
+    queued_tokens: float
+    """Prompt tokens routed there and not yet prefilled."""
+    load: int
+    """Requests in flight there."""
+    score: float | None
+    """The policy's score (kv_aware: estimated prefill work in tokens; lower wins); None for a
+    policy that scores nothing."""
+
+
+class PlacementRecord(BaseModel):
+    """Where one request went and why: a hot spot shows as one instance chosen over and over
+    with the longest queue."""
+
+    at: float
+    """Unix time."""
+    model: str
+    prompt_tokens: int
+    prompt_blocks: int
+    reason: str
+    """router.placement.PlacementReason: colocated, short, no_prefill, local_busy, remote."""
+    chosen: str
+    """The instance that served it."""
+    prefill: str | None
+    """The instance that prefilled it first (P/D), if any."""
+    candidates: list[CandidateRecord]
+
+
 class ErrorRecord(BaseModel):
     at: float
     """Unix time."""
@@ -102,6 +137,8 @@ class ClusterStatus(BaseModel):
     """The last starts, oldest first (at most 50)."""
     hit_rates: HitRates
     store: list[ShardStatus] = Field(default_factory=list)
+    recent_placements: list[PlacementRecord] = Field(default_factory=list)
+    """The last requests' placements, oldest first (at most 50)."""
     recent_errors: list[ErrorRecord] = Field(default_factory=list)
     """The last errors answered to clients on the OpenAI routes, oldest first (at most 50; 401s
     only counted): each with its status's fixed description (or, for a 500, the incident id),

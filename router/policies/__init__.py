@@ -7,6 +7,7 @@ both run the same code.
 """
 
 from router.policies.base import (
+    DEFAULT_REQUEST_COST_TOKENS,
     POLICIES,
     PolicyContext,
     RoutingDecision,
@@ -15,4 +16,4 @@ from router.policies.base import (
     make_policy,
 )
 
-__all__ = ["POLICIES", "PolicyContext", "RoutingDecision", "RoutingPolicy", "RoutingRequest", "make_policy"]
+__all__ = ["DEFAULT_REQUEST_COST_TOKENS", "POLICIES", "PolicyContext", "RoutingDecision", "RoutingPolicy", "RoutingRequest", "make_policy"]

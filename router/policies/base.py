@@ -32,6 +32,15 @@ class RoutingDecision:
     """Prompt tokens the policy expects the instance to find in its own prefix cache."""
     store_tokens: int = 0
     """Prompt tokens the policy expects the instance to fetch from the KV store."""
+    scores: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    """The policy's score of each candidate it weighed, by instance id (lower is better; a
+    policy that scores nothing leaves it empty): what the recent placements view shows."""
+
+
+DEFAULT_REQUEST_COST_TOKENS = 512.0
+"""kv_aware's price of a request in flight (RouterConfig.request_cost_tokens, `pdcluster serve
+--request-cost-tokens` and the simulator take it from here): set where an agent workload's tenants
+pinned to one of two CPU engines left the other idle (docs/routing.md)."""
 
 
 @dataclasses.dataclass
@@ -43,6 +52,8 @@ class PolicyContext:
     """Index holders that are store shards (readable by every instance), not instances."""
     fetch_cost: float = 0.05
     """Fetching a block from the store costs this fraction of computing it."""
+    request_cost_tokens: float = DEFAULT_REQUEST_COST_TOKENS
+    """What one request in flight on an instance costs a new one there, in prompt tokens computed."""
 
 
 class RoutingPolicy(Protocol):

@@ -1,19 +1,23 @@
 """`kv_aware`: ours. Pick the instance where the request's first token comes soonest.
 
-For each candidate the estimated time to first token is
+For each candidate the estimated cost, in prompt tokens computed, is
 
-    queued prefill work already there                       (pending tokens / prefill rate)
+    queued prefill work already there                       (pending tokens)
   + the prompt tokens it would compute                      (not in its prefix cache, not in the store)
-  + the prompt tokens it would fetch from the store         (x fetch_cost of computing them)
+  + fetch_cost x the prompt tokens it would fetch           (from the store)
+  + request_cost_tokens x the requests in flight there      (their decode steps it shares)
 
-all divided by the prefill rate; the least wins, ties to the fewest requests in flight, then in
-turn. The index answers from the engines' own KV events (exact block hashes), and the choice is
-recorded as a speculative insert so the next request with the same prefix sees it before the
-engine's event arrives.
+the least wins, ties to the fewest requests in flight, then in turn. The index answers from the
+engines' own KV events (exact block hashes), and the choice is recorded as a speculative insert
+so the next request with the same prefix sees it before the engine's event arrives.
 
 Why affinity cannot drown an instance: a cache hit only saves the compute of the hit tokens, and
-the queue behind a hot instance is charged in full, so once its queue costs more than recomputing
-the prefix elsewhere, requests go elsewhere, and that instance then holds the prefix too.
+what is queued behind a hot instance is charged in full, so once that costs more than recomputing
+the prefix elsewhere, requests go elsewhere, and that instance then holds the prefix too. The
+queue is more than prefills: every request in flight there takes a share of each step the new
+one runs in. Without that term a tenant whose system prompt one instance held was sent there
+with four requests in flight while the other instance idled (an agent workload on two CPU
+engines, docs/routing.md): its whole prompt cost more to recompute than the prefills queued.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ class KVAware:
         store_blocks = max((matched.get(s, 0) for s in ctx.store_holders), default=0)
         turn = next(self._turn)
         best: tuple | None = None
+        scores: dict[str, float] = {}
         for position, instance in enumerate(candidates):
             local_blocks = matched.get(instance.instance_id, 0)
             cached = min(local_blocks * request.block_size, request.num_tokens)
@@ -47,7 +52,9 @@ class KVAware:
                 max(store_blocks - local_blocks, 0) * request.block_size, request.num_tokens - cached
             )
             computed = request.num_tokens - cached - fetched
-            cost_tokens = instance.pending_prefill_tokens + computed + ctx.fetch_cost * fetched
+            cost_tokens = (instance.pending_prefill_tokens + computed + ctx.fetch_cost * fetched
+                           + ctx.request_cost_tokens * instance.load)
+            scores[instance.instance_id] = cost_tokens
             key = (cost_tokens, instance.load, (position - turn) % len(candidates))
             if best is None or key < best[0]:
                 best = (key, instance, cached, fetched)
@@ -55,4 +62,4 @@ class KVAware:
         _, chosen, cached, fetched = best
         if ctx.index is not None and request.block_hashes:
             ctx.index.speculate(chosen.instance_id, request.block_hashes)
-        return RoutingDecision(chosen, cached_tokens=cached, store_tokens=fetched)
+        return RoutingDecision(chosen, cached_tokens=cached, store_tokens=fetched, scores=scores)

@@ -6,6 +6,7 @@
 const REFRESH_MS = 2000;
 const STARTS_SHOWN = 12;
 const ERRORS_SHOWN = 20;
+const PLACEMENTS_SHOWN = 20;
 const STAGE_COLORS = ["#3b6fd8", "#1f9d55", "#d98e04", "#8e44ad", "#d6453d", "#16a3b8",
                       "#7a5c3e", "#c2407a", "#5d6d7e", "#9aa31b"];
 
@@ -176,6 +177,30 @@ function drawStore(shards) {
   replaceChildren(document.getElementById("store"), items.length ? items : [el("p", "empty", "no store shards")]);
 }
 
+function candidateText(candidate) {
+  const score = candidate.score === null ? "-" : Math.round(candidate.score);
+  return `${candidate.instance_id}: ${candidate.cached_blocks}` +
+         `${candidate.store_blocks ? "+" + candidate.store_blocks + " store" : ""} · ` +
+         `${Math.round(candidate.queued_tokens)} · ${candidate.load} · ${score}`;
+}
+
+function drawPlacements(allPlacements) {
+  const rows = allPlacements.slice(-PLACEMENTS_SHOWN).reverse().map((placement) => {
+    const tr = el("tr");
+    const candidates = el("td", "mono");
+    for (const candidate of placement.candidates) {
+      const chosen = candidate.instance_id === placement.chosen;
+      candidates.append(el("div", chosen ? "chosen" : null, candidateText(candidate)));
+    }
+    tr.append(cell(clock(placement.at)), cell(placement.model),
+              cell(`${placement.prompt_tokens} (${placement.prompt_blocks} blocks)`, "num"),
+              cell(placement.prefill ? `${placement.reason}, prefilled on ${placement.prefill}` : placement.reason),
+              candidates);
+    return tr;
+  });
+  replaceChildren(document.querySelector("#placements tbody"), rows.length ? rows : [emptyRow(5, "none yet")]);
+}
+
 function drawErrors(allErrors) {
   const rows = allErrors.slice(-ERRORS_SHOWN).reverse().map((error) => {
     const tr = el("tr");
@@ -192,6 +217,7 @@ function draw(status) {
   drawStarts(status.starts);
   drawHitRates(status.hit_rates);
   drawStore(status.store);
+  drawPlacements(status.recent_placements);
   drawErrors(status.recent_errors);
 }
 

@@ -51,6 +51,29 @@ def test_kv_aware_trades_cache_hits_against_queues(held, pending, store, expecte
     )
 
 
+def test_kv_aware_charges_the_requests_in_flight():
+    """The hot spot seen live (an agent tenant's 2,021-token prompt, held by an instance with four
+    requests in flight and 820 prompt tokens queued, while the other idled): the load now counts,
+    in prompt tokens computed, and the idle instance recomputes the prompt; with one request in
+    flight the hit still wins. Without the load term (0) the cache alone decides."""
+    prompt = RoutingRequest(tuple(range(63)), 2021, BLOCK, "")
+
+    def choose(load: int, request_cost_tokens: float) -> str:
+        index = KVIndex()  # each choice its own: a choice speculates its blocks into the index
+        index.stored("i0", range(50))
+        pool = instances(2, (820.0, 0.0))
+        pool[0].inflight = load
+        context = PolicyContext(index=index, request_cost_tokens=request_cost_tokens)
+        decision = make_policy("kv_aware", context).choose(pool, prompt)
+        assert decision.scores["i1"] == 2021  # all of it computed, nothing queued, nothing in flight
+        assert decision.scores["i0"] == 820 + 2021 - 50 * BLOCK + request_cost_tokens * load
+        return decision.instance.instance_id
+
+    assert choose(4, 512) == "i1"
+    assert choose(1, 512) == "i0"
+    assert choose(4, 0) == "i0"
+
+
 def test_kv_aware_speculation_keeps_a_burst_together_before_events_arrive():
     index = KVIndex(speculative_ttl_s=60)
     policy = make_policy("kv_aware", PolicyContext(index=index))

@@ -3,8 +3,10 @@ counts placement feeds it. No engine runs: the instances are registered, not sta
 
 from __future__ import annotations
 
+import pytest
 from fastapi.testclient import TestClient
 from prometheus_client import REGISTRY
+from routers import router_client
 
 from decode.role import DECODE
 from engine.lifecycle import InstanceState
@@ -15,7 +17,7 @@ from router.app import build_app
 from router.config import RouterConfig, ServedModel
 from router.kv_index import KVIndex
 from router.placement import PlacementSettings, Placer, PromptHits
-from router.policies import RoutingRequest, make_policy
+from router.policies import PolicyContext, RoutingRequest, make_policy
 from router.status import StartLog
 from router.status_model import ClusterStatus, StartRecord
 from security.credentials import ClusterCredentials
@@ -33,6 +35,43 @@ def test_placement_counts_blocks_held_by_the_chosen_instance_then_the_store():
     assert placement.hits == PromptHits(blocks=5, instance=2, store=2)
     other = placer.place(RoutingRequest((9, 8), 32, 16), [decode], [])
     assert other.hits == PromptHits(blocks=2, instance=0, store=0)
+
+
+def test_placement_shows_each_candidate_as_the_policy_weighed_it():
+    index = KVIndex()
+    hashes = tuple(range(1, 9))
+    index.stored("warm", hashes[:6])
+    index.stored("store", hashes)
+    placer = Placer(PlacementSettings(0), make_policy("kv_aware", PolicyContext(index, frozenset({"store"}), request_cost_tokens=100)),
+                    make_policy("kv_aware"), index=index, store_holders=frozenset({"store"}))
+    warm, cold = Instance("warm", COLOCATED, "u", model="m"), Instance("cold", COLOCATED, "u", model="m")
+    warm.pending_prefill_tokens, warm.inflight = 40.0, 3
+    placement = placer.place(RoutingRequest(hashes, 128, 16), [cold, warm], [])
+    views = {c.instance_id: c for c in placement.candidates}
+    assert (views["warm"].cached_blocks, views["warm"].store_blocks, views["warm"].queued_tokens,
+            views["warm"].load) == (6, 2, 40.0, 3)
+    assert (views["cold"].cached_blocks, views["cold"].store_blocks, views["cold"].load) == (0, 8, 0)
+    # kv_aware's estimate in prompt tokens: queued + computed + fetched at 5% of computing + 100
+    # a request in flight; the warm one's queue outweighs what its cache saves over the store,
+    # and the lower score wins.
+    assert views["warm"].score == pytest.approx(40 + 0.05 * 32 + 300) and views["cold"].score == pytest.approx(0.05 * 128)
+    assert placement.serve.instance is cold
+
+
+def test_admin_status_lists_recent_placements_and_never_a_prompt():
+    secret_prompt = "the tenant's confidential prompt"
+    with router_client([unreachable_instance("dead-0"), unreachable_instance("dead-1")], policy="kv_aware") as client:
+        assert client.post("/v1/completions", json={"model": "m", "prompt": secret_prompt}).status_code == 502
+        response = client.get("/admin/status", headers=ClusterCredentials.load().admin_headers())
+    assert response.status_code == 200 and secret_prompt not in response.text
+    placements = ClusterStatus.model_validate(response.json()).recent_placements
+    # A connection refused is retried on the other instance: two placements, the second among
+    # the one left (the first is out of rotation).
+    assert [sorted(c.instance_id for c in p.candidates) for p in placements] == [
+        ["dead-0", "dead-1"], [placements[1].chosen]]
+    assert {p.chosen for p in placements} == {"dead-0", "dead-1"}
+    assert all((p.model, p.reason, p.prefill) == ("m", "colocated", None) for p in placements)
+    assert all(c.score is not None and c.cached_blocks == 0 for p in placements for c in p.candidates)
 
 
 def test_admin_status_shows_pools_starts_errors_and_is_closed_to_others():

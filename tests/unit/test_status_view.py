@@ -35,6 +35,12 @@ def cluster_status() -> ClusterStatus:
         "hit_rates": {"prompt_blocks": 200, "instance_hit_blocks": 50, "store_hit_blocks": 30},
         "store": [{"endpoint": "tcp://127.0.0.1:7000", "capacity_bytes": 2 * 2**30, "used_bytes": 2**30, "chunks": 9},
                   {"endpoint": "tcp://127.0.0.1:7001", "error": "no answer in 5 s"}],
+        "recent_placements": [{"at": 1_789_999_998.0, "model": "tiny", "prompt_tokens": 900, "prompt_blocks": 56,
+                               "reason": "remote", "chosen": "decode-3", "prefill": "prefill-0",
+                               "candidates": [{"instance_id": "decode-3", "cached_blocks": 40, "store_blocks": 8,
+                                               "queued_tokens": 0.0, "load": 1, "score": 160.4},
+                                              {"instance_id": "decode-4", "cached_blocks": 0, "store_blocks": 48,
+                                               "queued_tokens": 300.0, "load": 2, "score": 1176.0}]}],
         "recent_errors": [{"at": 1_789_999_999.0, "kind": "RateLimitError", "status": 429,
                            "message": "key over its rate [bold]limit[/bold]"}],
     })
@@ -46,11 +52,12 @@ def rendered(status: ClusterStatus) -> str:
     return console.export_text()
 
 
-def test_status_names_instances_states_stages_hit_rates_store_and_errors():
+def test_status_names_instances_states_stages_hit_rates_store_placements_and_errors():
     text = rendered(cluster_status())
     for expected in ("prefill-0", "decode-7", "ready", "standby", "weights", "warmup_request", "api_server",
                      "0.90 s", "25.0%", "15.0%", "1.0 GiB", "2.0 GiB", "no answer in 5 s", "RateLimitError",
-                     "42 served", "http://127.0.0.1:9001"):
+                     "42 served", "http://127.0.0.1:9001", "remote, prefilled on prefill-0",
+                     "decode-3: 40+8 store · 0 · 1 · 160", "decode-4: 0+48 store · 300 · 2 · 1176"):
         assert expected in text, expected
 
 
@@ -64,7 +71,7 @@ def test_data_is_shown_as_text_never_read_as_rich_markup():
 
 def test_an_empty_cluster_renders():
     status = cluster_status().model_copy(update={"pools": [], "instances": [], "starts": [], "store": [],
-                                                 "recent_errors": []})
+                                                 "recent_placements": [], "recent_errors": []})
     status.hit_rates = HitRates(prompt_blocks=0, instance_hit_blocks=0, store_hit_blocks=0)
     text = rendered(status)
     assert "none yet" in text and "no shards" in text and "-" in text
