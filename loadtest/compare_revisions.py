@@ -1,6 +1,7 @@
 """The same benchmark from two revisions of this repository, alternated in one run.
 
     python -m loadtest.compare_revisions --before fed1ebb [--rounds 3] [--benches router,store,routing,pd]
+    python -m loadtest.compare_revisions --before main --benches serving   # before a change to the request path lands
 
 Checks the `--before` revision out into a temporary worktree and runs each benchmark there and
 here by turns (before, after, before, after, ...), with the same virtual environment, each in
@@ -45,6 +46,10 @@ BENCHES = {
     "routing_live": (["-m", "loadtest.routing_live", "--seeds", "5"], lambda r: _routing(r)),
     "routing_live_pd": (["-m", "loadtest.routing_live", "--seeds", "5", "--topology", "pd"], lambda r: _routing(r)),
 }
+SETS = {"serving": ("router", "routing", "routing_live", "routing_live_pd")}
+"""Named sets of benchmarks: `serving` is what every change to router/, engine/, prefill/ or
+decode/ runs before it lands (the router's own cost and the live agents workload, colocated and
+P/D; ~45 min a round on the 2-core machine)."""
 SERVED_FROM_TREE = {"routing_live", "routing_live_pd"}
 """Benchmarks run by this tree's script against the other tree's server (`--serve-tree`)."""
 
@@ -70,10 +75,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--before", required=True, help="a git revision (the tree before the change)")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--benches", default="router,store")
+    parser.add_argument("--benches", default="router,store",
+                        help=f"comma-separated names of {sorted(BENCHES)}, or a set: {SETS}")
     parser.add_argument("--out", type=Path, default=Path("results/compare_revisions.json"))
     args = parser.parse_args(argv)
-    benches = args.benches.split(",")
+    benches = [bench for name in args.benches.split(",") for bench in SETS.get(name, (name,))]
+    if unknown := set(benches) - BENCHES.keys():
+        parser.error(f"unknown benchmarks {sorted(unknown)}")
     samples: dict[str, dict[str, dict[str, list[float]]]] = {b: {"before": {}, "after": {}} for b in benches}
     with tempfile.TemporaryDirectory(prefix="pdc-before-") as scratch:
         before = Path(scratch) / "tree"

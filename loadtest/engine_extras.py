@@ -26,10 +26,13 @@ from rich.table import Table
 
 from loadtest.output import write_results
 
-VARIANTS = {"plain": (False, False), "logits_processor": (True, False), "kv_events": (False, True), "both": (True, True)}
+VARIANTS = {"plain": (False, False), "logits_processor": (True, False), "kv_events": (False, True), "both": (True, True),
+            "kv_events_vllm": (False, "vllm")}
+"""Each variant's (logits processor, KV events): "vllm" is vLLM's own publisher, not ours."""
 
 
-def one_variant(model: str, logits_processor: bool, kv_events: bool, batch: int, tokens: int, eager: bool) -> float:
+def one_variant(model: str, logits_processor: bool, kv_events: bool | str, batch: int, tokens: int,
+                eager: bool) -> float:
     """Output tokens per second of one engine (run in a child process: `python -m ... --child`)."""
     import time
 
@@ -41,7 +44,9 @@ def one_variant(model: str, logits_processor: bool, kv_events: bool, batch: int,
     options = {}
     if logits_processor:
         options["logits_processors"] = [GRAMMAR_LOGITS_PROCESSOR]
-    if kv_events:
+    if kv_events == "vllm":
+        os.environ["VLLM_PLUGINS"] = ""  # none: vLLM's own ZMQ publisher
+    elif kv_events:
         from security.credentials import ClusterCredentials
 
         os.environ.update(ClusterCredentials.generate().engine_host_keys("bench").new_process("127.0.0.1").as_env())

@@ -3,6 +3,7 @@ prefix-cache counters.
 
     python -m loadtest.routing_live [--workload agents|shared_prefix] [--policies round_robin kv_aware]
                                     [--topology colocated|pd] [--seeds 5] [--serve-tree DIR]
+                                    [--serve-arg=--structured-migration ...]
 
 For each policy it starts `pdcluster serve --model tiny` (two colocated instances, or P/D 1+1)
 with `--policy P` and sends one workload per seed, each seed new prompts, at a fixed concurrency:
@@ -45,7 +46,7 @@ def workload(name: str, seed: int) -> AgentSessions | SharedPrefix:
 
 def measure(policy: str, args: argparse.Namespace) -> list[dict]:
     """One server with `policy`; a run per seed (after an untimed warm-up run)."""
-    serve = ["--model", "tiny", *TOPOLOGIES[args.topology], "--policy", policy]
+    serve = ["--model", "tiny", *TOPOLOGIES[args.topology], "--policy", policy, *args.serve_arg]
     log = args.out.parent / f"routing_live-{args.topology}-{policy}.log"
     runs = []
     with LocalServer(serve, log, tree=args.serve_tree) as server:
@@ -85,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--serve-tree", type=Path, help="serve from this checkout of the repository")
+    parser.add_argument("--serve-arg", action="append", default=[],
+                        help="one more argument of pdcluster serve (repeatable), e.g. --serve-arg=--structured-migration")
     parser.add_argument("--out", type=Path, default=Path("results/routing_live.json"))
     args = parser.parse_args(argv)
     results = {policy: measure(policy, args) for policy in args.policies}
