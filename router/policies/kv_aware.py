@@ -5,11 +5,12 @@ For each candidate the estimated cost, in prompt tokens computed, is
     queued prefill work already there                       (pending tokens)
   + the prompt tokens it would compute                      (not in its prefix cache, not in the store)
   + fetch_cost x the prompt tokens it would fetch           (from the store)
-  + request_cost_tokens x the requests in flight there      (their decode steps it shares)
+  + request_cost_tokens x this router's requests in flight there   (their steps it shares)
 
-the least wins, ties to the fewest requests in flight, then in turn. The index answers from the
-engines' own KV events (exact block hashes), and the choice is recorded as a speculative insert
-so the next request with the same prefix sees it before the engine's event arrives.
+the least wins, ties to the fewest requests in flight (the engine's own count, every router's),
+then in turn. The index answers from the engines' own KV events (exact block hashes), and the
+choice is recorded as a speculative insert so the next request with the same prefix sees it
+before the engine's event arrives.
 
 Why affinity cannot drown an instance: a cache hit only saves the compute of the hit tokens, and
 what is queued behind a hot instance is charged in full, so once that costs more than recomputing
@@ -52,8 +53,11 @@ class KVAware:
                 max(store_blocks - local_blocks, 0) * request.block_size, request.num_tokens - cached
             )
             computed = request.num_tokens - cached - fetched
+            # This router's own requests in flight: exact at once. The engine's count (every
+            # router's) is up to a health interval old, and would price the instance a request
+            # just left: it breaks ties only.
             cost_tokens = (instance.pending_prefill_tokens + computed + ctx.fetch_cost * fetched
-                           + ctx.request_cost_tokens * instance.load)
+                           + ctx.request_cost_tokens * instance.inflight)
             scores[instance.instance_id] = cost_tokens
             key = (cost_tokens, instance.load, (position - turn) % len(candidates))
             if best is None or key < best[0]:

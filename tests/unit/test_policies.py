@@ -55,14 +55,16 @@ def test_kv_aware_charges_the_requests_in_flight():
     """The hot spot seen live (an agent tenant's 2,021-token prompt, held by an instance with four
     requests in flight and 820 prompt tokens queued, while the other idled): the load now counts,
     in prompt tokens computed, and the idle instance recomputes the prompt; with one request in
-    flight the hit still wins. Without the load term (0) the cache alone decides."""
+    flight the hit still wins. Without the load term (0) the cache alone decides. The engine's
+    own count (up to a health interval old: it still counts a request that just left) breaks
+    ties only."""
     prompt = RoutingRequest(tuple(range(63)), 2021, BLOCK, "")
 
-    def choose(load: int, request_cost_tokens: float) -> str:
+    def choose(load: int, request_cost_tokens: float, engine_load: int = 0) -> str:
         index = KVIndex()  # each choice its own: a choice speculates its blocks into the index
         index.stored("i0", range(50))
         pool = instances(2, (820.0, 0.0))
-        pool[0].inflight = load
+        pool[0].inflight, pool[0].engine_load = load, engine_load
         context = PolicyContext(index=index, request_cost_tokens=request_cost_tokens)
         decision = make_policy("kv_aware", context).choose(pool, prompt)
         assert decision.scores["i1"] == 2021  # all of it computed, nothing queued, nothing in flight
@@ -72,6 +74,7 @@ def test_kv_aware_charges_the_requests_in_flight():
     assert choose(4, 512) == "i1"
     assert choose(1, 512) == "i0"
     assert choose(4, 0) == "i0"
+    assert choose(0, 512, engine_load=4) == "i0"
 
 
 def test_kv_aware_speculation_keeps_a_burst_together_before_events_arrive():
