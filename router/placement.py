@@ -132,15 +132,15 @@ class Placer:
         if self.index is not None and request.block_hashes:  # once, for the hits and the policies
             request = dataclasses.replace(request, matched=self.index.match(request.block_hashes))
         matched = request.matched or {}
-        # Read before the policy chooses: its speculative insert counts the blocks as held.
-        in_store = max((matched.get(holder, 0) for holder in self.store_holders), default=0)
-        before = [(i, matched.get(i.instance_id, 0), i.pending_prefill_tokens, i.load) for i in servers]
         serve = self.serve_policy.choose(servers, request)
         uncached = max(0, request.num_tokens - serve.cached_tokens - serve.store_tokens)
         held = matched.get(serve.instance.instance_id, 0)
+        in_store = max((matched.get(holder, 0) for holder in self.store_holders), default=0)
         hits = PromptHits(len(request.block_hashes), held, max(in_store - held, 0))
-        candidates = tuple(CandidateView(i.instance_id, cached, max(in_store - cached, 0), queued, load,
-                                         serve.scores.get(i.instance_id)) for i, cached, queued, load in before)
+        candidates = tuple(
+            CandidateView(i.instance_id, matched.get(i.instance_id, 0), max(in_store - matched.get(i.instance_id, 0), 0),
+                          i.pending_prefill_tokens, i.load, serve.scores.get(i.instance_id))
+            for i in servers)
 
         def placed(prefill: Instance | None, reason: PlacementReason) -> Placement:
             return Placement(serve, prefill, reason, uncached, hits, candidates)
