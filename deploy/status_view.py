@@ -169,8 +169,8 @@ def store_table(shards: list[ShardStatus]) -> RenderableType:
 
 
 def placements_table(status: ClusterStatus) -> RenderableType:
-    """The last requests' placements: each candidate's cached blocks, queued prefill tokens,
-    requests in flight and the policy's score, the chosen one in bold (a hot spot is one
+    """The last requests' placements: each candidate's cached blocks, queued prefill tokens, this
+    router's requests in flight and the policy's score, the chosen one in bold (a hot spot is one
     instance chosen over and over while its queue grows)."""
     placements = status.recent_placements[-PLACEMENTS_SHOWN:]
     if not placements:
@@ -185,12 +185,12 @@ def placements_table(status: ClusterStatus) -> RenderableType:
             score = "-" if c.score is None else f"{c.score:.0f}"
             store = f"+{c.store_blocks} store" if c.store_blocks else ""
             lines.append(("\n" if k else "") + f"{c.instance_id}: {c.cached_blocks}{store} · "
-                         f"{c.queued_tokens:.0f} · {c.load} · {score}",
+                         f"{c.queued_tokens:.0f} · {c.inflight} · {score}",
                          style="bold" if c.instance_id == placement.chosen else "")
-        table.add_row(time.strftime("%H:%M:%S", time.localtime(placement.at)), placement.model,
-                      str(placement.prompt_tokens),
-                      f"{placement.reason}, prefilled on {placement.prefill}" if placement.prefill else placement.reason,
-                      lines)
+        reason = ("migrated, " if placement.migrated else "") + placement.reason + (
+            f", prefilled on {placement.prefill}" if placement.prefill else "")
+        table.add_row(time.strftime("%H:%M:%S", time.localtime(placement.at)), Text(placement.model),
+                      str(placement.prompt_tokens), Text(reason), lines)
     return table
 
 

@@ -51,6 +51,7 @@ def one_variant(model: str, logits_processor: bool, kv_events: bool | str, batch
 
         os.environ.update(ClusterCredentials.generate().engine_host_keys("bench").new_process("127.0.0.1").as_env())
         os.environ["VLLM_PLUGINS"] = KV_EVENTS_PLUGIN
+    if kv_events:
         options["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
                                                      endpoint="tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0")
     llm = LLM(model=model, enforce_eager=eager, max_model_len=2048, block_size=32, gpu_memory_utilization=0.5,

@@ -156,7 +156,7 @@ def simulate(
         fetch_cost=config.fetch_cost, request_cost_tokens=config.request_cost_tokens,
     )
     settings = PlacementSettings(config.remote_prefill_min_tokens, config.remote_prefill_max_queued_tokens)
-    placer = Placer(settings, make_policy(policy_name, context), make_policy(policy_name, context))
+    placer = Placer(settings, make_policy(policy_name, context), make_policy(policy_name, context.for_prefill()))
     sims = _fleet(config)
     registry = InstanceRegistry()
     for sim in sims.values():
@@ -302,9 +302,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     console = Console()
     trace = load_trace(args.trace, args.speed)
-    config = SimConfig(args.instances, args.cache_blocks, args.prefill_rate, args.store_blocks, args.fetch_cost,
-                       args.prefill_instances, args.remote_prefill_min_tokens, args.remote_prefill_max_queued_tokens,
-                       args.request_cost_tokens)
+    config = SimConfig(instances=args.instances, cache_blocks=args.cache_blocks, prefill_rate=args.prefill_rate,
+                       store_blocks=args.store_blocks, fetch_cost=args.fetch_cost,
+                       prefill_instances=args.prefill_instances, request_cost_tokens=args.request_cost_tokens,
+                       remote_prefill_min_tokens=args.remote_prefill_min_tokens,
+                       remote_prefill_max_queued_tokens=args.remote_prefill_max_queued_tokens)
     results = [simulate(trace, name, config) for name in args.policy]
     title = (f"{args.trace.name}: {len(trace)} requests, {config.instances} instances x {config.cache_blocks} "
              f"blocks, {config.prefill_rate:g} tok/s, store {config.store_blocks} blocks")

@@ -181,7 +181,7 @@ def _placer(config: RouterConfig, index: KVIndex, store_endpoints: tuple[str, ..
         fetch_cost=config.fetch_cost, request_cost_tokens=config.request_cost_tokens,
     )
     return Placer(PlacementSettings(config.remote_prefill_min_tokens, config.remote_prefill_max_queued_tokens),
-                  make_policy(config.policy, context), make_policy(config.policy, context),
+                  make_policy(config.policy, context), make_policy(config.policy, context.for_prefill()),
                   index=index, store_holders=context.store_holders)
 
 

@@ -85,13 +85,14 @@ class PromptHits:
 class CandidateView:
     """One instance the serving policy weighed, as it stood when the request was placed: the
     prompt's leading blocks it held (by the router's index), those the store held beyond them,
-    its queued prefill tokens and requests in flight, and the policy's score (None: the policy
-    scores nothing, e.g. round robin)."""
+    its queued prefill tokens, this router's requests in flight there and the engine's own count,
+    and the policy's score (None: the policy scores nothing, e.g. round robin)."""
 
     instance_id: str
     cached_blocks: int
     store_blocks: int
     queued_tokens: float
+    inflight: int
     load: int
     score: float | None
 
@@ -139,7 +140,7 @@ class Placer:
         hits = PromptHits(len(request.block_hashes), held, max(in_store - held, 0))
         candidates = tuple(
             CandidateView(i.instance_id, matched.get(i.instance_id, 0), max(in_store - matched.get(i.instance_id, 0), 0),
-                          i.pending_prefill_tokens, i.load, serve.scores.get(i.instance_id))
+                          i.pending_prefill_tokens, i.inflight, i.load, serve.scores.get(i.instance_id))
             for i in servers)
 
         def placed(prefill: Instance | None, reason: PlacementReason) -> Placement:

@@ -218,7 +218,9 @@ class Forwarder:
             return self.relay.plain(instance, endpoint, upstream, first, chunks, ended)
 
         def continue_on(candidates: list[Instance]) -> Instance:  # as the placement step would place it
-            return self.placer.place(request, candidates, []).serve.instance
+            placement = self.placer.place(request, candidates, [])
+            self.placements.record(instance.model, request.num_tokens, placement, migrated=True)
+            return placement.serve.instance
 
         return self.relay.migrating(instance, endpoint, upstream, first, chunks, ledger, others, call, ended,
                                     continue_on)

@@ -76,21 +76,24 @@ class StartLog:
 
 
 class PlacementLog:
-    """The last `MAX_RECORDS` placements, oldest first. Kept as the placement step made them (a
-    request pays for no record it may never be asked for); made into records when read."""
+    """The last `MAX_RECORDS` placements, oldest first. Kept as the placement step made them,
+    ids and counts only (no instance, whose streams hold prompts), and made into records when
+    read: a request pays for no record it may never be asked for."""
 
     def __init__(self, size: int = MAX_RECORDS) -> None:
-        self._placements: collections.deque[tuple[float, str, int, Placement]] = collections.deque(maxlen=size)
+        self._placements: collections.deque[tuple] = collections.deque(maxlen=size)
 
-    def record(self, model: str, prompt_tokens: int, placement: Placement) -> None:
-        self._placements.append((time.time(), model, prompt_tokens, placement))
+    def record(self, model: str, prompt_tokens: int, placement: Placement, migrated: bool = False) -> None:
+        prefill = placement.prefill.instance_id if placement.prefill else None
+        self._placements.append((time.time(), model, prompt_tokens, placement.hits.blocks, placement.reason.value,
+                                 placement.serve.instance.instance_id, prefill, placement.candidates, migrated))
 
     def recent(self) -> list[PlacementRecord]:
         return [PlacementRecord(
-            at=at, model=model, prompt_tokens=tokens, prompt_blocks=p.hits.blocks, reason=p.reason.value,
-            chosen=p.serve.instance.instance_id, prefill=p.prefill.instance_id if p.prefill else None,
-            candidates=[CandidateRecord(**dataclasses.asdict(c)) for c in p.candidates],
-        ) for at, model, tokens, p in self._placements]
+            at=at, model=model, prompt_tokens=tokens, prompt_blocks=blocks, reason=reason, chosen=chosen,
+            prefill=prefill, candidates=[CandidateRecord(**dataclasses.asdict(c)) for c in candidates],
+            migrated=migrated,
+        ) for at, model, tokens, blocks, reason, chosen, prefill, candidates, migrated in self._placements]
 
 
 class ErrorLog:

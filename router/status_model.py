@@ -82,8 +82,10 @@ class CandidateRecord(BaseModel):
     """Blocks beyond those that the KV store held (it would load them)."""
     queued_tokens: float
     """Prompt tokens routed there and not yet prefilled."""
+    inflight: int
+    """This router's requests in flight there (what kv_aware prices)."""
     load: int
-    """Requests in flight there."""
+    """The larger of that and the engine's own count, every router's (ties are broken on it)."""
     score: float | None
     """The policy's score (kv_aware: estimated prefill work in tokens; lower wins); None for a
     policy that scores nothing."""
@@ -105,6 +107,8 @@ class PlacementRecord(BaseModel):
     prefill: str | None
     """The instance that prefilled it first (P/D), if any."""
     candidates: list[CandidateRecord]
+    migrated: bool = False
+    """The continuation of a stream whose engine broke (router/relay.py), not a new request."""
 
 
 class ErrorRecord(BaseModel):

@@ -55,6 +55,11 @@ class PolicyContext:
     request_cost_tokens: float = DEFAULT_REQUEST_COST_TOKENS
     """What one request in flight on an instance costs a new one there, in prompt tokens computed."""
 
+    def for_prefill(self) -> PolicyContext:
+        """The context of the policy that picks a prefill instance: a remote prefill in flight is
+        already priced in its queued prompt tokens, and no decode steps are shared there."""
+        return dataclasses.replace(self, request_cost_tokens=0.0)
+
 
 class RoutingPolicy(Protocol):
     name: str

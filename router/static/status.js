@@ -181,7 +181,12 @@ function candidateText(candidate) {
   const score = candidate.score === null ? "-" : Math.round(candidate.score);
   return `${candidate.instance_id}: ${candidate.cached_blocks}` +
          `${candidate.store_blocks ? "+" + candidate.store_blocks + " store" : ""} · ` +
-         `${Math.round(candidate.queued_tokens)} · ${candidate.load} · ${score}`;
+         `${Math.round(candidate.queued_tokens)} · ${candidate.inflight} · ${score}`;
+}
+
+function reasonText(placement) {
+  const prefilled = placement.prefill ? `, prefilled on ${placement.prefill}` : "";
+  return `${placement.migrated ? "migrated, " : ""}${placement.reason}${prefilled}`;
 }
 
 function drawPlacements(allPlacements) {
@@ -194,8 +199,7 @@ function drawPlacements(allPlacements) {
     }
     tr.append(cell(clock(placement.at)), cell(placement.model),
               cell(`${placement.prompt_tokens} (${placement.prompt_blocks} blocks)`, "num"),
-              cell(placement.prefill ? `${placement.reason}, prefilled on ${placement.prefill}` : placement.reason),
-              candidates);
+              cell(reasonText(placement)), candidates);
     return tr;
   });
   replaceChildren(document.querySelector("#placements tbody"), rows.length ? rows : [emptyRow(5, "none yet")]);

@@ -45,14 +45,14 @@ def test_placement_shows_each_candidate_as_the_policy_weighed_it():
     placer = Placer(PlacementSettings(0), make_policy("kv_aware", PolicyContext(index, frozenset({"store"}), request_cost_tokens=100)),
                     make_policy("kv_aware"), index=index, store_holders=frozenset({"store"}))
     warm, cold = Instance("warm", COLOCATED, "u", model="m"), Instance("cold", COLOCATED, "u", model="m")
-    warm.pending_prefill_tokens, warm.inflight = 40.0, 3
+    warm.pending_prefill_tokens, warm.inflight, warm.engine_load = 40.0, 3, 5
     placement = placer.place(RoutingRequest(hashes, 128, 16), [cold, warm], [])
     views = {c.instance_id: c for c in placement.candidates}
     assert (views["warm"].cached_blocks, views["warm"].store_blocks, views["warm"].queued_tokens,
-            views["warm"].load) == (6, 2, 40.0, 3)
-    assert (views["cold"].cached_blocks, views["cold"].store_blocks, views["cold"].load) == (0, 8, 0)
+            views["warm"].inflight, views["warm"].load) == (6, 2, 40.0, 3, 5)
+    assert (views["cold"].cached_blocks, views["cold"].store_blocks, views["cold"].inflight) == (0, 8, 0)
     # kv_aware's estimate in prompt tokens: queued + computed + fetched at 5% of computing + 100
-    # a request in flight; the warm one's queue outweighs what its cache saves over the store,
+    # a request this router has in flight (the engine's count is not priced); the warm one's queue outweighs what its cache saves over the store,
     # and the lower score wins.
     assert views["warm"].score == pytest.approx(40 + 0.05 * 32 + 300) and views["cold"].score == pytest.approx(0.05 * 128)
     assert placement.serve.instance is cold

@@ -38,9 +38,11 @@ def cluster_status() -> ClusterStatus:
         "recent_placements": [{"at": 1_789_999_998.0, "model": "tiny", "prompt_tokens": 900, "prompt_blocks": 56,
                                "reason": "remote", "chosen": "decode-3", "prefill": "prefill-0",
                                "candidates": [{"instance_id": "decode-3", "cached_blocks": 40, "store_blocks": 8,
-                                               "queued_tokens": 0.0, "load": 1, "score": 160.4},
+                                               "queued_tokens": 0.0, "inflight": 1, "load": 1,
+                                               "score": 160.4},
                                               {"instance_id": "decode-4", "cached_blocks": 0, "store_blocks": 48,
-                                               "queued_tokens": 300.0, "load": 2, "score": 1176.0}]}],
+                                               "queued_tokens": 300.0, "inflight": 2, "load": 3,
+                                               "score": 1176.0}]}],
         "recent_errors": [{"at": 1_789_999_999.0, "kind": "RateLimitError", "status": 429,
                            "message": "key over its rate [bold]limit[/bold]"}],
     })
@@ -67,6 +69,10 @@ def test_data_is_shown_as_text_never_read_as_rich_markup():
     text = rendered(status)
     assert "[red]x[/red]" in text
     assert "key over its rate [bold]limit[/bold]" in text
+    status.recent_placements[0].prefill = "[/x]"  # would raise MarkupError if read as markup
+    status.recent_placements[0].model = "[blue]m[/blue]"
+    text = rendered(status)
+    assert "prefilled on [/x]" in text and "[blue]m[/blue]" in text
 
 
 def test_an_empty_cluster_renders():

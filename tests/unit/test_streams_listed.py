@@ -109,3 +109,7 @@ def test_the_streams_an_instance_relays_are_listed_under_it_and_follow_a_migrati
                 time.sleep(0.05)
             assert listed() == {"engine-a": [], "engine-b": []}
             assert all(i.inflight == 0 for i in registry.all())
+            # The recent placements show the request where it went, then its continuation.
+            status = httpx.get(f"{router_url}/admin/status", headers=CREDENTIALS.admin_headers(), timeout=5).json()
+            assert [(p["chosen"], p["migrated"]) for p in status["recent_placements"]] == [(first, False), (other, True)]
+            assert [c["instance_id"] for c in status["recent_placements"][1]["candidates"]] == [other]
