@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import dataclasses
 import time
 
 import aiohttp
@@ -37,7 +36,6 @@ from router import metrics
 from router.errors import EngineFailed
 from router.placement import Placement
 from router.status_model import (
-    CandidateRecord,
     ClusterStatus,
     ErrorRecord,
     HitRates,
@@ -91,7 +89,7 @@ class PlacementLog:
     def recent(self) -> list[PlacementRecord]:
         return [PlacementRecord(
             at=at, model=model, prompt_tokens=tokens, prompt_blocks=blocks, reason=reason, chosen=chosen,
-            prefill=prefill, candidates=[CandidateRecord(**dataclasses.asdict(c)) for c in candidates],
+            prefill=prefill, candidates=list(candidates),
             migrated=migrated,
         ) for at, model, tokens, blocks, reason, chosen, prefill, candidates, migrated in self._placements]
 

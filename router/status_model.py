@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field, computed_field
 
+from router.placement import CandidateView
+
 
 class InstanceStatus(BaseModel):
     instance_id: str
@@ -72,25 +74,6 @@ class ShardStatus(BaseModel):
     """Why this shard did not answer (the other fields are then None)."""
 
 
-class CandidateRecord(BaseModel):
-    """One instance a request could have gone to, as the routing policy saw it then."""
-
-    instance_id: str
-    cached_blocks: int
-    """The prompt's leading KV blocks it held (by the router's index)."""
-    store_blocks: int
-    """Blocks beyond those that the KV store held (it would load them)."""
-    queued_tokens: float
-    """Prompt tokens routed there and not yet prefilled."""
-    inflight: int
-    """This router's requests in flight there (what kv_aware prices)."""
-    load: int
-    """The larger of that and the engine's own count, every router's (ties are broken on it)."""
-    score: float | None
-    """The policy's score (kv_aware: estimated prefill work in tokens; lower wins); None for a
-    policy that scores nothing."""
-
-
 class PlacementRecord(BaseModel):
     """Where one request went and why: a hot spot shows as one instance chosen over and over
     with the longest queue."""
@@ -106,7 +89,8 @@ class PlacementRecord(BaseModel):
     """The instance that served it."""
     prefill: str | None
     """The instance that prefilled it first (P/D), if any."""
-    candidates: list[CandidateRecord]
+    candidates: list[CandidateView]
+    """Each serving candidate as the policy weighed it (router.placement.CandidateView)."""
     migrated: bool = False
     """The continuation of a stream whose engine broke (router/relay.py), not a new request."""
 
