@@ -42,6 +42,8 @@ class RequestAnalyzer:
     INLINE_BYTES = 4096
     # Room in a body for what is not the prompt (sampling fields, a tool schema) beyond the cap.
     BODY_OVERHEAD_BYTES = 64 * 1024
+    # A tokenizing process loads its tokenizers (seconds; tens on a node whose cores engines keep busy).
+    START_TIMEOUT_S = 120.0
 
     def __init__(self, config: RouterConfig) -> None:
         self.block_size = config.block_size
@@ -53,6 +55,7 @@ class RequestAnalyzer:
         self._processes = config.tokenize_processes
         self._tokenizers = ({m.name: str(m.tokenizer) for m in config.models if m.tokenizer}, config.kv_hashing)
         self._pool = self._new_pool()
+        self._starting: list[concurrent.futures.Future] = []
         self._capacity = config.tokenize_processes + config.tokenize_max_waiting
         self._pending = 0  # long prompts in the pool, running or waiting
 
@@ -64,8 +67,16 @@ class RequestAnalyzer:
     def start(self) -> None:
         """Start the tokenizing processes now (each loads its tokenizers: seconds), not on the
         first long prompt."""
-        for _ in range(self._processes):
-            self._pool.submit(_ready)
+        self._starting = [self._pool.submit(_ready) for _ in range(self._processes)]
+
+    async def _started(self) -> None:
+        """Until a tokenizing process is up: a prompt's deadline counts its tokenizing, not the
+        pool's start."""
+        if self._starting and not any(f.done() for f in self._starting):
+            waiting = [asyncio.wrap_future(f) for f in self._starting]
+            done, _ = await asyncio.wait(waiting, timeout=self.START_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED)
+            if not done:
+                raise Overloaded("the tokenizing processes are still starting; retry shortly", retry_after_s=5)
 
     async def analyze(self, request: SamplingRequest, body_bytes: int) -> RoutingRequest:
         """`request` names a served model (the intake checked it)."""
@@ -93,17 +104,23 @@ class RequestAnalyzer:
     async def _off_loop(self, request: SamplingRequest) -> list[int]:
         if self._pending >= self._capacity:
             raise Overloaded("too many long prompts are being tokenized; retry shortly", retry_after_s=1)
+        self._pending += 1
         try:
+            await self._started()
             future = asyncio.get_running_loop().run_in_executor(self._pool, _tokens, request.model,
                                                                 *_tokenizing(request))
-            self._pending += 1
-            future.add_done_callback(lambda _: self._release())  # when the process is done, not the wait
+        except BaseException:
+            self._release()
+            raise
+        future.add_done_callback(lambda _: self._release())  # when the process is done, not the wait
+        try:
             return await asyncio.wait_for(asyncio.shield(future), self.timeout_s)
         except TimeoutError:
             raise BadRequest(f"the prompt took over {self.timeout_s:g} s to tokenize") from None
         except BrokenProcessPool:  # a tokenizing process died (its pool refuses work since): new ones
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = self._new_pool()
+            self.start()
             raise Overloaded("the prompt's tokenizing process failed; retry shortly", retry_after_s=1) from None
 
     def _release(self) -> None:

@@ -36,6 +36,19 @@ async def test_a_long_prompt_gets_the_tokens_it_would_get_on_the_event_loop(anal
         assert routed.num_tokens == len(analyzer.token_ids(request))
 
 
+async def test_a_long_prompt_sent_while_the_processes_start_waits_for_them_not_its_deadline(tiny_model):
+    # A deadline far shorter than a process's start (a Python process loading a tokenizer: seconds).
+    config = RouterConfig(models=(ServedModel(name="tiny", max_model_len=4096, tokenizer=tiny_model),),
+                          tokenize_timeout_s=0.5)
+    starting = RequestAnalyzer(config)
+    starting.start()
+    try:
+        request = CompletionRequest(model="tiny", prompt="the river runs on " * 400)
+        assert await starting._off_loop(request) == starting.token_ids(request)
+    finally:
+        starting.close()
+
+
 async def test_a_tokenizing_process_that_dies_costs_one_retry(analyzer):
     request = CompletionRequest(model="tiny", prompt="the river runs on " * 400)
     await analyzer._off_loop(request)  # the process is up
