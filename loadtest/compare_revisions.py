@@ -29,6 +29,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import tomllib
+from importlib.metadata import entry_points
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -59,13 +61,36 @@ def _routing(result: dict) -> dict[str, float]:
             for metric, value in row.items() if not metric.endswith("_ratio")}
 
 
+PLUGIN_GROUP = "vllm.general_plugins"
+
+
+def tree_plugins(tree: Path, scratch: Path) -> list[str]:
+    """Where the tree's own vLLM plugins are declared, when the installed package (this
+    checkout's) declares them at other module paths: a directory holding a distribution of
+    them, put on the tree's import path, so that the tree's engines find their own (vLLM loads
+    every plugin of the name: the installed one, whose module the tree lacks, fails and is
+    logged; the tree's loads)."""
+    project = tomllib.loads((tree / "pyproject.toml").read_text())["project"]
+    declared = project.get("entry-points", {}).get(PLUGIN_GROUP, {})
+    installed = {(p.name, p.value) for p in entry_points(group=PLUGIN_GROUP)}
+    if set(declared.items()) <= installed:
+        return []
+    info = scratch / "tree-plugins" / "pdcluster_tree_plugins-0.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: pdcluster-tree-plugins\nVersion: 0\n")
+    (info / "entry_points.txt").write_text(f"[{PLUGIN_GROUP}]\n"
+                                           + "".join(f"{name} = {value}\n" for name, value in declared.items()))
+    return [str(info.parent)]
+
+
 def run(tree: Path, bench: str, out: Path) -> dict[str, float]:
     arguments, extract = BENCHES[bench]
     # Both trees serve the same checkpoints (this checkout's, where it has built them).
     models = os.environ.get("PDCLUSTER_MODEL_ROOT") or str(REPO / ".cache" / "models")
     if bench in SERVED_FROM_TREE:
         arguments, tree = [*arguments, "--serve-tree", str(tree)], REPO
-    env = {**os.environ, "PYTHONPATH": str(tree), "PDCLUSTER_MODEL_ROOT": models}
+    path = [str(tree), *tree_plugins(tree, out.parent)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "PDCLUSTER_MODEL_ROOT": models}
     subprocess.run([sys.executable, *arguments, "--out", str(out)], cwd=tree, env=env, check=True,
                    stdout=subprocess.DEVNULL, timeout=3600)
     return extract(json.loads(out.read_text()))
