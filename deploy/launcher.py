@@ -194,8 +194,9 @@ class Launcher:
                     live.update(self._progress_table(actors, await self._describe_all(actors)))
                 await asyncio.wait(list(starts.values()), timeout=0.5)
         failed = {iid: task.exception() for iid, task in starts.items() if task.exception()}
-        for instance_id in failed:  # their engines are stopped already; end the actors too
+        for instance_id, exc in failed.items():  # their engines are stopped already; end the actors too
             ray.kill(self._actors.pop(instance_id))
+            self._append_to_start_log({"instance_id": instance_id, "path": "failed", "error": str(exc)})
         if failed:
             raise next(iter(failed.values()))  # EngineStartError with the engine's log tail
         started = []
@@ -322,14 +323,19 @@ class Launcher:
                              stages_s=timeline["stages_s"])
         for callback in self.on_start:
             callback(record)
-        if self.start_log is not None:
-            self.start_log.parent.mkdir(parents=True, exist_ok=True)
-            with self.start_log.open("a") as out:
-                out.write(json.dumps({"instance_id": instance_id, "path": path, **timeline}) + "\n")
+        self._append_to_start_log({"instance_id": instance_id, "path": path, **timeline})
         self.console.print(
             f"[green]{instance_id}[/] {path}: {timeline['total_s']:.2f} s "
             + " ".join(f"{k}={v:.2f}" for k, v in timeline["stages_s"].items())
         )
+
+    def _append_to_start_log(self, entry: dict) -> None:
+        """One start (its timeline), or one failed start (path "failed", the error with its engine's
+        log tail), as a line of JSON."""
+        if self.start_log is not None:
+            self.start_log.parent.mkdir(parents=True, exist_ok=True)
+            with self.start_log.open("a") as out:
+                out.write(json.dumps(entry) + "\n")
 
     @staticmethod
     async def _describe_all(actors: dict[str, ray.actor.ActorHandle]) -> dict[str, EngineDescription]:

@@ -19,8 +19,9 @@ from rich.console import Console
 
 from deploy.topology import Topology, roles_to_start
 from engine.config import EngineConfig
+from engine.engine_args import EngineArgs
 from engine.environment import is_cpu_build, is_loopback, use_ray
-from engine.models import BUILDERS, COMPLETE_MARKER, default_model_root
+from engine.models import BUILDERS, default_model_root, is_complete
 from router.config import RouterConfig, ServedModel
 from security.credentials import ClusterCredentials, CredentialsError, read_private
 
@@ -49,7 +50,7 @@ def resolve_model(model: str) -> tuple[Path, str]:
     """A builder name is built (in its own process: torch must not load here) and cached."""
     if model in BUILDERS:
         path = default_model_root() / model
-        if not (path / COMPLETE_MARKER).exists():  # a built model costs no child process (seconds)
+        if not is_complete(path):  # a built model costs no child process (seconds)
             subprocess.run([sys.executable, "-m", "deploy.cli", "model", model, str(path)], check=True)
         return path, model
     path = Path(model)
@@ -90,7 +91,9 @@ def serve(args: argparse.Namespace) -> int:
         # One machine makes its own secret; a cluster's head must be given one (README, cluster steps).
         credentials = ClusterCredentials.load(args.secret_file, create=args.address is None)
         secret = credentials.secret.hex()
-        engine_configs = _engine_configs(args, models, topology)
+        engine_args = _engine_args(args, topology)
+        engine_args.check(models[0][0], topology.role_kinds())
+        engine_configs = _engine_configs(args, models, topology, engine_args)
         router_config = _router_config(args, models, engine_configs, secret)
     except (ValidationError, ValueError, OSError, CredentialsError) as exc:
         console.print(f"[red]invalid configuration:[/] {exc}")
@@ -121,7 +124,17 @@ def _check_gpu_sharing(args: argparse.Namespace, topology: Topology) -> None:
                          "vLLM's CPU build has no sleep mode and no GPU to share")
 
 
-def _engine_configs(args: argparse.Namespace, models: list[tuple[Path, str]], topology: Topology) -> list[EngineConfig]:
+def _engine_args(args: argparse.Namespace, topology: Topology) -> EngineArgs:
+    """The vLLM flags the user gave each pool."""
+    pd = topology.prefill or topology.decode
+    if not pd and (args.prefill_engine_arg or args.decode_engine_arg):
+        raise ValueError("--prefill-engine-arg and --decode-engine-arg are for a P/D topology's pools: "
+                         "give colocated engines --engine-arg")
+    return EngineArgs.from_flags(args.engine_arg, args.prefill_engine_arg, args.decode_engine_arg)
+
+
+def _engine_configs(args: argparse.Namespace, models: list[tuple[Path, str]], topology: Topology,
+                    engine_args: EngineArgs) -> list[EngineConfig]:
     """One engine config per model: the engines of its pools all start from it."""
     return [EngineConfig(
         model=path,
@@ -137,6 +150,7 @@ def _engine_configs(args: argparse.Namespace, models: list[tuple[Path, str]], to
         kv_store_timeout_s=args.store_timeout, structured_migration=args.structured_migration,
         log_dir=args.engine_log_dir.resolve() if args.engine_log_dir else None,
         otlp_traces_endpoint=args.otlp_traces_endpoint,
+        engine_args=engine_args,
     ) for path, name in models]
 
 

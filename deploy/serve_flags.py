@@ -68,6 +68,19 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-eager", action="store_true", help="allow compilation / CUDA graphs")
     parser.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "float32"), default="auto",
                         help="the engines' weights and activations (auto: the checkpoint's)")
+    parser.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="FLAG",
+        help="a vLLM serve flag for every engine, with its value (--engine-arg=--max-num-seqs=64, "
+        "--engine-arg='--tool-call-parser hermes'); repeatable; checked by vLLM's own parser before any engine "
+        "starts. Flags the cluster sets (model, ports, max model len, block size, dtype, ...) are refused",
+    )
+    parser.add_argument("--prefill-engine-arg", action="append", default=[], metavar="FLAG",
+                        help="as --engine-arg, for the prefill pool's engines only (after --engine-arg's)")
+    parser.add_argument("--decode-engine-arg", action="append", default=[], metavar="FLAG",
+                        help="as --engine-arg, for the decode pool's engines only (after --engine-arg's)")
     parser.add_argument("--start-timeout", type=float, default=300.0, help="per engine, once placed")
     parser.add_argument(
         "--placement-timeout",
@@ -229,7 +242,8 @@ def _add_observability_flags(parser: argparse.ArgumentParser) -> None:
         "--start-log",
         type=Path,
         default=Path(env_default("START_LOG", "results/starts.jsonl")),
-        help="one JSON line per engine start, stage by stage (env PDCLUSTER_START_LOG)",
+        help="one JSON line per engine start, stage by stage, or per failed start (path \"failed\", its error) "
+        "(env PDCLUSTER_START_LOG)",
     )
     parser.add_argument(
         "--otlp-traces-endpoint",

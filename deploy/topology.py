@@ -84,6 +84,10 @@ class Topology:
             return [(COLOCATED, self.colocated)]
         return [(PREFILL, self.prefill), (DECODE, self.decode)]
 
+    def role_kinds(self) -> list[Role]:
+        """The roles of this topology's pools."""
+        return [role.kind for role, _ in self._counts()]
+
     def id_prefix(self, model: str) -> str:
         """What a model's instance ids start with: nothing when it is the only one."""
         return f"{model}-" if len(self.models) > 1 else ""

@@ -8,6 +8,7 @@ from urllib.parse import urlparse
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
+from engine.engine_args import EngineArgs
 from engine.environment import KV_HASH_SEED
 from engine.role_spec import COLOCATED, RoleSpec
 
@@ -107,8 +108,9 @@ class EngineConfig(BaseModel):
     a custom logits processor on its V1 model runner, not V2 (0.86x decode throughput at batch 128
     on an H200, docs/routing.md); without it such streams end with an error event when their
     engine dies, as any stream that cannot migrate."""
-    extra_args: tuple[str, ...] = ()
-    """Further `vllm serve` arguments, passed through verbatim."""
+    engine_args: EngineArgs = EngineArgs()
+    """vLLM serve flags the user gave the engine's pool (`pdcluster serve --engine-arg`), after ours:
+    none the cluster owns (engine/engine_args.py)."""
 
     @property
     def block_size(self) -> int:

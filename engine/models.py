@@ -21,9 +21,25 @@ from collections.abc import Callable
 from pathlib import Path
 
 COMPLETE_MARKER = ".pdcluster-complete"
+MODELS_REVISION = 2
+"""What the builders make; a model built by another revision is built again (2: tools in the template)."""
 CHATML_TEMPLATE = (
+    # Hermes-style tools: offered in a system turn, called as <tool_call>{json}</tool_call> (vLLM's
+    # `hermes` parser), answered in a `tool` turn. A chat without tools renders as plain ChatML.
+    "{% if tools %}{{ '<|im_start|>system\nYou may call these functions: <tools>' }}{{ tools | tojson }}"
+    "{{ '</tools>\nCall one as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>.<|im_end|>\n' }}"
+    "{% endif %}"
     "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' and message['tool_calls'] is defined and message['tool_calls'] %}"
+    "{{ '<|im_start|>assistant\n' + (message['content'] or '') }}"
+    "{% for call in message['tool_calls'] %}{{ '<tool_call>' }}"
+    "{{ {'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson }}"
+    "{{ '</tool_call>' }}{% endfor %}{{ '<|im_end|>\n' }}"
+    "{% elif message['role'] == 'tool' %}"
+    "{{ '<|im_start|>tool\n<tool_response>' + message['content'] + '</tool_response><|im_end|>\n' }}"
+    "{% else %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
@@ -174,7 +190,7 @@ def derive_checkpoints(base: Path, count: int) -> list[Path]:
     for k in range(1, count):
         target = base.parent / f"{base.name}-v{k}"
         derived.append(target)
-        if (target / COMPLETE_MARKER).exists():
+        if is_complete(target):
             continue
         target.mkdir(parents=True, exist_ok=True)
         for item in base.iterdir():
@@ -186,7 +202,8 @@ def derive_checkpoints(base: Path, count: int) -> list[Path]:
         drawn = torch.randn(head.shape, generator=torch.Generator().manual_seed(k), dtype=torch.float32)
         tensors["lm_head.weight"] = (drawn * head.float().std()).to(head.dtype)
         save_file(tensors, target / head_file, metadata={"format": "pt"})
-        (target / COMPLETE_MARKER).write_text(json.dumps({"derived_from": str(base), "head_seed": k}))
+        (target / COMPLETE_MARKER).write_text(json.dumps({"derived_from": str(base), "head_seed": k,
+                                                          "revision": MODELS_REVISION}))
     return derived
 
 
@@ -235,19 +252,27 @@ BUILDERS: dict[str, Callable[[Path], None]] = {
 }
 
 
+def is_complete(target: Path) -> bool:
+    """Whether `target` holds a model this revision of the builders finished."""
+    try:
+        return json.loads((target / COMPLETE_MARKER).read_text()).get("revision") == MODELS_REVISION
+    except (OSError, ValueError):
+        return False
+
+
 def ensure_model(name: str, target: Path | None = None) -> Path:
     """Build model `name` into `target` (default: the cache root) unless it is already complete."""
     if name not in BUILDERS:
         raise ValueError(f"unknown model {name!r}; choose one of {sorted(BUILDERS)}")
     target = Path(target) if target else default_model_root() / name
-    if (target / COMPLETE_MARKER).exists():
+    if is_complete(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     # Build beside the target and rename, so a crash never leaves a half-written model in place.
     staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
     try:
         BUILDERS[name](staging)
-        (staging / COMPLETE_MARKER).write_text(json.dumps({"builder": name}))
+        (staging / COMPLETE_MARKER).write_text(json.dumps({"builder": name, "revision": MODELS_REVISION}))
         if target.exists():
             shutil.rmtree(target)
         staging.rename(target)

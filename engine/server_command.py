@@ -86,7 +86,7 @@ def server_command(config: EngineConfig, host: str, port: int, instance_id: str)
         command += ["--kv-transfer-config", json.dumps(kv_transfer_config(c))]
     if c.otlp_traces_endpoint:
         command += ["--otlp-traces-endpoint", c.otlp_traces_endpoint]
-    return command + list(c.role.vllm_args) + list(c.extra_args)
+    return command + list(c.role.vllm_args) + list(c.engine_args.for_role(c.role.kind))
 
 
 def _zmq_host(host: str) -> str:

@@ -22,6 +22,7 @@ import sys
 
 from vllm.entrypoints.openai import api_server  # the seconds of imports a pre-imported process saves
 
+from engine.engine_args import vllm_serve_cli
 from engine.server_command import LISTEN_FD_ENV
 from security.credentials import EngineKeys, bearer_matches
 from transport.listener_guard import ListenerLimits, guarded_protocol
@@ -52,11 +53,7 @@ def serve(server_args: list[str]) -> None:
     from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    try:  # vLLM 0.32 (the CPU build)
-        from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
-    except ImportError:  # vLLM 0.26 (the H200's)
-        from vllm.entrypoints.openai.cli_args import make_arg_parser, validate_parsed_serve_args
-
+    make_arg_parser, validate_parsed_serve_args = vllm_serve_cli()
     cli_env_setup()
     parser = make_arg_parser(FlexibleArgumentParser(description="vLLM OpenAI-compatible server (pdcluster engine)"))
     args = parser.parse_args(server_args)

@@ -11,6 +11,7 @@ turns every hit into a miss, so tests compare these hashes with the engines' own
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -44,7 +45,7 @@ class PromptHasher:
 
     def chat_tokens(self, messages: Sequence[dict[str, Any]], options: dict[str, Any]) -> list[int]:
         """Token ids of a chat request, rendered with the model's chat template."""
-        conversation = [{**m, "content": _text_content(m.get("content"))} for m in messages]
+        conversation = [_with_parsed_arguments({**m, "content": _text_content(m.get("content"))}) for m in messages]
         continue_final = bool(options.get("continue_final_message", False))
         # The model's own template only: the request's options are its variables, never the
         # rendering's parameters (router/openai_requests.py refuses those too).
@@ -55,6 +56,7 @@ class PromptHasher:
             tokenize=False,
             add_generation_prompt=bool(options.get("add_generation_prompt", not continue_final)),
             continue_final_message=continue_final,
+            tools=options.get("tools"),
             **variables,
         )
         return self.tokenizer.encode(text, add_special_tokens=False)
@@ -73,6 +75,30 @@ class PromptHasher:
             )
             hashes.append(int.from_bytes(parent, "big") & ((1 << 64) - 1))
         return hashes
+
+
+def _with_parsed_arguments(message: dict[str, Any]) -> dict[str, Any]:
+    """An assistant turn's tool calls with their arguments as objects, as vLLM gives templates
+    (renderers/chat_utils.py `_postprocess_messages`: JSON text parsed, empty or malformed as {})."""
+    calls = message.get("tool_calls")
+    if message.get("role") != "assistant" or not isinstance(calls, list):
+        return message
+    if not calls:
+        return {k: v for k, v in message.items() if k != "tool_calls"}
+    return {**message, "tool_calls": [_call_with_parsed_arguments(call) for call in calls]}
+
+
+def _call_with_parsed_arguments(call: Any) -> Any:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict):
+        return call
+    arguments = function.get("arguments")
+    if isinstance(arguments, str) and arguments:
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            arguments = None
+    return {**call, "function": {**function, "arguments": arguments if isinstance(arguments, dict) else {}}}
 
 
 def _text_content(content: Any) -> Any:

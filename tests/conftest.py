@@ -12,6 +12,10 @@ from security.credentials import SECRET_ENV, ClusterCredentials
 
 REPO = Path(__file__).resolve().parent.parent
 ARTIFACTS = REPO / ".cache" / "test-artifacts"
+SERVED_MAX_LOGPROBS = 8
+# The `served` cluster's engines and the tiny model's oracle run with these vLLM options of a
+# user's (none changes the answers to tests/oracle.py's prompts): tool calls parsed, fewer logprobs.
+TINY_ENGINE_ARGS = (f"--max-logprobs={SERVED_MAX_LOGPROBS}", "--enable-auto-tool-choice", "--tool-call-parser=hermes")
 os.environ.setdefault("PDCLUSTER_MODEL_ROOT", str(REPO / ".cache" / "models"))
 # Any Ray this test process starts stays on loopback (read when ray is first imported).
 os.environ.update(RAY_LOOPBACK_ENV)
@@ -53,30 +57,58 @@ def model_dir():
     return built_model
 
 
+class Oracle:
+    """Plain vLLM's answers for models of engine.models.BUILDERS served under their builder names,
+    computed once per session: `oracle(model)` to tests/oracle.py's PROMPTS, and
+    `oracle.tool_calls()` to tests/tool_calls.py's requests (the tiny model, TINY_ENGINE_ARGS)."""
+
+    def __init__(self, artifacts: Path) -> None:
+        self.artifacts = artifacts
+        self._answers: dict[str, dict] = {}
+        self._tool_answers: dict = {}
+
+    def __call__(self, model: str) -> dict:
+        if model not in self._answers:
+            self._ask(model)
+        return self._answers[model]
+
+    def tool_calls(self) -> dict:
+        self("tiny")
+        return self._tool_answers
+
+    def _ask(self, model: str) -> None:
+        import oracle
+        import tool_calls
+
+        from engine.config import EngineConfig
+        from engine.engine_args import EngineArgs
+
+        args = EngineArgs(every_pool=TINY_ENGINE_ARGS if model == "tiny" else ())
+        config = EngineConfig(model=built_model(model), served_model_name=model, engine_args=args)
+        with oracle.PlainVLLM(config, self.artifacts / f"plain-vllm-{model}.log") as server:
+            self._answers[model] = oracle.warmed_up_answers(server.url, model)
+            if model == "tiny":
+                self._tool_answers = tool_calls.ask_all(server.url, model)
+
+
 @pytest.fixture(scope="session")
-def oracle(artifacts):
-    """`oracle(model)`: plain vLLM's answers to tests/oracle.py's PROMPTS for a model of
-    engine.models.BUILDERS served under its builder name, computed once per session."""
-    from oracle import oracle_answers
+def oracle(artifacts) -> Oracle:
+    return Oracle(artifacts)
 
-    from engine.config import EngineConfig
 
-    answers: dict[str, dict] = {}
-
-    def of(model: str) -> dict:
-        if model not in answers:
-            config = EngineConfig(model=built_model(model), served_model_name=model)
-            answers[model] = oracle_answers(config, artifacts / f"plain-vllm-{model}.log")
-        return answers[model]
-
-    return of
+@pytest.fixture(scope="session")
+def served_max_logprobs() -> int:
+    """The `--max-logprobs` the `served` cluster's engines are given (`--engine-arg`)."""
+    return SERVED_MAX_LOGPROBS
 
 
 @pytest.fixture(scope="session")
 def served(tiny_model):
-    """One colocated tiny-model engine behind the router, for the whole session."""
+    """One colocated tiny-model engine behind the router, for the whole session; with a vLLM engine
+    arguments of a user's (TINY_ENGINE_ARGS), as the tiny model's oracle."""
     from loadtest.local_cluster import LocalServer
 
-    server = LocalServer(["--model", "tiny", "--kv-cache-gib", "1"], ARTIFACTS / "serve-colocated.log")
+    server = LocalServer(["--model", "tiny", "--kv-cache-gib", "1", *(f"--engine-arg={a}" for a in TINY_ENGINE_ARGS)],
+                         ARTIFACTS / "serve-colocated.log")
     with server:
         yield server

@@ -152,7 +152,9 @@ class PlainVLLM:
                    "--served-model-name", c.served_model_name, "--host", "127.0.0.1", "--port", str(self.port),
                    "--max-model-len", str(c.max_model_len), "--block-size", str(c.block_size),
                    "--gpu-memory-utilization", str(c.gpu_memory_utilization)]
-        return command + (["--enforce-eager"] if c.enforce_eager else [])
+        command += ["--enforce-eager"] if c.enforce_eager else []
+        command += ["--dtype", c.dtype] if c.dtype != "auto" else []
+        return command + list(c.engine_args.for_role(c.role.kind))
 
     def __enter__(self) -> PlainVLLM:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -189,10 +191,15 @@ def oracle_answers(config: EngineConfig, log_path: Path) -> dict[str, Answer]:
     """Plain vLLM's answers to PROMPTS, each computed from scratch (one after the other, each
     prompt a first: no prefix-cache hit between them)."""
     with PlainVLLM(config, log_path) as server:
-        # vLLM 0.32's CPU attention uses AMX without asking Linux for it: a short first prompt
-        # kills a small model's worker (SIGILL); a long one runs oneDNN first, which asks.
-        ask(server.url, config.served_model_name, {"prompt": WARM_UP})
-        return ask_all(server.url, config.served_model_name)
+        return warmed_up_answers(server.url, config.served_model_name)
+
+
+def warmed_up_answers(url: str, model: str) -> dict[str, Answer]:
+    """PROMPTS' answers from a server just started."""
+    # vLLM 0.32's CPU attention uses AMX without asking Linux for it: a short first prompt
+    # kills a small model's worker (SIGILL); a long one runs oneDNN first, which asks.
+    ask(url, model, {"prompt": WARM_UP})
+    return ask_all(url, model)
 
 
 def assert_conforms(to: str | EngineAccess, model: str, oracle: dict[str, Answer]) -> None:

@@ -68,7 +68,7 @@ def engines(cuda_model, artifacts):
 
     def config(role: RoleSpec) -> EngineConfig:
         return EngineConfig(model=cuda_model, served_model_name="tiny", role=role, max_model_len=2048,
-                            gpu_memory_utilization=0.15, keep_host_weights=False, extra_args=("--dtype", dtype),
+                            gpu_memory_utilization=0.15, keep_host_weights=False, dtype=dtype,
                             kv_store_endpoints=() if role is COLOCATED else (shard.endpoint,))
 
     hosts = [EngineHost(config(role), f"cuda-{role.name}", host="127.0.0.1",

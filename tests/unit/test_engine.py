@@ -122,3 +122,18 @@ def test_vllms_startup_plan_is_kept_per_memory_utilization(tiny_model):
 
     assert config_hash(0.45) == config_hash(0.45)
     assert config_hash(0.45) != config_hash(0.9)
+
+
+def test_a_model_built_by_another_revision_of_the_builders_is_built_again(tmp_path, monkeypatch):
+    from engine import models
+
+    built = []
+    monkeypatch.setitem(models.BUILDERS, "stand-in", lambda target: built.append(target) or target.mkdir(exist_ok=True))
+    target = tmp_path / "stand-in"
+    models.ensure_model("stand-in", target)
+    models.ensure_model("stand-in", target)
+    assert len(built) == 1 and models.is_complete(target)
+    (target / models.COMPLETE_MARKER).write_text('{"builder": "stand-in"}')  # an older revision's marker
+    assert not models.is_complete(target)
+    models.ensure_model("stand-in", target)
+    assert len(built) == 2 and models.is_complete(target)

@@ -131,6 +131,9 @@ def test_a_stream_that_broke_after_its_last_token_is_closed_with_its_usage():
     (COMPLETIONS, {"prompt": "a", "stream": True, "stop": []}, True),
     (CHAT, {"messages": [], "stream": True, "presence_penalty": 0.5}, False),  # counts output tokens
     (CHAT, {"messages": [], "stream": True, "presence_penalty": 0.0, "repetition_penalty": 1.2}, True),
+    # tool calls: their deltas are the engine's parser's, whose state no continuation takes over
+    (CHAT, {"messages": [], "stream": True, "tools": [{"type": "function", "function": {"name": "f"}}]}, False),
+    (CHAT, {"messages": [], "stream": True, "tool_choice": "none"}, False),
 ])
 def test_what_can_be_migrated(endpoint, body, expected):
     assert migratable(endpoint, body) is expected
