@@ -126,6 +126,25 @@ def started_one_by_one(url: str) -> list[Stream]:
     return streams
 
 
+def arranged(server, streams: list[Stream]) -> tuple[dict[str, list[int]], list[str]]:
+    """Once every stream has tokens and one decode holds a stream of each kind that its engine
+    still generates: each decode's streams, and the decodes holding both kinds; none if a stream
+    ended first."""
+    deadline = time.monotonic() + 60
+    while True:
+        assert time.monotonic() < deadline, ([s.tokens for s in streams], decodes(server))
+        held = {i["instance_id"]: [k for k, s in enumerate(streams) if s.id in {x["id"] for x in i["streams"]}]
+                for i in decodes(server)}
+        both = [name for name, ks in held.items() if set(ks) & set(PLAIN) and set(ks) & set(JSON_SCHEMA_CHATS)]
+        if any(s.ended for s in streams):
+            return held, []
+        # ... and its engine still generates them: a stream it has finished may only sit in the
+        # sockets' buffers, which a kill does not cut (loadtest/faults.py found it so)
+        if min(s.tokens for s in streams) >= 3 and both and engine_running(server, both[0]) >= len(held[both[0]]):
+            return held, both
+        time.sleep(0.01)
+
+
 def decodes(server) -> list[dict]:
     return [i for i in server.instances() if i["role"] == "decode" and i["state"] == "ready"]
 
@@ -137,21 +156,18 @@ def test_a_killed_decode_engines_streams_go_on_on_the_other_with_the_fault_free_
     expected = [s.result() for s in reference]
     assert all(not errors and usage["completion_tokens"] == MAX_TOKENS for _, usage, errors, _ in expected), expected
     assert len(expected[1][3]) == MAX_TOKENS and not expected[0][3]  # token ids for who asked only
-    router_before = scrape(server.url, ("pdcluster_router_",), headers=admin)
-
-    streams = started_one_by_one(server.url)
-    deadline = time.monotonic() + 60
-    while True:  # every stream has tokens, none has ended, and one decode holds a stream of each kind
-        assert time.monotonic() < deadline, ([s.tokens for s in streams], decodes(server))
-        held = {i["instance_id"]: [k for k, s in enumerate(streams) if s.id in {x["id"] for x in i["streams"]}]
-                for i in decodes(server)}
-        both = [name for name, ks in held.items() if set(ks) & set(PLAIN) and set(ks) & set(JSON_SCHEMA_CHATS)]
-        assert not any(s.ended for s in streams), f"a stream ended before the kill: {held}"
-        # ... and its engine still generates them: a stream it has finished may only sit in the
-        # sockets' buffers, which a kill does not cut (loadtest/faults.py found it so)
-        if min(s.tokens for s in streams) >= 3 and both and engine_running(server, both[0]) >= len(held[both[0]]):
+    # A round whose first stream ended before the others were all under way (its engine ran alone
+    # while the rest waited on their prefills and grammars) holds no plain and JSON-schema stream
+    # on one decode at once: it cut nothing, so it is let finish and run again.
+    for _ in range(3):
+        router_before = scrape(server.url, ("pdcluster_router_",), headers=admin)
+        streams = started_one_by_one(server.url)
+        held, both = arranged(server, streams)
+        if both:
             break
-        time.sleep(0.01)
+        assert [s.result()[0] for s in streams] == [e[0] for e in expected]
+    else:
+        pytest.fail("three rounds and no decode held a plain and a JSON-schema stream at once")
     victim = next(i for i in decodes(server) if i["instance_id"] == both[0])
     (survivor,) = [i for i in decodes(server) if i["instance_id"] != victim["instance_id"]]
     survivor_engine = server.engine_access(survivor["instance_id"])
