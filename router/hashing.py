@@ -56,7 +56,7 @@ class PromptHasher:
             tokenize=False,
             add_generation_prompt=bool(options.get("add_generation_prompt", not continue_final)),
             continue_final_message=continue_final,
-            tools=options.get("tools"),
+            tools=_tools_as_vllm_renders(options.get("tools")),
             **variables,
         )
         return self.tokenizer.encode(text, add_special_tokens=False)
@@ -75,6 +75,17 @@ class PromptHasher:
             )
             hashes.append(int.from_bytes(parent, "big") & ((1 << 64) - 1))
         return hashes
+
+
+def _tools_as_vllm_renders(tools: Any) -> list[dict] | None:
+    """`tools` as vLLM hands them to a chat template (its ChatCompletionToolsParam dumped: every
+    field of a function, unset ones None); None for what vLLM would refuse (its engine says why)."""
+    if not isinstance(tools, list) or not all(isinstance(t, dict) and isinstance(t.get("function"), dict)
+                                              for t in tools):
+        return None
+    return [{"type": t.get("type", "function"),
+             "function": {k: t["function"].get(k) for k in ("name", "description", "parameters")}}
+            for t in tools]
 
 
 def _with_parsed_arguments(message: dict[str, Any]) -> dict[str, Any]:

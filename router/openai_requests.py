@@ -119,20 +119,10 @@ class SamplingRequest(BaseModel):
         extra = self.model_extra or {}
         options = {k: extra[k] for k in ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")
                    if k in extra}
-        if tools := _tools_as_vllm_renders(extra.get("tools")):
-            options["tools"] = tools
+        if "tools" in extra:
+            options["tools"] = extra["tools"]
         return options
 
-
-def _tools_as_vllm_renders(tools: Any) -> list[dict] | None:
-    """`tools` as vLLM hands them to a chat template (its ChatCompletionToolsParam dumped: every
-    field of a function, unset ones None); None for what vLLM would refuse (its engine says why)."""
-    if not isinstance(tools, list) or not all(isinstance(t, dict) and isinstance(t.get("function"), dict)
-                                              for t in tools):
-        return None
-    return [{"type": t.get("type", "function"),
-             "function": {k: t["function"].get(k) for k in ("name", "description", "parameters")}}
-            for t in tools]
 
 
 def _check_metadata(metadata: Any) -> None:
