@@ -41,6 +41,7 @@ from engine.environment import is_cpu_build
 from engine.host import EngineHost, SleepRefused
 from engine.lifecycle import EngineDescription, InstanceState
 from engine.role_spec import RoleSpec
+from engine.weights import PeerWeights
 from fleet.instances import InstanceRegistry, described_instance
 from router.status_model import StartRecord
 from security.credentials import ClusterCredentials
@@ -82,7 +83,7 @@ class Launcher:
         self.instances: dict[str, StartedInstance] = {}
         self._actors: dict[str, ray.actor.ActorHandle] = {}
         self._adopted: set[str] = set()  # engines a launcher before this one started
-        self._descriptors: dict[str, dict] = {}
+        self._descriptors: dict[str, PeerWeights] = {}
         self._not_peers: set[str] = set()
         """Weight descriptors of ready instances, by instance id (see peer_weights)."""
         self.store = StoreShards(credentials, self.console, self._engine_nodes)
@@ -149,7 +150,7 @@ class Launcher:
         return record
 
     def _create_actor(self, config: EngineConfig, instance_id: str) -> ray.actor.ActorHandle:
-        options = placement_options(config.role, gpus=0 if is_cpu_build() else config.gpu_share)
+        options = placement_options(config.role, gpus=0 if is_cpu_build() else config.num_gpus)
         actor = EngineActor.options(
             name=instance_id, lifetime="detached", max_concurrency=64, **options
         ).remote(config, instance_id, keys=self.credentials.engine_host_keys(instance_id))
@@ -160,7 +161,7 @@ class Launcher:
         self,
         configs: list[tuple[str, EngineConfig]],
         placement_timeout_s: float = 900.0,
-        peer: dict | None = None,
+        peer: PeerWeights | None = None,
         standby: bool = False,
         progress: bool = True,
         preimported: bool = False,
@@ -217,7 +218,7 @@ class Launcher:
         return (await self.start_instances([(instance_id, config)], standby=True, progress=False,
                                            preimported=preimported))[0]
 
-    async def activate(self, instance_id: str, peer: dict | None) -> dict:
+    async def activate(self, instance_id: str, peer: PeerWeights | None) -> dict:
         """Give a standby its weights (from `peer`, else disk) and put it in rotation."""
         record = self.instances[instance_id]
         instance = self.registry.get(instance_id)
@@ -235,7 +236,7 @@ class Launcher:
         self._record(instance_id, path, timeline)
         return timeline
 
-    async def peer_weights(self, model: str) -> dict | None:
+    async def peer_weights(self, model: str) -> PeerWeights | None:
         """A weight descriptor of some ready instance of `model` (None if none can offer one). A
         descriptor does not change while its instance lives, so each is asked for once; the
         first ask sets up the peer's side (a NIXL agent: ~0.5 s on the CPU build)."""

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from deploy.actor_placement import CoreSets
 from engine.config import EngineConfig
 from engine.lifecycle import STANDBY_STATES, InstanceState
 from engine.role_spec import RoleSpec
@@ -124,7 +125,7 @@ class PoolController:
         queue: CapacityQueue,
         specs: list[PoolSpec],
         configs: list[EngineConfig],
-        core_sets: list[str] | None = None,
+        cores: CoreSets | None = None,
         interval_s: float = 0.05,
         first_tokens: LatencyWindow | None = None,
         id_prefix: Callable[[str], str] = lambda model: "",
@@ -152,7 +153,8 @@ class PoolController:
         self._unsleepable: set[str] = set()
         """Instances whose sleep was refused (no host copy of their weights): not asked again."""
         self.interval_s = interval_s
-        self._cores = itertools.cycle(core_sets or [None])
+        self._cores = cores or CoreSets([])
+        """Each new engine's CPU cores (CPU build; none: vLLM binds)."""
         self._ids = itertools.count()
         self._growing: dict[PoolKey, int] = dict.fromkeys(self.specs, 0)
         self._reserves = {(key, preimported): _Reserve() for key in self.specs for preimported in (False, True)}
@@ -256,7 +258,7 @@ class PoolController:
         return f"{self.id_prefix(spec.model)}{spec.role.name}-{int(time.time())}-{next(self._ids)}"
 
     def _config(self, spec: PoolSpec) -> EngineConfig:
-        return self.configs[spec.model].model_copy(update={"role": spec.role, "cpu_cores": next(self._cores)})
+        return self._cores.bound(self.configs[spec.model].model_copy(update={"role": spec.role}))
 
     async def _grow(self, spec: PoolSpec) -> None:
         decided = time.monotonic()

@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from rich.console import Console
 
 from deploy.topology import Topology, roles_to_start
-from engine.config import EngineConfig
+from engine.config import EngineConfig, TensorParallel
 from engine.engine_args import EngineArgs
 from engine.environment import is_cpu_build, is_loopback, use_ray
 from engine.models import BUILDERS, default_model_root, is_complete
@@ -133,6 +133,19 @@ def _engine_args(args: argparse.Namespace, topology: Topology) -> EngineArgs:
     return EngineArgs.from_flags(args.engine_arg, args.prefill_engine_arg, args.decode_engine_arg)
 
 
+def _tensor_parallel(args: argparse.Namespace, topology: Topology) -> TensorParallel:
+    """The devices each pool's engines span."""
+    pd = topology.prefill or topology.decode
+    if not pd and (args.prefill_tensor_parallel_size or args.decode_tensor_parallel_size):
+        raise ValueError("--prefill-tensor-parallel-size and --decode-tensor-parallel-size are for a P/D "
+                         "topology's pools: give colocated engines --tensor-parallel-size")
+    sizes = TensorParallel(every_pool=args.tensor_parallel_size, prefill=args.prefill_tensor_parallel_size,
+                           decode=args.decode_tensor_parallel_size)
+    if pd:
+        sizes.check_pd()
+    return sizes
+
+
 def _engine_configs(args: argparse.Namespace, models: list[tuple[Path, str]], topology: Topology,
                     engine_args: EngineArgs) -> list[EngineConfig]:
     """One engine config per model: the engines of its pools all start from it."""
@@ -151,6 +164,7 @@ def _engine_configs(args: argparse.Namespace, models: list[tuple[Path, str]], to
         log_dir=args.engine_log_dir.resolve() if args.engine_log_dir else None,
         otlp_traces_endpoint=args.otlp_traces_endpoint,
         engine_args=engine_args,
+        tensor_parallel=_tensor_parallel(args, topology),
     ) for path, name in models]
 
 
@@ -253,7 +267,7 @@ async def _start_fleet(launcher, registry, engine_configs, router_config, topolo
                        placement_timeout_s: float, store_bytes: int, limits=None):
     """Adopt what a previous launcher left, start the store and the missing engines, build the
     router's app and the pool controller (started); returns both."""
-    from deploy.actor_placement import cpu_core_sets
+    from deploy.actor_placement import CoreSets, cpu_core_sets
     from deploy.pool import PoolController
     from router.app import build_app, import_ahead
     from router.kv_event_listener import STORE_HOLDER
@@ -276,9 +290,10 @@ async def _start_fleet(launcher, registry, engine_configs, router_config, topolo
     roles = [(instance_id, role, config) for config in engine_configs
              for instance_id, role in roles_to_start(topology.roles(config.served_model_name),
                                                      _serving(registry, config.served_model_name), taken)]
-    cores = cpu_core_sets(topology.engines_at_most(), os.cpu_count() or 1) if is_cpu_build() and not address else []
-    configs = [(instance_id, config.model_copy(update={"role": role, "cpu_cores": cores[k] if cores else None}))
-               for k, (instance_id, role, config) in enumerate(roles)]
+    ranks = topology.ranks_at_most(engine_configs[0].tensor_parallel)
+    cores = CoreSets(cpu_core_sets(ranks, os.cpu_count() or 1) if is_cpu_build() and not address else [])
+    configs = [(instance_id, cores.bound(config.model_copy(update={"role": role})))
+               for instance_id, role, config in roles]
     imported = asyncio.create_task(asyncio.to_thread(import_ahead))  # the router's, while engines start
     try:
         await _start_initial(launcher, configs, placement_timeout_s, topology.max_awake,
@@ -290,9 +305,9 @@ async def _start_fleet(launcher, registry, engine_configs, router_config, topolo
     app = build_app(router_config, registry, store_endpoints=shards, starts=starts, limits=limits)
     launcher.store.on_restart.append(lambda: app.state.index.clear(STORE_HOLDER))
     app.state.retire = lambda instance_id: launcher.stop_instance(instance_id, drain_s=SHUTDOWN_DRAIN_S)
-    # Instances the controller adds get the core sets the initial ones left (all, if none).
+    # Instances the controller adds get the core sets the initial ones left, then all in turn.
     controller = PoolController(launcher, registry, app.state.queue, topology.pools(), engine_configs,
-                                core_sets=cores[len(roles):] or cores or None, first_tokens=app.state.first_tokens,
+                                cores=cores, first_tokens=app.state.first_tokens,
                                 id_prefix=topology.id_prefix, max_awake=topology.max_awake)
     controller.start()
     return app, controller

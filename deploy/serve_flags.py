@@ -81,6 +81,12 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
                         help="as --engine-arg, for the prefill pool's engines only (after --engine-arg's)")
     parser.add_argument("--decode-engine-arg", action="append", default=[], metavar="FLAG",
                         help="as --engine-arg, for the decode pool's engines only (after --engine-arg's)")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                        help="devices each engine spans (GPUs of one node; cores on the CPU build), as vLLM's flag")
+    parser.add_argument("--prefill-tensor-parallel-size", type=int, default=None, metavar="N",
+                        help="as --tensor-parallel-size, for the prefill pool's engines (the decode pool's must match)")
+    parser.add_argument("--decode-tensor-parallel-size", type=int, default=None, metavar="N",
+                        help="as --tensor-parallel-size, for the decode pool's engines")
     parser.add_argument("--start-timeout", type=float, default=300.0, help="per engine, once placed")
     parser.add_argument(
         "--placement-timeout",

@@ -103,11 +103,12 @@ def instances_table(instances: list[InstanceStatus]) -> Table:
     table.add_column("instance", no_wrap=True)
     for column in ("role", "state"):
         table.add_column(column)
+    table.add_column("TP", justify="right")
     for column in ("in flight", "queued prefill tokens", "index blocks"):
         table.add_column(column, justify="right")
     table.add_column("url", overflow="fold")
     for i in instances:
-        table.add_row(Text(i.instance_id), Text(i.role), _state(i.state), str(i.inflight),
+        table.add_row(Text(i.instance_id), Text(i.role), _state(i.state), str(i.tensor_parallel_size), str(i.inflight),
                       str(round(i.pending_prefill_tokens)), str(i.index_blocks), Text(i.url))
     return table
 

@@ -8,6 +8,7 @@ import collections
 from dataclasses import dataclass
 
 from decode.role import DECODE
+from engine.config import TensorParallel
 from engine.role_spec import COLOCATED, Role, RoleSpec
 from prefill.role import PREFILL
 
@@ -109,8 +110,10 @@ class Topology:
             for model in self.models for role, count in self._counts()
         ]
 
-    def engines_at_most(self) -> int:
-        return sum(pool.max_ready + pool.standby + pool.preimported for pool in self.pools())
+    def ranks_at_most(self, tensor_parallel: TensorParallel) -> int:
+        """Processes that run a model's shard at most (an engine runs one per device)."""
+        return sum((pool.max_ready + pool.standby + pool.preimported) * tensor_parallel.for_role(pool.role.kind)
+                   for pool in self.pools())
 
     def ray_resources(self) -> dict[str, float]:
         """A one-machine head offers the role resources the pools are placed by."""

@@ -6,11 +6,11 @@ from pathlib import Path
 from typing import Annotated, Literal
 from urllib.parse import urlparse
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from engine.engine_args import EngineArgs
 from engine.environment import KV_HASH_SEED
-from engine.role_spec import COLOCATED, RoleSpec
+from engine.role_spec import COLOCATED, Role, RoleSpec
 
 
 def _checked_otlp_endpoint(url: str) -> str:
@@ -39,6 +39,32 @@ class KVHashing(BaseModel):
     """The root of every block-hash chain (engines run with PYTHONHASHSEED set to it)."""
     algorithm: str = "sha256"
     """vLLM's `prefix_caching_hash_algo` (its default), passed to every engine explicitly."""
+
+
+class TensorParallel(BaseModel):
+    """How many devices (GPUs of one node; cores on the CPU build) each engine of a pool spans,
+    as vLLM's `--tensor-parallel-size`: its ranks run in the engine actor's process tree under
+    vLLM's multiprocessing executor. Per pool: `every_pool`'s unless the role gives its own."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    every_pool: int = Field(1, ge=1)
+    prefill: int | None = Field(None, ge=1)
+    decode: int | None = Field(None, ge=1)
+
+    def for_role(self, role: Role) -> int:
+        own = {Role.PREFILL: self.prefill, Role.DECODE: self.decode}.get(role)
+        return own or self.every_pool
+
+    def check_pd(self) -> None:
+        """P/D hands KV over per rank: a store chunk holds one rank's KV heads and its key names
+        the TP size and rank (kvstore/lmcache_engine.py), so a decode rank of another TP size would
+        find no chunk to load. Refused rather than served by recomputing every prompt."""
+        prefill, decode = self.for_role(Role.PREFILL), self.for_role(Role.DECODE)
+        if prefill != decode:
+            raise ValueError(f"prefill engines of tensor-parallel size {prefill} cannot hand KV to decode engines "
+                             f"of size {decode}: each rank stores and loads its own KV heads; give both pools "
+                             "the same size")
 
 
 class EngineConfig(BaseModel):
@@ -108,6 +134,8 @@ class EngineConfig(BaseModel):
     a custom logits processor on its V1 model runner, not V2 (0.86x decode throughput at batch 128
     on an H200, docs/routing.md); without it such streams end with an error event when their
     engine dies, as any stream that cannot migrate."""
+    tensor_parallel: TensorParallel = TensorParallel()
+    """Devices per engine, per pool (`pdcluster serve --tensor-parallel-size`)."""
     engine_args: EngineArgs = EngineArgs()
     """vLLM serve flags the user gave the engine's pool (`pdcluster serve --engine-arg`), after ours:
     none the cluster owns (engine/engine_args.py)."""
@@ -115,6 +143,25 @@ class EngineConfig(BaseModel):
     @property
     def block_size(self) -> int:
         return self.kv_hashing.block_size
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        """This engine's devices: its role's pool's size."""
+        return self.tensor_parallel.for_role(self.role.kind)
+
+    @property
+    def num_gpus(self) -> float:
+        """GPUs Ray reserves for the engine's actor, all on one node (one actor's resources are
+        one bundle): its share of one GPU, or a whole GPU per rank."""
+        return self.gpu_share * self.tensor_parallel_size
+
+    @model_validator(mode="after")
+    def _shares_whole_gpus_only(self) -> EngineConfig:
+        spans = max(self.tensor_parallel.for_role(role) for role in Role)
+        if self.gpu_share < 1 and spans > 1:
+            raise ValueError("engines sharing a GPU (--engines-per-gpu) span one device: "
+                             "tensor parallelism needs whole GPUs")
+        return self
 
     @field_validator("model")
     @classmethod

@@ -53,8 +53,11 @@ OWNED_FLAGS: dict[str, str] = {
     "gpu-memory-utilization": "pdcluster serve --gpu-memory-utilization",
     "enable-sleep-mode": "pdcluster serve --sleep-when-idle / --sleeping-standbys",
     "otlp-traces-endpoint": "pdcluster serve --otlp-traces-endpoint",
-    "tensor-parallel-size": "the pool's placement (one device per engine)",
-    "pipeline-parallel-size": "the pool's placement (one device per engine)",
+    "tensor-parallel-size": "pdcluster serve --tensor-parallel-size (per pool: --prefill-/--decode-tensor-parallel-size), "
+                            "which the pool's placement reserves devices by",
+    "pipeline-parallel-size": "the pool's placement: an engine spans one node's devices, by --tensor-parallel-size",
+    "distributed-executor-backend": "the engine's host (vLLM's multiprocessing executor runs an engine's ranks "
+                                    "in its actor's process tree)",
     "data-parallel-size": "the pool's placement: more engines are more instances (--instances, --prefill, --decode)",
 }
 """Flags the cluster sets on every engine, and what sets them."""

@@ -32,7 +32,7 @@ from engine.environment import KV_EVENTS_MARK, KV_EVENTS_PLUGIN, is_cpu_build, l
 from engine.lifecycle import EngineDescription, InstanceState, StartTimeline
 from engine.process import local_client, spawn_group, terminate_group
 from engine.server_command import LISTEN_FD_ENV, kv_events_plugin_installed, server_command, server_env
-from engine.weights import new_weights_file
+from engine.weights import PeerWeights, new_weights_file
 from security.credentials import ClusterCredentials, EngineHostKeys
 from security.engine_access import EngineAccess, EngineEndpoint, open_endpoint
 from transport.address import node_address
@@ -105,6 +105,7 @@ class EngineHost:
             exited=self._process is not None and self._process.poll() is not None,
             last_stage=self.timeline.marks[-1][0] if self.timeline.marks else "",
             elapsed_s=time.time() - self.timeline.started_at,
+            tensor_parallel_size=self.config.tensor_parallel_size,
         )
 
     async def preimport(self) -> dict:
@@ -125,7 +126,7 @@ class EngineHost:
         await self._guarded(imported(), self.config.start_timeout_s, "pre-import")
         return self.timeline.as_record()
 
-    async def start(self, standby: bool = False, peer: dict | None = None) -> dict:
+    async def start(self, standby: bool = False, peer: PeerWeights | None = None) -> dict:
         """Start the server (or let a PREIMPORTED one go on) and wait for /health. Then, unless
         `standby`, load the weights (from `peer`, a descriptor of `export_weights()`, else from
         disk) and send a warm-up request. Returns the timeline. A start that fails for a port in
@@ -138,7 +139,7 @@ class EngineHost:
                     raise
         raise AssertionError("unreachable")
 
-    async def _start_once(self, standby: bool, peer: dict | None) -> dict:
+    async def _start_once(self, standby: bool, peer: PeerWeights | None) -> dict:
         preimported = self.state == InstanceState.PREIMPORTED
         if not preimported:
             self._check_startable()
@@ -154,7 +155,7 @@ class EngineHost:
             await self._wait_until_healthy()
             # every peer of the worker's distributed groups has connected: no one else may
             sealed = await self._worker_call("pdc_seal_listeners", {}, timeout_s=30)
-            self.timeline.details["sealed_listeners"] = len(sealed["sealed_ports"])
+            self.timeline.details["sealed_listeners"] = sum(len(rank["sealed_ports"]) for rank in sealed)
             if standby:
                 # Lazy first-request work does not depend on the weights: pay it now, not on activation.
                 await self._warm_up()
@@ -200,7 +201,7 @@ class EngineHost:
         self._process = spawn_group(command, env, (listener_fd,))
         threading.Thread(target=self._follow_log, args=(self._process,), daemon=True).start()
 
-    async def activate(self, peer: dict | None = None) -> dict:
+    async def activate(self, peer: PeerWeights | None = None) -> dict:
         """Turn a standby (awake, asleep or only imported) into a READY instance: started if only
         imported, its memory back if it sleeps, weights (from `peer`, else the host copy a ready
         engine kept when it went to sleep, else disk), a warm-up request. Returns the
@@ -236,7 +237,7 @@ class EngineHost:
         timeline = StartTimeline()
         self.state = InstanceState.DRAINING  # no health check calls it ready halfway
         try:
-            record = await self._worker_call("pdc_keep_host_copy", {}, timeout_s=self.config.start_timeout_s)
+            ranks = await self._worker_call("pdc_keep_host_copy", {}, timeout_s=self.config.start_timeout_s)
         except Exception as exc:
             self.state = InstanceState.READY
             raise SleepRefused(f"{self.instance_id} keeps no host copy of its weights: {exc}") from None
@@ -249,7 +250,8 @@ class EngineHost:
             raise
         timeline.mark("sleep")
         self.state = InstanceState.SLEEPING
-        timeline.details.update(host_copy_bytes=record["bytes"], host_copy_made=str(record["copied"]))
+        timeline.details.update(host_copy_bytes=sum(rank["bytes"] for rank in ranks),
+                                host_copy_made=str(any(rank["copied"] for rank in ranks)))
         return timeline.as_record()
 
     def set_draining(self, draining: bool) -> None:
@@ -268,13 +270,15 @@ class EngineHost:
         return int(sum(float(line.rsplit(" ", 1)[1]) for line in response.text.splitlines()
                        if line.partition("{")[0].partition(" ")[0] in gauges))
 
-    async def export_weights(self, use_nixl: bool = True, offer_file: bool = True) -> dict:
+    async def export_weights(self, use_nixl: bool = True, offer_file: bool = True) -> PeerWeights:
         """How a peer reads this instance's weights (shared memory on this node unless not
-        `offer_file`, NIXL anywhere): a descriptor signed with the cluster's weights key."""
+        `offer_file`, NIXL anywhere): a descriptor per rank, signed with the cluster's weights key
+        (a CPU engine's ranks share rank 0's host copy)."""
         if self.state != InstanceState.READY:
             raise EngineStartError(f"{self.instance_id} is {self.state.value}; no weights to offer")
         request = {"use_nixl": use_nixl, "offer_file": offer_file}
-        return await self._worker_call("pdc_export_weights", request, timeout_s=30)
+        ranks = await self._worker_call("pdc_export_weights", request, timeout_s=30)
+        return PeerWeights(self.instance_id, tuple(rank or ranks[0] for rank in ranks))
 
     async def _guarded(self, work, timeout_s: float, what: str) -> None:
         """Run a start-up step; on failure or timeout stop the process and raise with its log."""
@@ -293,20 +297,35 @@ class EngineHost:
         if not self.state.is_standby:
             self.state = InstanceState.READY
 
-    async def _load_and_warm(self, peer: dict | None) -> None:
+    async def _load_and_warm(self, peer: PeerWeights | None) -> None:
         self.state = InstanceState.LOADING
-        request = {"peer": peer, "timeout_s": self.config.weight_transfer_timeout_s}
-        record = await self._worker_call("pdc_load_weights", request, self.config.start_timeout_s)
-        self.weights_record = record
+        unusable = self._unusable_peer(peer)
+        peers = None if unusable or peer is None else list(peer.ranks)
+        request = {"peers": peers, "timeout_s": self.config.weight_transfer_timeout_s}
+        ranks = await self._worker_call("pdc_load_weights", request, self.config.start_timeout_s)
+        self.weights_record = record = ranks[0]
         self.timeline.mark("weights")
         source = record["source"] + (f"/{record['transport']}" if "transport" in record else "")
         self.timeline.details.update(weights_source=source, weights_bytes=record["bytes"])
-        if record["fallback_reason"]:
-            self.timeline.details["weights_fallback_reason"] = record["fallback_reason"]
+        if len(ranks) > 1:  # each rank loads its own shard: where each one's came from, and when
+            self.timeline.details["weights_ranks"] = "; ".join(
+                f"{r}: {rank['source']}/{rank.get('transport', 'read')} {rank['total_s']:.2f} s"
+                for r, rank in enumerate(ranks))
+        fallbacks = [rank["fallback_reason"] for rank in ranks if rank["fallback_reason"]]
+        if unusable or fallbacks:
+            self.timeline.details["weights_fallback_reason"] = unusable or fallbacks[0]
         await self._engine_post("/reset_prefix_cache", {})  # blocks cached before the weights hold wrong KV
         self.state = InstanceState.WARMING
         await self._warm_up()
         self.timeline.mark("warmup_request")
+
+    def _unusable_peer(self, peer: PeerWeights | None) -> str | None:
+        """Why `peer` cannot give this engine its weights (its ranks hold other shards), if so."""
+        size = self.config.tensor_parallel_size
+        if peer is not None and peer.tensor_parallel_size != size:
+            return (f"peer {peer.instance_id} has tensor-parallel size {peer.tensor_parallel_size}, this engine {size}: "
+                    "its ranks hold other shards")
+        return None
 
     async def _engine_post(self, path: str, params: dict[str, str]) -> None:
         async with self._client(60.0) as client:
@@ -324,8 +343,8 @@ class EngineHost:
             )
             response.raise_for_status()
 
-    async def _worker_call(self, method: str, request: dict, timeout_s: float) -> dict:
-        """Call a WeightPlaneExtension method on the engine's worker (one per engine here)."""
+    async def _worker_call(self, method: str, request: dict, timeout_s: float) -> list:
+        """Call a WeightPlaneExtension method on every rank's worker; their results, by rank."""
         async with self._client(timeout_s + 5) as client:
             response = await client.post(
                 f"{self.url}/collective_rpc",
@@ -333,7 +352,7 @@ class EngineHost:
             )
         if response.status_code != 200:
             raise EngineStartError(f"{method} failed: HTTP {response.status_code} {response.text[:500]}")
-        return response.json()["results"][0]
+        return response.json()["results"]
 
     def log_tail(self) -> list[str]:
         """The last LOG_TAIL_LINES lines the vLLM server printed."""

@@ -65,6 +65,8 @@ class EngineDescription:
     """The start-up stage its timeline reached last."""
     elapsed_s: float
     """Seconds since its current start (or activation) began."""
+    tensor_parallel_size: int = 1
+    """Devices (ranks) the engine spans."""
 
     def serves(self, served: set[tuple[str, str]]) -> bool:
         """Whether it is an engine of one of `served`'s (checkpoint, served name) pairs."""

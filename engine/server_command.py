@@ -64,6 +64,9 @@ def server_command(config: EngineConfig, host: str, port: int, instance_id: str)
         # utilization).
         "--additional-config", json.dumps({PLAN_KEY: c.gpu_memory_utilization}),
     ]
+    if c.tensor_parallel_size > 1:
+        # The ranks are the engine actor's child processes: reaped with it, on the GPUs Ray gave it.
+        command += ["--tensor-parallel-size", str(c.tensor_parallel_size), "--distributed-executor-backend", "mp"]
     if c.structured_migration:
         command += ["--logits-processors", GRAMMAR_LOGITS_PROCESSOR]
     if c.enforce_eager:

@@ -81,6 +81,20 @@ class WeightManifest:
 
 
 
+@dataclasses.dataclass(frozen=True)
+class PeerWeights:
+    """What a ready engine offers a new engine of its model: one signed descriptor per rank of
+    its tensor-parallel group (engine/worker_extension.py `pdc_export_weights`), rank r's for the
+    new engine's rank r. Only an engine of the same tensor-parallel size can use it."""
+
+    instance_id: str
+    ranks: tuple[dict, ...]
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return len(self.ranks)
+
+
 def sign(key: str, descriptor: dict) -> str:
     """HMAC-SHA256 of a descriptor's canonical JSON, its `signature` field left out."""
     body = json.dumps({k: v for k, v in descriptor.items() if k != "signature"}, sort_keys=True)

@@ -21,6 +21,12 @@ embeddings) receives none, so state derived from its weights is not rebuilt: on 
 head keeps multiplying by a copy packed from the dummy weights, and the engine answers nonsense.
 `reprocess_tied_layers` rebuilds it after every checkpoint-format reload (docs/conformance.md).
 
+Tensor parallelism: the endpoint calls every rank's worker with the same arguments and returns
+their results in rank order. On CUDA each rank offers and loads its own shard (kernel format, rank
+r from the peer's rank r). On the CPU build rank 0 keeps the host copy of the whole checkpoint;
+every rank of a new engine reads it (shared memory on the node) and vLLM's reload keeps its own
+shard: no rank holds a second copy.
+
 Arguments and results are JSON, as the endpoint passes only strings.
 """
 
@@ -84,6 +90,12 @@ def _weights_key() -> str:
     return EngineKeys.load().weights_key
 
 
+def _tensor_parallel_rank() -> int:
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    return get_tensor_model_parallel_rank()
+
+
 def _own_file() -> Path | None:
     return Path(os.environ[WEIGHTS_FILE_ENV]) if os.environ.get(WEIGHTS_FILE_ENV) else None
 
@@ -123,10 +135,12 @@ class WeightPlaneExtension:
     _pdc_host_params: dict | None = None
 
     def pdc_load_weights(self, request_json: str) -> dict:
-        """Load weights from `peer` (a signed descriptor of a peer's `pdc_export_weights`) or,
-        when there is none or it fails, from disk. Returns where they came from and what each
-        step took."""
+        """Load weights from `peers` (signed descriptors of a peer's `pdc_export_weights`, one per
+        rank: this rank's is used) or, when there are none or that fails, from disk. Returns where
+        they came from and what each step took."""
         request = json.loads(request_json)
+        if request.get("peers"):
+            request["peer"] = request["peers"][_tensor_parallel_rank()]
         record: dict = {"source": "disk", "fallback_reason": None}
         started = time.perf_counter()
         import torch
@@ -144,12 +158,15 @@ class WeightPlaneExtension:
         record["total_s"] = time.perf_counter() - started
         return record
 
-    def pdc_export_weights(self, request_json: str) -> dict:
+    def pdc_export_weights(self, request_json: str) -> dict | None:
         """A signed descriptor peers pass to `pdc_load_weights`: CUDA IPC handles of the
-        parameters on a GPU, this worker's host copy on the CPU build."""
+        parameters on a GPU, this worker's host copy on the CPU build (rank 0's: the others,
+        None, share it)."""
         request = json.loads(request_json)
         if self._pdc_on_cuda():
             return self._pdc_ipc_descriptor()
+        if _tensor_parallel_rank() > 0:
+            return None
         if self._pdc_weights is None:
             raise RuntimeError("this worker keeps no host copy of its weights to offer")
         if self._pdc_exporter is None:
@@ -254,12 +271,16 @@ class WeightPlaneExtension:
 
     def _pdc_keep(self, weights: WeightSet | None) -> None:
         self.pdc_release_weights()
+        if weights is not None and _tensor_parallel_rank() > 0:  # rank 0's copy is the engine's
+            weights.close()
+            weights = None
         self._pdc_weights = weights
 
     def _pdc_release_own_file(self) -> Path | None:
-        """This worker's weights file, free to be created afresh (a previous copy is dropped)."""
+        """This worker's weights file, free to be created afresh (a previous copy is dropped);
+        None on ranks past the first, which keep no copy."""
         self.pdc_release_weights()
-        return _own_file()
+        return _own_file() if _tensor_parallel_rank() == 0 else None
 
     def _pdc_parameters(self) -> dict:
         return {name: p.data for name, p in self.model_runner.get_model().named_parameters()}

@@ -56,6 +56,8 @@ class Instance:
     """Monotonic time until which no remote prefill is sent here (the circuit is open)."""
     model: str = dataclasses.field(kw_only=True)
     """The served model name: only requests for it come here."""
+    tensor_parallel_size: int = dataclasses.field(default=1, kw_only=True)
+    """Devices (ranks) its engine spans: one instance all the same, to route to and to count."""
     streams: set[StreamLedger] = dataclasses.field(default_factory=set, compare=False, repr=False)
     """The migratable streams the router relays from it now, a continued one from the instance it
     went on to: which streams a fault there hits (GET /admin/instances lists each one's id and
@@ -89,7 +91,8 @@ def described_instance(description: EngineDescription, role: RoleSpec, credentia
     return Instance(description.instance_id, role, access.url, description.state,
                     kv_events_endpoint=description.kv_events_endpoint,
                     kv_events_replay_endpoint=description.kv_events_replay_endpoint,
-                    model=description.served_model_name, access=access)
+                    model=description.served_model_name, access=access,
+                    tensor_parallel_size=description.tensor_parallel_size)
 
 
 class PendingPrefill:

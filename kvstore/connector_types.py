@@ -45,10 +45,13 @@ class ConnectorSpec:
             raise ValueError(f"store chunks of {CHUNK_TOKENS} tokens are not whole blocks of {block_size}")
         config = model.hf_text_config
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        # One layer's block holds kv_heads x block_size x 2 * head_dim elements (the scheduler
-        # never sees a KV tensor: this is what both halves name in their keys).
-        layout = KVLayout(config.num_hidden_layers, config.num_key_value_heads, head_dim, model.dtype,
-                          (config.num_key_value_heads, block_size, 2 * head_dim))
+        # One layer's block holds kv_heads x block_size x 2 * head_dim elements, kv_heads being a
+        # tensor-parallel rank's share (the scheduler never sees a KV tensor: this is what both
+        # halves name in their keys).
+        parallel = vllm_config.parallel_config
+        kv_heads = model.get_num_kv_heads(parallel)
+        layout = KVLayout(config.num_hidden_layers, kv_heads, head_dim, model.dtype,
+                          (kv_heads, block_size, 2 * head_dim), parallel.tensor_parallel_size)
         name = model.served_model_name if isinstance(model.served_model_name, str) else model.model
         return cls(settings, block_size, name, layout, vllm_config.cache_config.prefix_caching_hash_algo,
                    transfer.is_kv_producer, transfer.is_kv_consumer)

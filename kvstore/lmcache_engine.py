@@ -2,8 +2,11 @@
 
 Both halves key chunks the same way: LMCache's chunk hashes over the token ids (with the
 engine's own prefix-cache hash, seeded by PYTHONHASHSEED, set alike in every engine), prefixed by
-a model tag that also names the KV layout (block shape, dtype, CPU ISA): a chunk is only ever
-loaded by an engine that lays KV out the way its writer did. The worker half copies whole blocks
+a model tag that also names the KV layout (block shape, dtype, CPU ISA) and by the engine's
+tensor-parallel size and the writer's rank (LMCache's world size and worker id): a chunk is only
+ever loaded by the same rank of an engine that lays KV out the way its writer did. The scheduler
+looks up rank 0's chunks for all ranks (they save together); a rank that then finds fewer loads
+what it can and vLLM recomputes the rest (`kv_load_failure_policy`). The worker half copies whole blocks
 with `PagedBlockConnector` (on the CPU build and on CUDA); the scheduler half only looks up (no
 KV memory).
 """
@@ -32,7 +35,8 @@ class KVLayout:
     kv_heads: int
     head_dim: int
     dtype: torch.dtype
-    block_shape: tuple[int, ...]  # one layer's block, as vLLM allocates it
+    block_shape: tuple[int, ...]  # one layer's block, as vLLM allocates it (a rank's KV heads)
+    tensor_parallel_size: int = 1
 
     def tag(self, model: str) -> str:
         isa = torch.backends.cpu.get_cpu_capability() if not torch.cuda.is_available() else "cuda"
@@ -46,6 +50,7 @@ def build_engine(
     model: str,
     gpu_connector: Callable[[LMCacheEngineConfig, LMCacheMetadata], object] | None,
     hash_algorithm: str,
+    rank: int = 0,
 ) -> LMCacheEngine:
     """A worker's engine, whose `gpu_connector(config, metadata)` builds the KV copier, or without
     one the scheduler's lookup-only engine (LMCache's own scheduler role builds no storage, so it
@@ -54,7 +59,8 @@ def build_engine(
     `hash_algorithm` must be the vLLM engine's own (`prefix_caching_hash_algo`): LMCache re-seeds
     vLLM's prefix-hash root (`kv_cache_utils.init_none_hash`) with it in this process, and any
     other algorithm would change every block hash vLLM computes from then on (its own prefix
-    cache, its KV events, and so the router's index would no longer match them)."""
+    cache, its KV events, and so the router's index would no longer match them). `rank`: the
+    worker's tensor-parallel rank, in every key it names."""
     config = LMCacheEngineConfig.from_dict({
         "chunk_size": CHUNK_TOKENS,
         "local_cpu": False,  # the store shard is the host-memory tier
@@ -72,7 +78,8 @@ def build_engine(
         },
     })
     metadata = LMCacheMetadata(
-        model_name=layout.tag(model), world_size=1, local_world_size=1, worker_id=0, local_worker_id=0,
+        model_name=layout.tag(model), world_size=layout.tensor_parallel_size,
+        local_world_size=layout.tensor_parallel_size, worker_id=rank, local_worker_id=rank,
         kv_dtype=layout.dtype, kv_shape=(layout.num_layers, 2, CHUNK_TOKENS, layout.kv_heads,
                                          layout.head_dim),
         role="worker", chunk_size=CHUNK_TOKENS,

@@ -9,6 +9,7 @@ import logging
 import math
 
 import torch
+from vllm.distributed import get_tensor_model_parallel_rank
 
 from kvstore.connector_types import ConnectorSpec, SaveResults, StorePlan
 from kvstore.lmcache_engine import build_engine
@@ -44,7 +45,8 @@ class StoreWorker:
         def copier(config, metadata):
             return blocks
 
-        self._engine = build_engine(self.spec.settings, layout, self.spec.model, copier, self.spec.hash_algorithm)
+        self._engine = build_engine(self.spec.settings, layout, self.spec.model, copier, self.spec.hash_algorithm,
+                                    rank=get_tensor_model_parallel_rank())
         self._kv_caches = caches
         log.info("store connector: %d layers, block %s, store shards %s", len(caches), tuple(caches[0].shape[1:]),
                  self.spec.settings.endpoints)

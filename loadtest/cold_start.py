@@ -1,6 +1,7 @@
 """Cold start, stage by stage: from the call that adds capacity to the new instance's first token.
 
     python -m loadtest.cold_start --model .cache/models/tiny [--runs 3] [--no-eager]
+    python -m loadtest.cold_start --model .cache/models/tiny --tensor-parallel-size 2 --cores '0|1,0|1'
 
 Paths, each run `--runs` times, in one process (same machine state for all):
   (a) plain   - `python -m vllm.entrypoints.openai.api_server` as a user would start it;
@@ -36,7 +37,7 @@ from pathlib import Path
 
 import httpx
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, TensorParallel
 from engine.environment import engine_process_env, free_port
 from engine.host import EngineHost
 from loadtest.output import write_results
@@ -76,6 +77,8 @@ async def plain_start(config: EngineConfig, cores: str, startup_plan: bool = Fal
                "--gpu-memory-utilization", str(config.gpu_memory_utilization)]
     if config.enforce_eager:
         command.append("--enforce-eager")
+    if config.tensor_parallel_size > 1:
+        command += ["--tensor-parallel-size", str(config.tensor_parallel_size)]
     env = engine_process_env("127.0.0.1", config.kv_cache_gib, cores, config.kv_hashing.seed)
     env.pop("VLLM_ENABLE_STARTUP_PLAN", None)  # plain: vLLM's default, whatever this shell says
     if startup_plan:
@@ -283,24 +286,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-eager", action="store_true", help="compile and capture CUDA graphs")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.25)
     parser.add_argument("--max-model-len", type=int, default=2048)
-    parser.add_argument("--cores", default="0,1", help="CPU cores of the peer and of the new instance")
+    parser.add_argument("--cores", default="0,1", help="CPU cores of the peer and of the new instance "
+                        "(a tensor-parallel engine's per rank: '0|1,0|1')")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks of every engine, plain vLLM's too")
     parser.add_argument("--paths", default="plain,disk,standby", help=f"which of {','.join(PATHS)} to run")
     parser.add_argument("--out", type=Path, default=None, help="JSON path (PNG beside it)")
     parser.add_argument("--engine-log-dir", type=Path, default=None, help="keep each engine's whole log there")
     args = parser.parse_args(argv)
     config = EngineConfig(model=args.model, served_model_name=args.model.name, enforce_eager=not args.no_eager,
                           gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
-                          log_dir=args.engine_log_dir)
+                          log_dir=args.engine_log_dir,
+                          tensor_parallel=TensorParallel(every_pool=args.tensor_parallel_size))
     cores = tuple(args.cores.split(","))
     paths = tuple(args.paths.split(","))
     if not set(paths) <= set(PATHS):
         parser.error(f"--paths takes some of {','.join(PATHS)}")
     results = asyncio.run(bench(config, args.runs, (cores[0], cores[1]), paths))
     summary = summarize(results)
-    print_table(args.model.name, summary, args.runs)
-    out = args.out or Path("results") / f"cold_start-{args.model.name}.json"
+    tp = f"-tp{args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else ""
+    print_table(args.model.name + tp.replace("-", ", "), summary, args.runs)
+    out = args.out or Path("results") / f"cold_start-{args.model.name}{tp}.json"
     write_results(out, {"model": str(args.model), "eager": not args.no_eager, "runs": args.runs, "summary": summary,
-                        "records": results}, lambda png: plot(summary, f"cold start, {args.model.name}", png))
+                        "records": results}, lambda png: plot(summary, f"cold start, {args.model.name}{tp}", png))
     return 0
 
 

@@ -67,6 +67,7 @@ def _add_cluster_routes(routes: APIRouter, app: FastAPI, store_endpoints: tuple[
             "instances": [
                 {"instance_id": i.instance_id, "role": i.role.name, "url": i.url,
                  "state": i.state.value, "inflight": i.inflight, "index_blocks": index.num_blocks(i.instance_id),
+                 "tensor_parallel_size": i.tensor_parallel_size,
                  "kv_events_endpoint": i.kv_events_endpoint, "kv_events_replay_endpoint": i.kv_events_replay_endpoint,
                  "endpoint": dataclasses.asdict(i.access.endpoint) if i.access else None,
                  "streams": [{"id": s.stream_id, "tokens_sent": len(s.sent_token_ids)} for s in i.streams]}

@@ -120,6 +120,9 @@ PENDING_PREFILL_TOKENS = Gauge(
     "Prompt tokens routed to an instance whose prefill has not finished (the router's estimate).",
     ["instance_id"],
 )
+INSTANCE_DEVICES = Gauge(
+    "pdcluster_router_instance_devices", "Devices (tensor-parallel ranks) each instance's engine spans.", ["instance_id"]
+)
 INDEX_BLOCKS = Gauge(
     "pdcluster_router_index_blocks", "KV blocks the router's index holds for each instance.", ["instance_id"]
 )

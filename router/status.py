@@ -171,7 +171,7 @@ async def cluster_status(app: FastAPI, store_endpoints: tuple[str, ...], store_k
     instances = [
         InstanceStatus(instance_id=i.instance_id, model=i.model, role=i.role.name, state=i.state.value, url=i.url,
                        inflight=i.inflight, pending_prefill_tokens=i.pending_prefill_tokens,
-                       index_blocks=index.num_blocks(i.instance_id))
+                       index_blocks=index.num_blocks(i.instance_id), tensor_parallel_size=i.tensor_parallel_size)
         for i in registry.all()
     ]
     shards = [ShardStatus.model_validate(s) for s in await read_shards(store_endpoints, store_keys)] \
@@ -195,7 +195,7 @@ async def scrape_metrics(app: FastAPI, store_endpoints: tuple[str, ...], store_k
     renders them: an instance, start or shard that left leaves no stale series."""
     registry, index = app.state.registry, app.state.index
     for gauge in (metrics.INSTANCES, metrics.INFLIGHT, metrics.PENDING_PREFILL_TOKENS, metrics.INDEX_BLOCKS,
-                  metrics.RECENT_START_STAGES):
+                  metrics.INSTANCE_DEVICES, metrics.RECENT_START_STAGES):
         gauge.clear()
     for start in app.state.starts.recent():
         for stage, seconds in start.stages_s.items():
@@ -205,6 +205,7 @@ async def scrape_metrics(app: FastAPI, store_endpoints: tuple[str, ...], store_k
         metrics.INFLIGHT.labels(instance.instance_id).set(instance.inflight)
         metrics.PENDING_PREFILL_TOKENS.labels(instance.instance_id).set(instance.pending_prefill_tokens)
         metrics.INDEX_BLOCKS.labels(instance.instance_id).set(index.num_blocks(instance.instance_id))
+        metrics.INSTANCE_DEVICES.labels(instance.instance_id).set(instance.tensor_parallel_size)
     if not store_endpoints:
         return
     shards = await read_shards(store_endpoints, store_keys, SCRAPE_SHARD_TIMEOUT_S)

@@ -22,6 +22,8 @@ class InstanceStatus(BaseModel):
     pending_prefill_tokens: float
     index_blocks: int
     """KV blocks of this instance in the router's index."""
+    tensor_parallel_size: int = 1
+    """Devices (ranks) its engine spans."""
 
 
 class PoolStatus(BaseModel):

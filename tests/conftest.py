@@ -59,35 +59,39 @@ def model_dir():
 
 class Oracle:
     """Plain vLLM's answers for models of engine.models.BUILDERS served under their builder names,
-    computed once per session: `oracle(model)` to tests/oracle.py's PROMPTS, and
-    `oracle.tool_calls()` to tests/tool_calls.py's requests (the tiny model, TINY_ENGINE_ARGS)."""
+    computed once per session: `oracle(model)` to tests/oracle.py's PROMPTS (`oracle(model, 2)`:
+    vLLM's own tensor parallelism over two ranks, one core each), and `oracle.tool_calls()` to
+    tests/tool_calls.py's requests (the tiny model, TINY_ENGINE_ARGS)."""
 
     def __init__(self, artifacts: Path) -> None:
         self.artifacts = artifacts
-        self._answers: dict[str, dict] = {}
+        self._answers: dict[tuple[str, int], dict] = {}
         self._tool_answers: dict = {}
 
-    def __call__(self, model: str) -> dict:
-        if model not in self._answers:
-            self._ask(model)
-        return self._answers[model]
+    def __call__(self, model: str, tensor_parallel_size: int = 1) -> dict:
+        if (model, tensor_parallel_size) not in self._answers:
+            self._ask(model, tensor_parallel_size)
+        return self._answers[model, tensor_parallel_size]
 
     def tool_calls(self) -> dict:
         self("tiny")
         return self._tool_answers
 
-    def _ask(self, model: str) -> None:
+    def _ask(self, model: str, tensor_parallel_size: int) -> None:
         import oracle
         import tool_calls
 
-        from engine.config import EngineConfig
+        from engine.config import EngineConfig, TensorParallel
         from engine.engine_args import EngineArgs
 
         args = EngineArgs(every_pool=TINY_ENGINE_ARGS if model == "tiny" else ())
-        config = EngineConfig(model=built_model(model), served_model_name=model, engine_args=args)
-        with oracle.PlainVLLM(config, self.artifacts / f"plain-vllm-{model}.log") as server:
-            self._answers[model] = oracle.warmed_up_answers(server.url, model)
-            if model == "tiny":
+        config = EngineConfig(model=built_model(model), served_model_name=model, engine_args=args,
+                              tensor_parallel=TensorParallel(every_pool=tensor_parallel_size))
+        core = "|".join(str(rank) for rank in range(tensor_parallel_size)) if tensor_parallel_size > 1 else "1"
+        log = self.artifacts / f"plain-vllm-{model}-tp{tensor_parallel_size}.log"
+        with oracle.PlainVLLM(config, log, core=core) as server:
+            self._answers[model, tensor_parallel_size] = oracle.warmed_up_answers(server.url, model)
+            if model == "tiny" and tensor_parallel_size == 1:
                 self._tool_answers = tool_calls.ask_all(server.url, model)
 
 

@@ -135,7 +135,8 @@ def took_the_other_of_a_near_tie(tops_got: dict[str, float], tops_want: dict[str
 class PlainVLLM:
     """vLLM's OpenAI server on a checkpoint, started as vLLM's docs say, with `config`'s model
     settings and one CPU core, as each of our engines gets on a 2-core machine (thread counts
-    change how reductions are split, so they are held equal). Owns its process."""
+    change how reductions are split, so they are held equal; a tensor-parallel engine, one core
+    per rank: "0|1"). Owns its process."""
 
     def __init__(self, config: EngineConfig, log_path: Path, core: str = "1", start_timeout_s: float = 300):
         self.config = config
@@ -154,6 +155,7 @@ class PlainVLLM:
                    "--gpu-memory-utilization", str(c.gpu_memory_utilization)]
         command += ["--enforce-eager"] if c.enforce_eager else []
         command += ["--dtype", c.dtype] if c.dtype != "auto" else []
+        command += ["--tensor-parallel-size", str(c.tensor_parallel_size)] if c.tensor_parallel_size > 1 else []
         return command + list(c.engine_args.for_role(c.role.kind))
 
     def __enter__(self) -> PlainVLLM:

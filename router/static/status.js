@@ -99,7 +99,7 @@ function drawInstances(instances) {
     fill.style.width = `${(100 * i.inflight) / mostInflight}%`;
     load.append(fill);
     inflight.append(load);
-    tr.append(cell(i.instance_id, "mono instance-id"), cell(i.role), state, inflight,
+    tr.append(cell(i.instance_id, "mono instance-id"), cell(i.role), state, cell(i.tensor_parallel_size, "num"), inflight,
               cell(Math.round(i.pending_prefill_tokens), "num"), cell(i.index_blocks, "num"),
               cell(i.url, "mono"));
     return tr;

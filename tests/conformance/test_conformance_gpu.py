@@ -3,8 +3,12 @@ loader, by a standby over CUDA IPC from that peer, and by a standby that slept (
 mode, level 2) until activated, answers as plain vLLM does on the same checkpoint (issue #18,
 item 4; issue #23; docs/gpu-notes.md).
 
+With two GPUs or more, the same at tensor-parallel size 2 (issue #34): a TP=2 engine from disk and
+a TP=2 standby given its weights rank by rank over CUDA IPC, against plain vLLM at TP=2.
+
 Needs a GPU and vLLM's CUDA build (on the lent H200: docs/gpu/h200/run_conformance.sh); skipped
-anywhere else, CI included. Three servers share GPU 0: plain vLLM, our peer, our standby.
+anywhere else, CI included. Three servers share GPU 0 (GPUs 0 and 1 at TP=2): plain vLLM, our
+peer, our standby.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ pytest.importorskip("vllm")
 
 from oracle import ask_all, assert_conforms, differences, oracle_answers  # noqa: E402
 
-from engine.config import EngineConfig  # noqa: E402
+from engine.config import EngineConfig, TensorParallel  # noqa: E402
 from engine.host import EngineHost, EngineStartError  # noqa: E402
 from engine.lifecycle import InstanceState  # noqa: E402
 from security.credentials import ClusterCredentials  # noqa: E402
@@ -60,6 +64,20 @@ def want(config, artifacts) -> dict:
 
 
 def test_disk_loader_and_cuda_ipc_standby_answer_as_plain_vllm(config, want):
+    disk_and_ipc_standby_conform(config, want)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor parallelism needs two GPUs")
+def test_tp2_disk_loader_and_per_rank_cuda_ipc_standby_answer_as_plain_vllm_at_tp2(config, artifacts):
+    config = config.model_copy(update={"tensor_parallel": TensorParallel(every_pool=2)})
+    want = oracle_answers(config, artifacts / "plain-vllm-llama1b-tied-cuda-tp2.log")
+    ranks = disk_and_ipc_standby_conform(config, want)
+    assert ranks.count("peer/cuda_ipc") == 2, ranks
+
+
+def disk_and_ipc_standby_conform(config: EngineConfig, want: dict) -> str:
+    """A peer from disk and a standby activated with its weights (CUDA IPC, rank r from the peer's
+    rank r) answer as `want`; returns where each rank's weights came from."""
     peer = EngineHost(config, "peer-1b", host="127.0.0.1", keys=CREDENTIALS.engine_host_keys("peer-1b"))
     standby = EngineHost(config, "standby-1b", host="127.0.0.1", keys=CREDENTIALS.engine_host_keys("standby-1b"))
 
@@ -71,9 +89,10 @@ def test_disk_loader_and_cuda_ipc_standby_answer_as_plain_vllm(config, want):
         assert peer.weights_record["source"] == "disk"  # the pinned streaming loader (stream_to_device)
         assert_conforms(peer.access, "llama1b-tied", want)
         assert differences(ask_all(standby.access, "llama1b-tied"), want)  # dummy weights: the check can fail
-        asyncio.run(standby.activate(asyncio.run(peer.export_weights())))
+        timeline = asyncio.run(standby.activate(asyncio.run(peer.export_weights())))
         assert standby.weights_record["transport"] == "cuda_ipc"
         assert_conforms(standby.access, "llama1b-tied", want)
+        return timeline["details"].get("weights_ranks", "")
     finally:
         asyncio.run(standby.stop())
         asyncio.run(peer.stop())

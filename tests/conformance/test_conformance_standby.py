@@ -99,14 +99,14 @@ def tiny_only(model) -> None:
 
 
 def test_a_corrupted_transfer_is_detected_and_the_weights_come_from_disk(tiny_only, model, peer, standby, oracle):
-    descriptor = asyncio.run(peer.export_weights(use_nixl=False))
-    shm = standby.config.weights_dir / descriptor["shm_name"]
+    weights = asyncio.run(peer.export_weights(use_nixl=False))
+    shm = standby.config.weights_dir / weights.ranks[0]["shm_name"]
     original = shm.read_bytes()
     corrupted = bytearray(original)
     corrupted[len(corrupted) // 2] ^= 0xFF  # the peer's host copy, behind its manifest's back
     shm.write_bytes(corrupted)
     try:
-        asyncio.run(standby.activate(descriptor))
+        asyncio.run(standby.activate(weights))
     finally:
         shm.write_bytes(original)
     record = standby.weights_record

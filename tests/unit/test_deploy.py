@@ -13,6 +13,7 @@ from deploy.actor_placement import placement_options
 from deploy.cluster import ClusterConfigError, validate_cluster_yaml
 from deploy.pool import PoolSpec, wants_more
 from deploy.topology import Topology, roles_to_start
+from engine.config import TensorParallel
 from engine.role_spec import COLOCATED
 from fleet.instances import Instance
 from prefill.role import PREFILL
@@ -367,7 +368,7 @@ async def test_failed_and_waiting_instances_are_asked_about_and_reaped_once_thei
 def test_preimported_processes_count_among_the_engines_a_head_places():
     topology = Topology.from_args(0, 0, 0, preimported=2, max_instances=2)  # scale-to-zero on them
     assert [(p.min_ready, p.preimported) for p in topology.pools()] == [(0, 2)]
-    assert topology.engines_at_most() == 4
+    assert topology.ranks_at_most(TensorParallel()) == 4
     with pytest.raises(ValueError, match="--preimported"):
         Topology.from_args(1, 0, 0, preimported=-1)
 

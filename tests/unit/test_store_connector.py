@@ -4,6 +4,7 @@ second engine loading the same blocks back (what the prefill and decode workers 
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import pytest
@@ -85,6 +86,33 @@ def test_a_prompt_stored_by_one_engine_is_loaded_bit_identical_by_another(monkey
             assert torch.equal(reader_caches[layer][30:43], writer_caches[layer][10:23])
         engines.append(build_engine(settings, layout, "another-model", None, VLLM_HASH))
         assert engines[-1].lookup(tokens[:usable]) == 0  # keys carry the model and layout
+    finally:
+        for engine in engines:
+            engine.close()
+        shard.close()
+
+
+def test_a_tensor_parallel_ranks_chunks_are_found_by_that_rank_of_that_size_alone(monkeypatch):
+    """Each rank holds its own KV heads: a chunk rank 0 of a TP=2 engine stored must be found by
+    rank 0 of a TP=2 engine, and by no other rank or size (it would load another rank's heads)."""
+    monkeypatch.setenv(*CREDENTIALS.engine_host_keys("colocated-0").new_process("127.0.0.1").as_env().popitem())
+    shard = ShardServer(64 * 1024**2, KEYS, page_bytes=64 * 1024)
+    settings = StoreSettings(endpoints=(shard.endpoint,), timeout_s=5.0)
+    layout = KVLayout(LAYERS, KV_HEADS, HEAD_DIM, torch.bfloat16, (KV_HEADS, BLOCK, 2 * HEAD_DIM), 2)
+    blocks = PagedBlockConnector(LAYERS, BLOCK, KV_HEADS * HEAD_DIM)
+    blocks.bind(caches(3))
+    engines = [build_engine(settings, layout, "tiny", lambda config, metadata: blocks, VLLM_HASH, rank=0)]
+    try:
+        tokens = list(range(2000, 2000 + 8 * BLOCK + 1))
+        usable = usable_tokens(len(tokens), BLOCK)
+        engines[0].store(tokens[:usable], slot_mapping=slots(list(range(8)), usable))
+        from kvstore.lmcache_plugin import flush_all
+
+        assert flush_all(10.0)
+        for size, rank, found in [(2, 0, usable), (2, 1, 0), (1, 0, 0)]:
+            other = dataclasses.replace(layout, tensor_parallel_size=size)
+            engines.append(build_engine(settings, other, "tiny", None, VLLM_HASH, rank=rank))
+            assert engines[-1].lookup(tokens[:usable]) == found, (size, rank)
     finally:
         for engine in engines:
             engine.close()

@@ -3,6 +3,7 @@
 # against plain vLLM. Calls before this one (each within 30 s of the last) copy the three parts of
 # ../shared/gpu/build-vllm-wheelhouse.sh (.vchunks/part00..02) into /tmp/vparts.
 # Then, from the repository root: bash docs/gpu/h200/run_conformance.sh [pytest args]
+# With two GPUs or more (nvidia-h200-x2) the TP=2 test runs too (disk and per-rank CUDA IPC).
 set -eo pipefail
 [ -d /tmp/site ] || bash /tmp/vparts/install.sh > /tmp/install.log 2>&1
 source /tmp/vparts/env.sh

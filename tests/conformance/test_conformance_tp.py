@@ -1,0 +1,113 @@
+"""Tensor-parallel engines (two ranks, one core each) answer as plain vLLM started with
+`--tensor-parallel-size 2` on the same checkpoint: P/D through the store (each rank saving and
+loading its own KV heads), started from disk, and as a standby activated with a TP=2 peer's
+weights (every rank reading the peer's host copy, each keeping its shard). A rank that dies takes
+its whole engine down: no half-alive engine stays up.
+
+The tiny models only: SmolLM2-135M's 9 attention heads do not split over 2 ranks (vLLM refuses).
+One peer and one standby for the module (four ranks on CI's two cores)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import psutil
+import pytest
+from oracle import PROMPTS, ask_all, assert_conforms, differences
+from transformers import AutoTokenizer
+
+from engine.config import EngineConfig, KVHashing, TensorParallel
+from engine.host import EngineHost
+from engine.lifecycle import InstanceState
+from engine.models import default_model_root
+from loadtest.local_cluster import LocalServer
+from loadtest.scrape import scrape_engine
+from security.credentials import ClusterCredentials
+
+pytestmark = pytest.mark.slow
+MODEL = "tiny"
+TP = 2
+CREDENTIALS = ClusterCredentials.load()
+
+
+def test_pd_through_the_store_with_tp2_on_both_sides_answers_as_plain_vllm_at_tp2(oracle, artifacts):
+    """First in the module: its cluster's four ranks run before the module's engines start."""
+    want = oracle(MODEL, TP)
+    hits = "vllm:external_prefix_cache_hits_total"
+    args = ["--model", MODEL, "--prefill", "1", "--decode", "1", "--kv-transfer", "store",
+            "--tensor-parallel-size", str(TP), "--remote-prefill-min-tokens", "0"]
+    with LocalServer(args, artifacts / "serve-conformance-pd-tp2.log") as server:
+        assert {(i["role"], i["tensor_parallel_size"]) for i in server.instances()} == {("prefill", TP), ("decode", TP)}
+        (decode,) = [server.engine_access(i["instance_id"]) for i in server.instances() if i["role"] == "decode"]
+        before = scrape_engine(decode, (hits,)).get(hits, 0.0)
+        assert_conforms(server.url, MODEL, want)
+        # The long completion's KV came through the store: every rank found its own chunks.
+        prompt = AutoTokenizer.from_pretrained(default_model_root() / MODEL)(PROMPTS["completion-long"]["prompt"])
+        block = KVHashing().block_size
+        assert scrape_engine(decode, (hits,))[hits] - before >= (len(prompt.input_ids) - 1) // block * block
+    # The scheduler looks up rank 0's chunks; a rank that found fewer of its own would say so.
+    (decode_log,) = (artifacts / "serve-conformance-pd-tp2").glob("decode-*.log")
+    assert "vLLM recomputes the rest" not in decode_log.read_text()
+
+
+@pytest.fixture(scope="module")
+def config(model_dir, artifacts) -> EngineConfig:
+    return EngineConfig(model=model_dir(MODEL), served_model_name=MODEL, cpu_cores="0|1",
+                        tensor_parallel=TensorParallel(every_pool=TP), log_dir=artifacts / "conformance-tp")
+
+
+@pytest.fixture(scope="module")
+def engines(config, oracle):
+    """A TP=2 engine loaded from disk (the peer) and a TP=2 standby started beside it."""
+    want = oracle(MODEL, TP)  # before our engines take the cores
+    hosts = {name: EngineHost(config, f"{name}-tp", host="127.0.0.1", keys=CREDENTIALS.engine_host_keys(f"{name}-tp"))
+             for name in ("peer", "standby")}
+
+    async def start_both() -> None:
+        await asyncio.gather(hosts["peer"].start(), hosts["standby"].start(standby=True))
+
+    try:
+        asyncio.run(start_both())
+        yield hosts, want
+    finally:
+        for host in hosts.values():
+            asyncio.run(host.stop())
+
+
+def test_a_tp2_engine_started_from_disk_answers_as_plain_vllm_at_tp2(engines):
+    (hosts, want) = engines
+    peer = hosts["peer"]
+    assert peer.timeline.details["weights_ranks"].count("disk/read") == TP
+    assert_conforms(peer.access, MODEL, want)
+
+
+def test_a_tp2_standby_activated_from_a_tp2_peer_answers_as_plain_vllm(engines):
+    (hosts, want) = engines
+    peer, standby = hosts["peer"], hosts["standby"]
+    assert differences(ask_all(standby.access, MODEL), want)  # dummy weights: the check can fail
+    weights = asyncio.run(peer.export_weights(use_nixl=False))
+    assert weights.tensor_parallel_size == TP
+    timeline = asyncio.run(standby.activate(weights))
+    assert standby.state == InstanceState.READY
+    assert timeline["details"]["weights_ranks"].count("peer/shm") == TP, timeline["details"]
+    assert "weights_fallback_reason" not in timeline["details"]
+    assert_conforms(standby.access, MODEL, want)
+
+
+def test_a_rank_that_dies_takes_its_whole_engine_down(engines):
+    (hosts, _) = engines
+    standby = hosts["standby"]
+    server = psutil.Process(standby.describe().pid)
+    tree = [server, *server.children(recursive=True)]
+    ranks = [p for p in tree if "Worker" in " ".join(p.cmdline()) or "Worker" in p.name()]
+    assert len(ranks) == TP, [(p.name(), p.cmdline()) for p in tree]
+    os.kill(ranks[-1].pid, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in tree):
+        time.sleep(0.5)
+    alive = [p.pid for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not alive, f"processes of the engine still up after one rank died: {alive}"
+    assert standby.describe().exited

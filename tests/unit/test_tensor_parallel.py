@@ -1,0 +1,81 @@
+"""Engines larger than one device, without an engine: each pool's tensor-parallel size reaches
+vLLM's command line, Ray's reservation and the CPU cores of every rank; pools that could not hand
+KV over rank by rank are refused before anything starts; a peer whose ranks hold other shards is
+not used."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+
+import pytest
+from pydantic import ValidationError
+
+from decode.role import DECODE
+from deploy.actor_placement import CoreSets, cpu_core_sets, placement_options
+from engine.config import EngineConfig, TensorParallel
+from engine.host import EngineHost
+from engine.role_spec import COLOCATED, Role
+from engine.server_command import server_command
+from engine.weights import PeerWeights
+from prefill.role import PREFILL
+
+
+def test_each_pool_spans_its_own_size_or_every_pools():
+    sizes = TensorParallel(every_pool=2, decode=4)
+    assert [sizes.for_role(role) for role in Role] == [2, 2, 4]
+    with pytest.raises(ValueError, match="each rank stores and loads its own KV heads"):
+        sizes.check_pd()
+    TensorParallel(every_pool=4, decode=4).check_pd()
+
+
+def test_the_engine_command_names_its_pools_size_and_vllms_multiprocessing_executor(tiny_model):
+    config = EngineConfig(model=tiny_model, served_model_name="tiny", tensor_parallel=TensorParallel(prefill=2))
+    decode = server_command(config.model_copy(update={"role": DECODE}), "127.0.0.1", 8000, "d-0")
+    prefill = server_command(config.model_copy(update={"role": PREFILL}), "127.0.0.1", 8000, "p-0")
+    assert "--tensor-parallel-size" not in decode
+    at = prefill.index("--tensor-parallel-size")
+    assert prefill[at:at + 4] == ["--tensor-parallel-size", "2", "--distributed-executor-backend", "mp"]
+
+
+def test_ray_reserves_a_whole_gpu_per_rank_and_shared_gpus_span_one(tiny_model):
+    config = EngineConfig(model=tiny_model, served_model_name="tiny", tensor_parallel=TensorParallel(every_pool=4))
+    assert placement_options(COLOCATED, config.num_gpus)["num_gpus"] == 4
+    with pytest.raises(ValidationError, match="tensor parallelism needs whole GPUs"):
+        EngineConfig(model=tiny_model, served_model_name="tiny", gpu_share=0.5,
+                     tensor_parallel=TensorParallel(decode=2))
+
+
+def test_each_rank_of_a_cpu_engine_gets_cores_of_its_own(tiny_model):
+    config = EngineConfig(model=tiny_model, served_model_name="tiny", tensor_parallel=TensorParallel(prefill=2))
+    cores = CoreSets(cpu_core_sets(3, 4))
+    assert cores.bound(config.model_copy(update={"role": PREFILL})).cpu_cores == "1|2"
+    assert cores.bound(config.model_copy(update={"role": DECODE})).cpu_cores == "3"
+    assert cores.bound(config.model_copy(update={"role": PREFILL})).cpu_cores == "1|2"  # in turn again
+    assert CoreSets([]).bound(config).cpu_cores is None  # vLLM binds
+
+
+def test_a_peer_whose_ranks_hold_other_shards_is_not_used(tiny_model):
+    config = EngineConfig(model=tiny_model, served_model_name="tiny", tensor_parallel=TensorParallel(every_pool=2))
+    host = EngineHost(config, "colocated-0", host="127.0.0.1")
+    try:
+        assert host._unusable_peer(PeerWeights("colocated-1", ({}, {}))) is None
+        reason = host._unusable_peer(PeerWeights("colocated-1", ({},)))
+        assert reason == ("peer colocated-1 has tensor-parallel size 1, this engine 2: its ranks hold other shards")
+    finally:
+        asyncio.run(host.stop())
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--prefill", "1", "--decode", "1", "--prefill-tensor-parallel-size", "2"],
+     "prefill engines of tensor-parallel size 2 cannot hand KV to decode engines of size 1"),
+    (["--decode-tensor-parallel-size", "2"], "are for a P/D topology's pools"),
+])
+def test_serve_refuses_sizes_it_cannot_serve_before_starting_anything(tiny_model, tmp_path, flags, message):
+    done = subprocess.run([sys.executable, "-m", "deploy.cli", "serve", "--model", str(tiny_model),
+                           "--secret-file", str(tmp_path / "secret"), *flags],
+                          capture_output=True, text=True, timeout=120)
+    output = " ".join((done.stdout + done.stderr).split())
+    assert done.returncode == 2, output
+    assert message in output and "Ray" not in output
