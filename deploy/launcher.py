@@ -105,8 +105,8 @@ class Launcher:
         """Take over what a launcher that died left on this Ray cluster: its ready and standby
         engines of the models of `configs` are registered as they are (weights, KV cache and all); its
         store shards are kept if `keep_store` (StoreShards.reconcile then keeps those that answer,
-        where engines run). Any other engine of ours there (another model, a start cut short, one
-        that does not answer) is stopped. Only actors that prove they hold the cluster's secret
+        where engines run). Any other engine of ours there (another model or tensor-parallel size, a
+        start cut short, one that does not answer) is stopped. Only actors that prove they hold the cluster's secret
         are ours: a named actor anyone else put in the namespace is neither adopted nor used."""
         started = time.monotonic()
         handles = {name: ray.get_actor(name) for name in ray.util.list_named_actors() if name != LEDGER_NAME}
@@ -120,10 +120,13 @@ class Launcher:
             return_exceptions=True), strict=True))
         adopted, ended = [], []
         served = {(str(c.model), c.served_model_name) for c in configs}
+        sizes = {c.served_model_name: c.tensor_parallel for c in configs}
         for name, actor in engines.items():
             described = answers[name]
             if not (isinstance(described, EngineDescription) and described.serves(served)
-                    and (described.state == InstanceState.READY or described.state.is_standby)):
+                    and (described.state == InstanceState.READY or described.state.is_standby)
+                    # an engine of another size would share no KV chunk or weight shard with the new ones
+                    and described.tensor_parallel_size == sizes[described.served_model_name].for_role(described.role)):
                 ended.append(actor)
                 continue
             try:

@@ -273,7 +273,7 @@ class EngineHost:
     async def export_weights(self, use_nixl: bool = True, offer_file: bool = True) -> PeerWeights:
         """How a peer reads this instance's weights (shared memory on this node unless not
         `offer_file`, NIXL anywhere): a descriptor per rank, signed with the cluster's weights key
-        (a CPU engine's ranks share rank 0's host copy)."""
+        (a CPU engine's ranks all offer rank 0's host copy)."""
         if self.state != InstanceState.READY:
             raise EngineStartError(f"{self.instance_id} is {self.state.value}; no weights to offer")
         request = {"use_nixl": use_nixl, "offer_file": offer_file}
@@ -299,8 +299,7 @@ class EngineHost:
 
     async def _load_and_warm(self, peer: PeerWeights | None) -> None:
         self.state = InstanceState.LOADING
-        unusable = self._unusable_peer(peer)
-        peers = None if unusable or peer is None else list(peer.ranks)
+        peers, unusable = self._peer_ranks(peer)
         request = {"peers": peers, "timeout_s": self.config.weight_transfer_timeout_s}
         ranks = await self._worker_call("pdc_load_weights", request, self.config.start_timeout_s)
         self.weights_record = record = ranks[0]
@@ -319,13 +318,18 @@ class EngineHost:
         await self._warm_up()
         self.timeline.mark("warmup_request")
 
-    def _unusable_peer(self, peer: PeerWeights | None) -> str | None:
-        """Why `peer` cannot give this engine its weights (its ranks hold other shards), if so."""
+    def _peer_ranks(self, peer: PeerWeights | None) -> tuple[list[dict] | None, str | None]:
+        """Each rank's descriptor of `peer`, or none and why: shards (CUDA) go rank to rank and
+        need a peer of this engine's size; a whole checkpoint's host copy serves every rank."""
         size = self.config.tensor_parallel_size
-        if peer is not None and peer.tensor_parallel_size != size:
-            return (f"peer {peer.instance_id} has tensor-parallel size {peer.tensor_parallel_size}, this engine {size}: "
-                    "its ranks hold other shards")
-        return None
+        if peer is None:
+            return None, None
+        if not peer.sharded:
+            return [peer.ranks[0]] * size, None
+        if peer.tensor_parallel_size != size:
+            return None, (f"peer {peer.instance_id} has tensor-parallel size {peer.tensor_parallel_size}, "
+                          f"this engine {size}: its ranks hold other shards")
+        return list(peer.ranks), None
 
     async def _engine_post(self, path: str, params: dict[str, str]) -> None:
         async with self._client(60.0) as client:

@@ -94,6 +94,11 @@ class PeerWeights:
     def tensor_parallel_size(self) -> int:
         return len(self.ranks)
 
+    @property
+    def sharded(self) -> bool:
+        """Each rank offers its own shard (CUDA IPC), not the whole checkpoint (a host copy)."""
+        return any(rank.get("kind") == "cuda_ipc" for rank in self.ranks)
+
 
 def sign(key: str, descriptor: dict) -> str:
     """HMAC-SHA256 of a descriptor's canonical JSON, its `signature` field left out."""

@@ -23,9 +23,11 @@ head keeps multiplying by a copy packed from the dummy weights, and the engine a
 
 Tensor parallelism: the endpoint calls every rank's worker with the same arguments and returns
 their results in rank order. On CUDA each rank offers and loads its own shard (kernel format, rank
-r from the peer's rank r). On the CPU build rank 0 keeps the host copy of the whole checkpoint;
-every rank of a new engine reads it (shared memory on the node) and vLLM's reload keeps its own
-shard: no rank holds a second copy.
+r from the peer's rank r, which the signed descriptor names); from disk each rank reads the
+checkpoint one tensor at a time in host memory and keeps its shard. On the CPU build rank 0 keeps
+the host copy of the whole checkpoint that peers are offered; every rank of a new engine takes its
+shard from it (mapped, on the peer's node; across nodes each rank reads it over NIXL, rank 0 into
+its own host copy, the others into memory they drop once loaded).
 
 Arguments and results are JSON, as the endpoint passes only strings.
 """
@@ -40,7 +42,7 @@ import os
 import time
 from pathlib import Path
 
-from engine.checkpoint import read_from_disk, stream_to_device
+from engine.checkpoint import host_tensors, read_from_disk, stream_to_device
 from engine.cuda_ipc import IpcTensor
 from engine.weights import (
     WeightExporter,
@@ -96,6 +98,12 @@ def _tensor_parallel_rank() -> int:
     return get_tensor_model_parallel_rank()
 
 
+def _tensor_parallel_size() -> int:
+    from vllm.distributed import get_tensor_model_parallel_world_size
+
+    return get_tensor_model_parallel_world_size()
+
+
 def _own_file() -> Path | None:
     return Path(os.environ[WEIGHTS_FILE_ENV]) if os.environ.get(WEIGHTS_FILE_ENV) else None
 
@@ -139,16 +147,14 @@ class WeightPlaneExtension:
         rank: this rank's is used) or, when there are none or that fails, from disk. Returns where
         they came from and what each step took."""
         request = json.loads(request_json)
-        if request.get("peers"):
-            request["peer"] = request["peers"][_tensor_parallel_rank()]
         record: dict = {"source": "disk", "fallback_reason": None}
         started = time.perf_counter()
         import torch
 
         with torch.no_grad():  # vLLM's in-place reload copies into parameters
-            if request.get("peer"):
+            if request.get("peers"):
                 try:
-                    record.update(self._pdc_load_from_peer(request))
+                    record.update(self._pdc_load_from_peer(request["peers"], float(request.get("timeout_s", 60.0))))
                 except Exception as exc:  # any failure of the peer path: disk rewrites every weight
                     record["fallback_reason"] = f"{type(exc).__name__}: {exc}"
             if record["source"] == "disk" and self._pdc_host_params is not None:
@@ -217,7 +223,17 @@ class WeightPlaneExtension:
 
     def _pdc_load_from_disk(self) -> dict:
         started = time.perf_counter()
-        if self._pdc_on_cuda():
+        if self._pdc_on_cuda() and _tensor_parallel_size() > 1:
+            sizes: list[int] = []
+
+            def counted():  # one tensor in host memory at a time, its shard copied, then dropped
+                for name, tensor in host_tensors(self._pdc_model_dir()):
+                    sizes.append(tensor.numel() * tensor.element_size())
+                    yield name, tensor
+
+            self._pdc_reload(counted())
+            read, nbytes = started, sum(sizes)
+        elif self._pdc_on_cuda():
             tensors = stream_to_device(self._pdc_model_dir(), self.device)
             read = time.perf_counter()
             self._pdc_reload(iter(tensors))
@@ -233,14 +249,16 @@ class WeightPlaneExtension:
         return {"source": "disk", "read_s": read - started, "reload_s": time.perf_counter() - read,
                 "bytes": nbytes}
 
-    def _pdc_load_from_peer(self, request: dict) -> dict:
-        peer = request["peer"]
+    def _pdc_load_from_peer(self, peers: list[dict], timeout_s: float) -> dict:
+        if len(peers) != _tensor_parallel_size():
+            raise WeightTransferError(f"{len(peers)} descriptors for {_tensor_parallel_size()} ranks")
+        peer = peers[_tensor_parallel_rank()]
         if peer.get("kind") == "cuda_ipc":
             return self._pdc_load_ipc(peer)
         own_file = self._pdc_release_own_file()
         weights, fetched = fetch_from_peer(
             peer, model_id(self._pdc_model_dir()), _weights_key(), _node_host(),
-            Path(os.environ.get(WEIGHTS_DIR_ENV, "/dev/shm")), float(request.get("timeout_s", 60.0)), own_file=own_file,
+            Path(os.environ.get(WEIGHTS_DIR_ENV, "/dev/shm")), timeout_s, own_file=own_file,
         )
         started = time.perf_counter()
         self._pdc_reload(weights.tensors())
@@ -296,6 +314,7 @@ class WeightPlaneExtension:
         params = self._pdc_parameters()
         described = {
             "kind": "cuda_ipc", "host": _node_host(), "model_id": model_id(self._pdc_model_dir()),
+            "rank": _tensor_parallel_rank(), "tensor_parallel_size": _tensor_parallel_size(),
             "tensors": {n: dataclasses.asdict(IpcTensor.of(t)) for n, t in params.items()},
             "checksums": {n: list(region_checksum(t)) for n, t in params.items()},
         }
@@ -307,6 +326,10 @@ class WeightPlaneExtension:
         from engine.device_checksum import region_checksum
 
         check_signature(_weights_key(), peer)
+        mine = (_tensor_parallel_rank(), _tensor_parallel_size())
+        if (peer.get("rank"), peer.get("tensor_parallel_size")) != mine:
+            raise WeightTransferError(f"the peer's descriptor is rank {peer.get('rank')} of "
+                                      f"{peer.get('tensor_parallel_size')}, this worker rank {mine[0]} of {mine[1]}")
         if peer["host"] != _node_host():
             raise WeightTransferError("CUDA IPC reaches only peers on this node")
         if peer["model_id"] != model_id(self._pdc_model_dir()):

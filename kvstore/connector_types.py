@@ -81,8 +81,11 @@ class SaveResults(KVConnectorWorkerMetadata):
     landed: dict[str, bool] = dataclasses.field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> SaveResults:
+        """Tensor-parallel ranks' results: a request's save landed only if every rank's did
+        (each rank stores its own KV heads)."""
         assert isinstance(other, SaveResults)
-        return SaveResults({**self.landed, **other.landed})
+        requests = self.landed.keys() | other.landed.keys()
+        return SaveResults({r: self.landed.get(r, True) and other.landed.get(r, True) for r in requests})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -106,8 +106,16 @@ def test_a_rank_that_dies_takes_its_whole_engine_down(engines):
     assert len(ranks) == TP, [(p.name(), p.cmdline()) for p in tree]
     os.kill(ranks[-1].pid, signal.SIGKILL)
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in tree):
+    while time.monotonic() < deadline and any(map(_running, tree)):
         time.sleep(0.5)
-    alive = [p.pid for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    alive = [p.pid for p in tree if _running(p)]
     assert not alive, f"processes of the engine still up after one rank died: {alive}"
     assert standby.describe().exited
+
+
+def _running(process: psutil.Process) -> bool:
+    """Up and not a zombie (an exited child its parent has not reaped yet)."""
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

@@ -10,7 +10,7 @@ import types
 import pytest
 import torch
 
-from kvstore.connector_types import salted, usable_tokens
+from kvstore.connector_types import SaveResults, salted, usable_tokens
 from kvstore.lmcache_engine import KVLayout, build_engine
 from kvstore.paged_blocks import PagedBlockConnector
 from kvstore.settings import StoreSettings
@@ -119,6 +119,11 @@ def test_a_tensor_parallel_ranks_chunks_are_found_by_that_rank_of_that_size_alon
         shard.close()
 
 
+def test_a_save_landed_only_where_every_tensor_parallel_rank_saved_its_heads():
+    rank0, rank1 = SaveResults({"a": True, "b": True, "c": False}), SaveResults({"a": False, "b": True, "c": True})
+    assert rank0.aggregate(rank1).landed == rank1.aggregate(rank0).landed == {"a": False, "b": True, "c": False}
+
+
 def test_building_an_lmcache_engine_keeps_vllms_prefix_hash_root():
     """LMCache re-seeds vLLM's block-hash root in its process with its own hash algorithm; with
     any other than the engine's, every block hash after the first store lookup changed (seen:
@@ -171,7 +176,6 @@ def finished(request_id: str, prompt: list[int], asked: bool):
 
 
 def test_a_prompt_is_saved_in_the_step_that_completes_it_and_announced_once_it_landed():
-    from kvstore.connector_types import SaveResults
 
     scheduler = scheduler_half()
     prompt = list(range(100))  # 3 whole blocks usable (the last token is never stored)

@@ -42,6 +42,7 @@ def test_the_engine_command_names_its_pools_size_and_vllms_multiprocessing_execu
 def test_ray_reserves_a_whole_gpu_per_rank_and_shared_gpus_span_one(tiny_model):
     config = EngineConfig(model=tiny_model, served_model_name="tiny", tensor_parallel=TensorParallel(every_pool=4))
     assert placement_options(COLOCATED, config.num_gpus)["num_gpus"] == 4
+    assert config.model_copy(update={"gpu_share": 1.0, "tensor_parallel": TensorParallel()}).num_gpus == 1
     with pytest.raises(ValidationError, match="tensor parallelism needs whole GPUs"):
         EngineConfig(model=tiny_model, served_model_name="tiny", gpu_share=0.5,
                      tensor_parallel=TensorParallel(decode=2))
@@ -56,13 +57,17 @@ def test_each_rank_of_a_cpu_engine_gets_cores_of_its_own(tiny_model):
     assert CoreSets([]).bound(config).cpu_cores is None  # vLLM binds
 
 
-def test_a_peer_whose_ranks_hold_other_shards_is_not_used(tiny_model):
+def test_shards_go_rank_to_rank_and_a_whole_checkpoint_to_every_rank(tiny_model):
     config = EngineConfig(model=tiny_model, served_model_name="tiny", tensor_parallel=TensorParallel(every_pool=2))
     host = EngineHost(config, "colocated-0", host="127.0.0.1")
+    shard = [{"kind": "cuda_ipc", "rank": r} for r in range(2)]
+    host_copy = {"manifest": "...", "shm_name": "pdcluster-weights-0"}
     try:
-        assert host._unusable_peer(PeerWeights("colocated-1", ({}, {}))) is None
-        reason = host._unusable_peer(PeerWeights("colocated-1", ({},)))
-        assert reason == ("peer colocated-1 has tensor-parallel size 1, this engine 2: its ranks hold other shards")
+        assert host._peer_ranks(PeerWeights("colocated-1", tuple(shard))) == (shard, None)
+        assert host._peer_ranks(PeerWeights("colocated-1", (host_copy,))) == ([host_copy, host_copy], None)
+        assert host._peer_ranks(None) == (None, None)
+        refused = host._peer_ranks(PeerWeights("colocated-1", (shard[0],)))
+        assert refused == (None, "peer colocated-1 has tensor-parallel size 1, this engine 2: its ranks hold other shards")
     finally:
         asyncio.run(host.stop())
 
