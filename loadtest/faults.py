@@ -69,10 +69,20 @@ def kill_engine(url: str, signum: int = signal.SIGKILL) -> None:
     the process listening on its port and the whole process group around it (server, engine
     core, worker, guard)."""
     port = urlparse(url).port
-    # the socket is held by the server and the shell that guards its group (it was handed down)
-    (group,) = {os.getpgid(c.pid) for c in psutil.net_connections("tcp")
-                if c.status == "LISTEN" and c.laddr.port == port and c.pid}
+    # the socket is held by the server and the shell that guards its group (it was handed down),
+    # and for a moment by any child the server forks: one that exits between the listing and
+    # the lookup has no group to report
+    holders = {c.pid for c in psutil.net_connections("tcp")
+               if c.status == "LISTEN" and c.laddr.port == port and c.pid}
+    (group,) = {group for group in map(_process_group, holders) if group is not None}
     os.killpg(group, signum)
+
+
+def _process_group(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
 
 
 def classify(result: RequestResult, scenario: Scenario) -> str:
