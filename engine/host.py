@@ -156,6 +156,8 @@ class EngineHost:
             # every peer of the worker's distributed groups has connected: no one else may
             sealed = await self._worker_call("pdc_seal_listeners", {}, timeout_s=30)
             self.timeline.details["sealed_listeners"] = sum(len(rank["sealed_ports"]) for rank in sealed)
+            prepared = await self._worker_call("pdc_prepare_transfers", {}, timeout_s=60)
+            self.timeline.details["checksum_warmup_s"] = round(max(rank["seconds"] for rank in prepared), 4)
             if standby:
                 # Lazy first-request work does not depend on the weights: pay it now, not on activation.
                 await self._warm_up()
@@ -303,7 +305,8 @@ class EngineHost:
         request = {"peers": peers, "timeout_s": self.config.weight_transfer_timeout_s}
         ranks = await self._worker_call("pdc_load_weights", request, self.config.start_timeout_s)
         self.weights_record = record = ranks[0]
-        self.timeline.mark("weights")
+        # the checksum of what a peer sent is its own stage (the slowest rank's)
+        self.timeline.mark_split("weights", "weights_checksum", max(rank.get("verify_s", 0.0) for rank in ranks))
         source = record["source"] + (f"/{record['transport']}" if "transport" in record else "")
         self.timeline.details.update(weights_source=source, weights_bytes=record["bytes"])
         if len(ranks) > 1:  # each rank loads its own shard: where each one's came from, and when

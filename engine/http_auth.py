@@ -26,7 +26,7 @@ ROUTES = frozenset({
     ("POST", "/sleep"), ("POST", "/wake_up"),
 })
 WORKER_METHODS = frozenset({"pdc_load_weights", "pdc_export_weights", "pdc_release_weights", "pdc_keep_host_copy",
-                            "pdc_seal_listeners"})
+                            "pdc_seal_listeners", "pdc_prepare_transfers"})
 # A weight descriptor names every parameter with its handle and checksum: ~150 KB for an 8B
 # Llama (64 KiB refused it on the H200), MBs for a large MoE. Read only from token holders.
 MAX_RPC_BODY_BYTES = 64 * 1024 * 1024

@@ -107,6 +107,17 @@ class StartTimeline:
         if all(name != stage for name, _ in self.marks):
             self.marks.append((stage, time.time() - self.started_at))
 
+    def mark_split(self, stage: str, last_part: str, last_part_s: float) -> None:
+        """Record that `stage` ended now, its last `last_part_s` seconds (a step the stage's call
+        timed inside it) as a stage of its own named `last_part`; just `stage` when that is 0."""
+        if last_part_s <= 0:
+            self.mark(stage)
+            return
+        now = time.time() - self.started_at
+        if all(name != stage for name, _ in self.marks):
+            self.marks.append((stage, max(now - last_part_s, self.marks[-1][1] if self.marks else 0.0)))
+        self.mark(last_part)
+
     def mark_from_log(self, line: str) -> None:
         """Mark the stage a line of the server's log ends, if it ends one (STAGE_PATTERNS)."""
         for stage, pattern in STAGE_PATTERNS:

@@ -38,6 +38,7 @@ from pathlib import Path
 import httpx
 
 from engine.config import EngineConfig, TensorParallel
+from engine.engine_args import EngineArgs
 from engine.environment import engine_process_env, free_port
 from engine.host import EngineHost
 from loadtest.output import write_results
@@ -46,6 +47,9 @@ from security.engine_access import EngineAccess
 
 PROMPT = "The first token after a cold start"
 PATHS = ("plain", "plain-plan", "disk", "preimported", "standby", "sleeping")
+
+OUR_LEVERS = ("VLLM_ENABLE_STARTUP_PLAN", "VLLM_USE_MEGA_AOT_ARTIFACT")
+"""vLLM variables that our engines may run with (set in this shell) and plain vLLM does not."""
 
 CLUSTER = ClusterCredentials.generate()
 """The engines of one run sign their weights alike (a standby takes only its cluster's peer's)."""
@@ -80,7 +84,8 @@ async def plain_start(config: EngineConfig, cores: str, startup_plan: bool = Fal
     if config.tensor_parallel_size > 1:
         command += ["--tensor-parallel-size", str(config.tensor_parallel_size)]
     env = engine_process_env("127.0.0.1", config.kv_cache_gib, cores, config.kv_hashing.seed)
-    env.pop("VLLM_ENABLE_STARTUP_PLAN", None)  # plain: vLLM's default, whatever this shell says
+    for lever in OUR_LEVERS:  # plain: vLLM's defaults, whatever this shell says
+        env.pop(lever, None)
     if startup_plan:
         env["VLLM_ENABLE_STARTUP_PLAN"] = "1"
     asked = time.perf_counter()
@@ -291,11 +296,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks of every engine, plain vLLM's too")
     parser.add_argument("--paths", default="plain,disk,standby", help=f"which of {','.join(PATHS)} to run")
     parser.add_argument("--out", type=Path, default=None, help="JSON path (PNG beside it)")
+    parser.add_argument("--engine-arg", action="append", default=[],
+                        help="a vLLM flag for our engines only, as `pdcluster serve --engine-arg` takes it "
+                             "(plain vLLM keeps its defaults); repeatable")
     parser.add_argument("--engine-log-dir", type=Path, default=None, help="keep each engine's whole log there")
     args = parser.parse_args(argv)
     config = EngineConfig(model=args.model, served_model_name=args.model.name, enforce_eager=not args.no_eager,
                           gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
-                          log_dir=args.engine_log_dir,
+                          log_dir=args.engine_log_dir, engine_args=EngineArgs.from_flags(args.engine_arg, [], []),
                           tensor_parallel=TensorParallel(every_pool=args.tensor_parallel_size))
     cores = tuple(args.cores.split(","))
     paths = tuple(args.paths.split(","))
@@ -306,7 +314,10 @@ def main(argv: list[str] | None = None) -> int:
     tp = f"-tp{args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else ""
     print_table(args.model.name + tp.replace("-", ", "), summary, args.runs)
     out = args.out or Path("results") / f"cold_start-{args.model.name}{tp}.json"
-    write_results(out, {"model": str(args.model), "eager": not args.no_eager, "runs": args.runs, "summary": summary,
+    levers = {"engine_args": list(config.engine_args.every_pool),
+              "env": {name: os.environ[name] for name in OUR_LEVERS if name in os.environ}}
+    write_results(out, {"model": str(args.model), "eager": not args.no_eager, "runs": args.runs, "ours": levers,
+                        "summary": summary,
                         "records": results}, lambda png: plot(summary, f"cold start, {args.model.name}{tp}", png))
     return 0
 

@@ -36,6 +36,22 @@ def test_timeline_durations_add_up():
     assert record["total_s"] >= 1.0
 
 
+def test_a_step_timed_inside_a_stage_is_a_stage_of_its_own():
+    """The weights' checksum, timed by the worker inside the weights' call, shows in the ledger
+    as its own stage, and the two add up to the call; none measured: just the stage."""
+    timeline = StartTimeline(started_at=time.time() - 1.0)
+    timeline.mark("wake_up")
+    time.sleep(0.05)
+    timeline.mark_split("weights", "weights_checksum", 0.02)
+    stages = timeline.as_record()["stages_s"]
+    assert list(stages) == ["wake_up", "weights", "weights_checksum"]
+    assert stages["weights_checksum"] == pytest.approx(0.02, abs=1e-3)
+    assert stages["weights"] >= 0.03
+    untimed = StartTimeline()
+    untimed.mark_split("weights", "weights_checksum", 0.0)
+    assert list(untimed.as_record()["stages_s"]) == ["weights"]
+
+
 def test_stage_patterns_match_vllm_log_lines():
     lines = {  # vLLM 0.26's on CUDA (docs/gpu/engine logs), 0.32's CPU build's
         "worker_and_model": "(EngineCore pid=7) INFO 12-02 07:22:11 [gpu_model_runner.py:5347] Model loading "

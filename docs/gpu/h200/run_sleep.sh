@@ -10,6 +10,11 @@
 #           IMPORTTIME=1 also vLLM's import profile
 #   swap1b|swap8b: loadtest.model_swap, four distinct checkpoints (derive_checkpoints: the output
 #           head re-drawn, every other file hard-linked), one awake at a time, CUDA graphs
+#   graphs8b: loadtest.graph_sizes, time per token at several batches with vLLM's default CUDA graph
+#           capture sizes against a short list, and each engine's start (issue #36 goal 2)
+#   ENGINE_ARG: one `--engine-arg` value for our engines in cold*/fresh* (plain vLLM keeps its
+#           defaults), e.g. ENGINE_ARG="--cudagraph-capture-sizes 1 2 4 8 16 32"; our levers among
+#           vLLM's variables (loadtest.cold_start OUR_LEVERS) are taken from this shell
 #   extras1b: loadtest.engine_extras, decode throughput of vLLM's engine with our logits processor
 #           against plain, the ~1B Llama, CUDA graphs (our KV event plugin is not installed here:
 #           vLLM's entry points would not find it)
@@ -19,18 +24,19 @@ source /tmp/vparts/env.sh
 export PYTHONPATH=$PYTHONPATH:$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PDC_CUDA_MODEL_DIR=/tmp/models
 # Models are built in a process of their own, before any engine starts.
+ours=(); [ -z "$ENGINE_ARG" ] || ours=(--engine-arg="$ENGINE_ARG")
 build() { python3 -c "import sys; from pathlib import Path; from engine.models import ensure_model; ensure_model(sys.argv[1], Path(sys.argv[2]))" "$1" "/tmp/models/$1"; }
 case "$1" in
   test) shift; python3 -m pytest tests/conformance/test_conformance_gpu.py -v -s -p no:cacheprovider --timeout 560 "$@" ;;
   cold1b) build llama1b-tied
-          python3 -m loadtest.cold_start --model /tmp/models/llama1b-tied --no-eager --paths standby,sleeping \
+          python3 -m loadtest.cold_start --model /tmp/models/llama1b-tied --no-eager --paths standby,sleeping "${ours[@]}" \
             --runs "${RUNS:-3}" --out "${OUT:-/tmp}/cold_start-m1b-sleeping.json" ;;
   cold8b) build llama8b
-          python3 -m loadtest.cold_start --model /tmp/models/llama8b --no-eager --paths standby,sleeping \
+          python3 -m loadtest.cold_start --model /tmp/models/llama8b --no-eager --paths standby,sleeping "${ours[@]}" \
             --runs "${RUNS:-2}" --out "${OUT:-/tmp}/cold_start-m8b-sleeping.json" ;;
   fresh1b|fresh8b) name=llama${1#fresh}; build "$name"  # from nothing: plain vLLM, ours, ours pre-imported
           [ -z "$IMPORTTIME" ] || python3 -X importtime -c "import vllm.entrypoints.openai.api_server" 2> "${OUT:-/tmp}/importtime.txt"
-          python3 -m loadtest.cold_start --model "/tmp/models/$name" --no-eager --paths "${PATHS:-plain,disk,preimported}" \
+          python3 -m loadtest.cold_start --model "/tmp/models/$name" --no-eager --paths "${PATHS:-plain,disk,preimported}" "${ours[@]}" \
             --runs "${RUNS:-2}" --out "${OUT:-/tmp}/cold_start-m${1#fresh}-fresh.json" --engine-log-dir /tmp/engine-logs
           grep -hi "startup plan" /tmp/engine-logs/*.log > "${OUT:-/tmp}/startup-plan.txt" || true
           tar -czf "${OUT:-/tmp}/engine-logs.tgz" -C /tmp engine-logs ;;
@@ -38,8 +44,10 @@ case "$1" in
           models=$(python3 -c "import sys; from pathlib import Path; from engine.models import derive_checkpoints; print(','.join(map(str, derive_checkpoints(Path(sys.argv[1]), 4))))" "/tmp/models/$name")
           python3 -m loadtest.model_swap --models "$models" $([ -n "$EAGER" ] || echo --no-eager) --rounds "${ROUNDS:-8}" \
             --out "${OUT:-/tmp}/model_swap-m${1#swap}.json" ;;
+  graphs8b) build llama8b
+          python3 -m loadtest.graph_sizes --model /tmp/models/llama8b --runs "${RUNS:-2}" --out "${OUT:-/tmp}/graph_sizes-m8b.json" ;;
   extras1b) build llama1b-tied
           python3 -m loadtest.engine_extras --model /tmp/models/llama1b-tied --no-eager --variants plain logits_processor \
             --runs "${RUNS:-3}" --batch "${BATCH:-32}" --tokens 256 --out "${OUT:-/tmp}/engine_extras-m1b.json" ;;
-  *) echo "usage: $0 test|cold1b|cold8b|fresh1b|fresh8b|swap1b|swap8b|extras1b" >&2; exit 2 ;;
+  *) echo "usage: $0 test|cold1b|cold8b|fresh1b|fresh8b|swap1b|swap8b|graphs8b|extras1b" >&2; exit 2 ;;
 esac

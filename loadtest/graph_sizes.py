@@ -1,0 +1,124 @@
+"""What capturing fewer CUDA graphs costs decoding (issue #36 goal 2): vLLM's offline engine with
+its default capture sizes against a shorter list, time per output token at several batch sizes
+and throughput at saturation, and what each engine's start took.
+
+    python -m loadtest.graph_sizes --model /tmp/models/llama8b [--runs 2] [--sizes 1 2 4 8 16 32 ...]
+
+Each variant's engine is built in a process of its own (variants alternated within a run, so
+drift hits them alike); it decodes greedy batches of `--tokens` tokens each (`ignore_eos`) at
+each of `--batches` after a warm-up. A batch between two captured sizes runs the next larger
+graph (padded), so batches that fall between the short list's sizes are where it loses: the
+default batches include such ones. Prints medians over runs and ratios to the default; writes
+JSON and a PNG. CUDA only (the CPU build captures no graphs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from loadtest.output import write_results
+
+SHORT_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+"""About 1.5x apart (a padded batch runs at most a third more rows); vLLM's default for 256
+sequences is [1, 2, 4] + every 8th size to 248 + every 16th to 512: 51 sizes."""
+
+BATCHES = (1, 8, 32, 40, 128, 160, 512)
+
+
+def one_variant(model: str, sizes: list[int] | None, batches: list[int], tokens: int) -> dict:
+    """In a child process: the engine's start and, per batch, seconds per output token."""
+    from vllm import LLM, SamplingParams
+
+    options = {"compilation_config": {"cudagraph_capture_sizes": sizes}} if sizes else {}
+    started = time.perf_counter()
+    llm = LLM(model=model, max_model_len=2048, block_size=32, gpu_memory_utilization=0.8, seed=0, **options)
+    start_s = time.perf_counter() - started
+    llm.generate(["warm up"] * 4, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    tpot, throughput = {}, {}
+    for batch in batches:
+        prompts = [f"Request {k}: tell a long story about the river and the mountain." for k in range(batch)]
+        llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+        began = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - began
+        produced = sum(len(o.outputs[0].token_ids) for o in outputs)
+        tpot[batch] = seconds / tokens  # the whole batch steps together: one step per token
+        throughput[batch] = produced / seconds
+    return {"start_s": start_s, "tpot_s": tpot, "tokens_per_s": throughput}
+
+
+def run_child(args: argparse.Namespace, sizes: list[int] | None) -> dict:
+    command = [sys.executable, "-m", "loadtest.graph_sizes", "--child", "--model", args.model,
+               "--tokens", str(args.tokens), "--batches", *map(str, args.batches)]
+    if sizes:
+        command += ["--sizes", *map(str, sizes)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=1200)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"capture sizes {sizes or 'default'} failed:\n{done.stderr[-3000:]}")
+    return json.loads(lines[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
+    parser.add_argument("--sizes", type=int, nargs="+", default=None,
+                        help=f"the short list (default {' '.join(map(str, SHORT_SIZES))}; a child without it: vLLM's)")
+    parser.add_argument("--child", action="store_true")
+    parser.add_argument("--out", type=Path, default=Path("results/graph_sizes.json"))
+    args = parser.parse_args(argv)
+    if args.child:
+        print(json.dumps(one_variant(args.model, args.sizes, args.batches, args.tokens)))
+        return 0
+    args.sizes = args.sizes or list(SHORT_SIZES)
+    variants = {"default": None, "short": args.sizes}
+    runs: dict[str, list[dict]] = {name: [] for name in variants}
+    for run in range(args.runs):
+        for name, sizes in variants.items():
+            runs[name].append(run_child(args, sizes))
+            print(f"run {run + 1}/{args.runs} {name}: start {runs[name][-1]['start_s']:.1f} s", flush=True)
+    medians = {name: {"start_s": statistics.median(r["start_s"] for r in records),
+                      "tpot_s": {b: statistics.median(r["tpot_s"][str(b)] for r in records) for b in args.batches}}
+               for name, records in runs.items()}
+    print(f"\ncapture sizes, {Path(args.model).name}, medians of {args.runs} runs; short list: {args.sizes}")
+    print(f"{'':8s} {'start s':>8s} " + " ".join(f"{'b=' + str(b):>9s}" for b in args.batches))
+    for name, row in medians.items():
+        print(f"{name:8s} {row['start_s']:8.1f} " + " ".join(f"{row['tpot_s'][b] * 1e3:7.2f}ms" for b in args.batches))
+    ratios = {b: medians["short"]["tpot_s"][b] / medians["default"]["tpot_s"][b] for b in args.batches}
+    print(f"{'ratio':8s} {medians['short']['start_s'] / medians['default']['start_s']:8.2f} "
+          + " ".join(f"{ratios[b]:9.3f}" for b in args.batches))
+    data = {"model": args.model, "short_sizes": args.sizes, "tokens": args.tokens, "medians": medians,
+            "tpot_ratio_short_to_default": ratios, "runs": runs}
+    write_results(args.out, data, lambda png: plot(data, png))
+    return 0
+
+
+def plot(data: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(6, 3))
+    batches = list(data["tpot_ratio_short_to_default"])
+    axis.plot([str(b) for b in batches], list(data["tpot_ratio_short_to_default"].values()), marker="o")
+    axis.axhline(1.03, color="red", linewidth=0.8, label="3% slower")
+    axis.set_xlabel("batch (sequences decoding together)")
+    axis.set_ylabel("time per token, short list / default")
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
