@@ -9,7 +9,8 @@ from urllib.parse import urlparse
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from engine.engine_args import EngineArgs
-from engine.environment import KV_HASH_SEED
+from engine.environment import KV_HASH_SEED, is_cpu_build
+from engine.quantization import check_served_right
 from engine.role_spec import COLOCATED, Role, RoleSpec
 
 
@@ -161,6 +162,12 @@ class EngineConfig(BaseModel):
         if self.gpu_share < 1 and spans > 1:
             raise ValueError("engines sharing a GPU (--engines-per-gpu) span one device: "
                              "tensor parallelism needs whole GPUs")
+        return self
+
+    @model_validator(mode="after")
+    def _served_right_when_quantized(self) -> EngineConfig:
+        args = self.engine_args
+        check_served_right(self.model, args.every_pool + args.prefill + args.decode, is_cpu_build())
         return self
 
     @field_validator("model")

@@ -1,5 +1,5 @@
 """Model checkpoints that need no network: random-weight Llamas (tiny and ~1B, each untied or
-with tied word embeddings) and the real SmolLM2.
+with tied word embeddings; tiny also quantized, int8 W8A8) and the real SmolLM2.
 
 Both are written as ordinary Hugging Face folders (config, safetensors, tokenizer with a chat
 template) so vLLM loads them like any downloaded model. A folder is rebuilt only when its
@@ -154,6 +154,57 @@ def build_tiny_tied(target: Path, seed: int = 0) -> None:
     _random_llama(target, seed, layers=4, hidden=256, intermediate=512, heads=4, kv_heads=2, tied=True)
 
 
+W8A8_QUANTIZATION_CONFIG = {
+    # What llm-compressor writes for its `W8A8` preset (int8): symmetric per-output-channel weights
+    # with one scale each, activations quantized per token at run time; the output head and the
+    # embeddings stay bf16.
+    "quant_method": "compressed-tensors",
+    "format": "int-quantized",
+    "quantization_status": "compressed",
+    "config_groups": {
+        "group_0": {
+            "targets": ["Linear"],
+            "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel",
+                        "dynamic": False, "group_size": None, "block_structure": None, "actorder": None,
+                        "observer": "minmax", "observer_kwargs": {}},
+            "input_activations": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token",
+                                  "dynamic": True, "group_size": None, "block_structure": None,
+                                  "actorder": None, "observer": None, "observer_kwargs": {}},
+            "output_activations": None,
+        }
+    },
+    "ignore": ["lm_head"],
+    "kv_cache_scheme": None,
+}
+_LINEAR_SUFFIXES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def build_tiny_w8a8(target: Path, seed: int = 0) -> None:
+    """The tiny Llama quantized as a compressed-tensors W8A8 int8 checkpoint, written by hand (no
+    quantizer): each linear layer's weight rounded to int8 with one bf16 scale per output row
+    (`weight_scale`, [rows, 1], max |w| / 127), activations quantized per token by vLLM. The format
+    the CPU build runs with its own int8 kernels (oneDNN, or AMX where the CPU has it)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    build_tiny(target, seed)
+    (weights_file,) = target.glob("*.safetensors")
+    quantized = {}
+    for name, tensor in load_file(weights_file).items():
+        if not name.endswith(tuple(f".{s}.weight" for s in _LINEAR_SUFFIXES)):
+            quantized[name] = tensor
+            continue
+        weight = tensor.float()
+        scale = (weight.abs().amax(dim=1, keepdim=True) / 127).clamp(min=1e-8).to(torch.bfloat16)
+        quantized[name] = (weight / scale.float()).round().clamp(-128, 127).to(torch.int8)
+        quantized[name.removesuffix("weight") + "weight_scale"] = scale
+    weights_file.unlink()
+    save_file(quantized, target / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((target / "config.json").read_text())
+    config["quantization_config"] = W8A8_QUANTIZATION_CONFIG
+    (target / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
 def build_llama1b(target: Path, seed: int = 0, tied: bool = False) -> None:
     """A ~1B-parameter Llama (16 layers, hidden 2048) with random weights: cold-start yardstick."""
     _random_llama(target, seed, layers=16, hidden=2048, intermediate=8192, heads=32, kv_heads=8, tied=tied)
@@ -245,6 +296,7 @@ def build_smollm2(target: Path) -> None:
 BUILDERS: dict[str, Callable[[Path], None]] = {
     "tiny": build_tiny,
     "tiny-tied": build_tiny_tied,
+    "tiny-w8a8": build_tiny_w8a8,
     "smollm2": build_smollm2,
     "llama1b": build_llama1b,
     "llama1b-tied": build_llama1b_tied,

@@ -1,0 +1,89 @@
+"""Quantized checkpoints: which formats our engines may serve, and what vLLM's in-place reload of
+them needs.
+
+Engines start with dummy weights and are given theirs by vLLM's in-place reload, which quantizes
+and repacks each layer again: a format is served only where that was checked against plain vLLM
+on the same checkpoint (`RELOAD_VERIFIED`, tests/conformance/test_conformance_quantized.py);
+any other is refused when the engine's configuration is made, never served unchecked.
+
+An int8 W8A8 layer (compressed-tensors W8A8, served by vLLM's `CPUInt8ScaledMMLinearKernel`) is
+processed, where the CPU has no AMX, into a oneDNN handle that keeps a copy of the packed weight
+but only a pointer to the weight scales: the tensor `weight_scale` held when the handle was made
+(vLLM's csrc/cpu/dnnl_kernels.cpp, `args.b_scales_ptr = b_scales.data_ptr<float>()`). vLLM's
+layerwise reload (model_loader/reload/layerwise.py) processes a layer on fresh tensors, copies the
+results into the parameters the layer had, puts those back and drops the fresh ones: the new
+handle's scales are then freed memory, and the engine answers NaN (plain vLLM's own
+`reload_weights` does the same, no pdcluster code involved: docs/conformance.md).
+`keep_int8_handle_scales` makes every such handle keep the scales tensor it points at alive
+(with the reloaded values: the same the layer's own parameter receives). Called once in each
+worker process, before its first reload."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+_KEPT = "_pdc_handle_scales"
+
+
+def keep_int8_handle_scales() -> bool:
+    """Patch vLLM's CPU int8 kernel so that each oneDNN handle's weight scales outlive a reload.
+    Idempotent; False where this vLLM has no such kernel (nothing to patch)."""
+    try:
+        from vllm.model_executor.kernels.linear.scaled_mm.cpu import CPUInt8ScaledMMLinearKernel
+    except ImportError:
+        return False
+    process = getattr(CPUInt8ScaledMMLinearKernel, "process_weights_for_onednn", None)
+    if process is None:
+        logger.warning("vLLM's CPUInt8ScaledMMLinearKernel has no process_weights_for_onednn: "
+                       "int8 checkpoints are not checked to reload in place")
+        return False
+    if getattr(process, "_pdc_keeps_scales", False):
+        return True
+
+    def process_weights_for_onednn(self, layer) -> None:
+        process(self, layer)
+        # The tensor the handle was just made with (its scales pointer); a reload puts another back.
+        setattr(self, _KEPT, getattr(layer, self.layer_param_names[1]))
+
+    process_weights_for_onednn._pdc_keeps_scales = True
+    CPUInt8ScaledMMLinearKernel.process_weights_for_onednn = process_weights_for_onednn
+    return True
+
+
+RELOAD_VERIFIED: dict[bool, frozenset[str]] = {
+    True: frozenset({"compressed-tensors/int-quantized"}),  # the CPU build: int8 W8A8
+    False: frozenset(),  # CUDA: FP8 and the rest not yet checked on a GPU
+}
+"""Per build (CPU build or not), the checkpoint formats ("quant_method/format") whose in-place
+reload was checked to answer as plain vLLM does."""
+
+
+def checkpoint_format(model: Path) -> str | None:
+    """The checkpoint's quantization as "quant_method/format" (format where the method names
+    one), None for an unquantized checkpoint."""
+    config = json.loads((model / "config.json").read_text()).get("quantization_config")
+    if not config:
+        return None
+    method = str(config.get("quant_method", "unknown"))
+    return f"{method}/{config['format']}" if config.get("format") else method
+
+
+def check_served_right(model: Path, engine_args: tuple[str, ...], cpu_build: bool) -> None:
+    """Raise ValueError, naming what is verified, for a quantized checkpoint of a format whose
+    in-place reload was not checked on this build, or for vLLM's online quantization
+    (`--quantization`), which no build has checked."""
+    verified = RELOAD_VERIFIED[cpu_build]
+    where = "the CPU build" if cpu_build else "CUDA"
+    checked = ", ".join(sorted(verified)) or "none yet"
+    online = [arg for arg in engine_args if arg == "-q" or arg.startswith("--quantization")]
+    if online:
+        raise ValueError(f"online quantization ({' '.join(online)}) is not verified to reload in place; "
+                         f"quantize the checkpoint offline (verified formats on {where}: {checked})")
+    found = checkpoint_format(model)
+    if found is not None and found not in verified:
+        raise ValueError(f"{model.name} is quantized as {found}, whose in-place reload (how engines get their "
+                         f"weights) is not verified on {where} against plain vLLM; verified: {checked} "
+                         "(docs/conformance.md, quantized checkpoints)")
