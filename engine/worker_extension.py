@@ -312,10 +312,14 @@ class WeightPlaneExtension:
         self._pdc_weights = weights
 
     def _pdc_release_own_file(self) -> Path | None:
-        """This worker's weights file, free to be created afresh (a previous copy is dropped);
-        None on ranks past the first, which keep no copy."""
+        """This worker's weights file, free to be created afresh (a previous copy is dropped, and
+        what a failed transfer left of one: the disk fallback creates the file again); None on
+        ranks past the first, which keep no copy."""
         self.pdc_release_weights()
-        return _own_file() if _tensor_parallel_rank() == 0 else None
+        if _tensor_parallel_rank() > 0 or (own := _own_file()) is None:
+            return None
+        own.unlink(missing_ok=True)
+        return own
 
     def _pdc_parameters(self) -> dict:
         return {name: p.data for name, p in self.model_runner.get_model().named_parameters()}

@@ -36,8 +36,7 @@ def served_two(model_dir, artifacts):
 
     model_dir(MODEL)
     server = LocalServer(["--model", MODEL, "--instances", "2", "--kv-cache-gib", "1", "--dtype", "float32",
-                          "--structured-migration",  # and tool calls as vLLM's hermes parser streams them:
-                          "--engine-arg=--enable-auto-tool-choice", "--engine-arg=--tool-call-parser=hermes",
+                          "--structured-migration",
                           "--stream-stall-timeout", str(STALL_S)], artifacts / "serve-migration.log").start()
     try:
         yield server
@@ -64,11 +63,10 @@ def body(k: int, structured: bool = False) -> tuple[str, dict]:
 class Stream:
     """One streamed request, read on a thread: its text, usage, events so far, and errors."""
 
-    def __init__(self, url: str, k: int, structured: bool = False, request: tuple[str, dict] | None = None):
-        self.endpoint, self.body = request or body(k, structured)
+    def __init__(self, url: str, k: int, structured: bool = False):
+        self.endpoint, self.body = body(k, structured)
         self.url, self.text, self.usage, self.events, self.errors, self.ids = url, "", None, 0, [], set()
         self.token_ids: list[int] = []
-        self.tool_call_deltas = 0
         self.thread = threading.Thread(target=self._read)
         self.thread.start()
 
@@ -76,7 +74,7 @@ class Stream:
         with httpx.Client(timeout=120) as client, client.stream(
             "POST", f"{self.url}{self.endpoint}", json=self.body
         ) as response:
-            assert response.status_code == 200, response.read()
+            assert response.status_code == 200
             for line in response.iter_lines():
                 if not line.startswith("data: {"):
                     continue
@@ -90,7 +88,6 @@ class Stream:
                     self.usage = {k: usage[k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
                 for choice in event["choices"]:
                     self.text += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
-                    self.tool_call_deltas += len((choice.get("delta") or {}).get("tool_calls") or [])
                     self.token_ids += choice.get("token_ids") or []
                     self.events += 1
 
@@ -168,35 +165,6 @@ def _migrations(server) -> float:
     metrics = httpx.get(f"{server.url}/metrics", headers=server.credentials.admin_headers(), timeout=5).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
                if line.startswith("pdcluster_router_migrations_total"))
-
-
-STORY_TOOL = {"type": "function", "function": {
-    "name": "write_story", "description": "Write a story down.",
-    "parameters": {"type": "object", "required": ["story"], "properties": {"story": {"type": "string"}}}}}
-
-
-def test_a_killed_engines_tool_call_stream_ends_with_a_clean_error(served_two):
-    """A stream of tool-call deltas is not migrated (a continuation's tool parser would not have
-    the first engine's state, docs/faults.md): its engine killed mid-call, the client gets an
-    error event and the end of the stream, not a hang, and the pool comes back."""
-    _wait_for_two_ready(served_two)
-    migrations_before = _migrations(served_two)
-    request = ("/v1/chat/completions", {
-        "model": MODEL, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True,
-        "messages": [{"role": "user", "content": PROMPTS[3]}], "tools": [STORY_TOOL], "tool_choice": "required"})
-    stream = Stream(served_two.url, 0, request=request)
-    deadline = time.monotonic() + 60
-    while stream.tool_call_deltas < 3:  # the call is under way: its name and some arguments sent
-        assert time.monotonic() < deadline and stream.thread.is_alive(), (stream.tool_call_deltas, stream.errors)
-        time.sleep(0.005)
-    victim = max((i for i in served_two.instances() if i["state"] == "ready"), key=lambda i: i["inflight"])
-    assert victim["inflight"] == 1, victim
-    kill_engine(victim["url"])
-    _, _, errors, _ = stream.result()
-    assert not stream.thread.is_alive()  # ended, not hung
-    assert len(errors) == 1, errors
-    assert _migrations(served_two) == migrations_before
-    _wait_for_two_ready(served_two)
 
 
 def test_a_drained_instance_finishes_its_streams_then_stops(served_two):
