@@ -11,10 +11,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from engine_pair import peer_and_standby
 from oracle import ask_all, assert_conforms, differences
 
 from engine.config import EngineConfig
-from engine.host import EngineHost
 from engine.lifecycle import InstanceState
 from security.credentials import ClusterCredentials
 
@@ -30,19 +30,8 @@ def engines(model_dir, artifacts, oracle):
     want = oracle(MODEL)
     config = EngineConfig(model=model_dir(MODEL), served_model_name=MODEL, cpu_cores="1",
                           log_dir=artifacts / "conformance-quantized")
-    hosts = {name: EngineHost(config, f"{name}-{MODEL}", host="127.0.0.1",
-                              keys=CREDENTIALS.engine_host_keys(f"{name}-{MODEL}"))
-             for name in ("peer", "standby")}
-
-    async def start_both() -> None:
-        await asyncio.gather(hosts["peer"].start(), hosts["standby"].start(standby=True))
-
-    try:
-        asyncio.run(start_both())
+    with peer_and_standby(config, MODEL, CREDENTIALS) as hosts:
         yield hosts, want
-    finally:
-        for host in hosts.values():
-            asyncio.run(host.stop())
 
 
 def test_a_quantized_engine_started_from_disk_answers_as_plain_vllm(engines):

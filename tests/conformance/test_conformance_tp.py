@@ -16,11 +16,11 @@ import time
 
 import psutil
 import pytest
+from engine_pair import peer_and_standby
 from oracle import PROMPTS, ask_all, assert_conforms, differences
 from transformers import AutoTokenizer
 
 from engine.config import EngineConfig, KVHashing, TensorParallel
-from engine.host import EngineHost
 from engine.lifecycle import InstanceState
 from engine.models import default_model_root
 from loadtest.local_cluster import LocalServer
@@ -63,18 +63,8 @@ def config(model_dir, artifacts) -> EngineConfig:
 def engines(config, oracle):
     """A TP=2 engine loaded from disk (the peer) and a TP=2 standby started beside it."""
     want = oracle(MODEL, TP)  # before our engines take the cores
-    hosts = {name: EngineHost(config, f"{name}-tp", host="127.0.0.1", keys=CREDENTIALS.engine_host_keys(f"{name}-tp"))
-             for name in ("peer", "standby")}
-
-    async def start_both() -> None:
-        await asyncio.gather(hosts["peer"].start(), hosts["standby"].start(standby=True))
-
-    try:
-        asyncio.run(start_both())
+    with peer_and_standby(config, "tp", CREDENTIALS) as hosts:
         yield hosts, want
-    finally:
-        for host in hosts.values():
-            asyncio.run(host.stop())
 
 
 def test_a_tp2_engine_started_from_disk_answers_as_plain_vllm_at_tp2(engines):
