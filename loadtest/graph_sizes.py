@@ -31,13 +31,14 @@ sequences is [1, 2, 4] + every 8th size to 248 + every 16th to 512: 51 sizes."""
 BATCHES = (1, 8, 32, 40, 128, 160, 512)
 
 
-def one_variant(model: str, sizes: list[int] | None, batches: list[int], tokens: int) -> dict:
+def one_variant(model: str, sizes: list[int] | None, batches: list[int], tokens: int, load_format: str) -> dict:
     """In a child process: the engine's start and, per batch, seconds per output token."""
     from vllm import LLM, SamplingParams
 
     options = {"compilation_config": {"cudagraph_capture_sizes": sizes}} if sizes else {}
     started = time.perf_counter()
-    llm = LLM(model=model, max_model_len=2048, block_size=32, gpu_memory_utilization=0.8, seed=0, **options)
+    llm = LLM(model=model, max_model_len=2048, block_size=32, gpu_memory_utilization=0.8, seed=0,
+              load_format=load_format, **options)
     start_s = time.perf_counter() - started
     llm.generate(["warm up"] * 4, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
@@ -56,7 +57,7 @@ def one_variant(model: str, sizes: list[int] | None, batches: list[int], tokens:
 
 def run_child(args: argparse.Namespace, sizes: list[int] | None) -> dict:
     command = [sys.executable, "-m", "loadtest.graph_sizes", "--child", "--model", args.model,
-               "--tokens", str(args.tokens), "--batches", *map(str, args.batches)]
+               "--tokens", str(args.tokens), "--load-format", args.load_format, "--batches", *map(str, args.batches)]
     if sizes:
         command += ["--sizes", *map(str, sizes)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=1200)
@@ -74,11 +75,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
     parser.add_argument("--sizes", type=int, nargs="+", default=None,
                         help=f"the short list (default {' '.join(map(str, SHORT_SIZES))}; a child without it: vLLM's)")
+    parser.add_argument("--load-format", default="auto", help="vLLM's; `dummy` for a configuration without weights")
     parser.add_argument("--child", action="store_true")
     parser.add_argument("--out", type=Path, default=Path("results/graph_sizes.json"))
     args = parser.parse_args(argv)
     if args.child:
-        print(json.dumps(one_variant(args.model, args.sizes, args.batches, args.tokens)))
+        print(json.dumps(one_variant(args.model, args.sizes, args.batches, args.tokens, args.load_format)))
         return 0
     args.sizes = args.sizes or list(SHORT_SIZES)
     variants = {"default": None, "short": args.sizes}

@@ -11,7 +11,8 @@
 #   swap1b|swap8b: loadtest.model_swap, four distinct checkpoints (derive_checkpoints: the output
 #           head re-drawn, every other file hard-linked), one awake at a time, CUDA graphs
 #   graphs8b: loadtest.graph_sizes, time per token at several batches with vLLM's default CUDA graph
-#           capture sizes against a short list, and each engine's start (issue #36 goal 2)
+#           capture sizes against a short list, and each engine's start (issue #36 goal 2); the 8B
+#           shape with vLLM's dummy weights (time per token does not depend on their values)
 #   ENGINE_ARG: one `--engine-arg` value for our engines in cold*/fresh* (plain vLLM keeps its
 #           defaults), e.g. ENGINE_ARG="--cudagraph-capture-sizes 1 2 4 8 16 32"; our levers among
 #           vLLM's variables (loadtest.cold_start OUR_LEVERS) are taken from this shell
@@ -44,8 +45,8 @@ case "$1" in
           models=$(python3 -c "import sys; from pathlib import Path; from engine.models import derive_checkpoints; print(','.join(map(str, derive_checkpoints(Path(sys.argv[1]), 4))))" "/tmp/models/$name")
           python3 -m loadtest.model_swap --models "$models" $([ -n "$EAGER" ] || echo --no-eager) --rounds "${ROUNDS:-8}" \
             --out "${OUT:-/tmp}/model_swap-m${1#swap}.json" ;;
-  graphs8b) build llama8b
-          python3 -m loadtest.graph_sizes --model /tmp/models/llama8b --runs "${RUNS:-2}" --out "${OUT:-/tmp}/graph_sizes-m8b.json" ;;
+  graphs8b) [ -f /tmp/m8b/config.json ] || python3 -c "from pathlib import Path; from engine.models import write_llama8b_shape; write_llama8b_shape(Path('/tmp/m8b'))"
+          python3 -m loadtest.graph_sizes --model /tmp/m8b --load-format dummy --runs "${RUNS:-2}" --out "${OUT:-/tmp}/graph_sizes-m8b.json" ;;
   extras1b) build llama1b-tied
           python3 -m loadtest.engine_extras --model /tmp/models/llama1b-tied --no-eager --variants plain logits_processor \
             --runs "${RUNS:-3}" --batch "${BATCH:-32}" --tokens 256 --out "${OUT:-/tmp}/engine_extras-m1b.json" ;;
