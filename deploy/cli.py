@@ -170,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     _add_cluster_parsers(subparsers)
     _add_module_parser(subparsers, "simulate", "loadtest.simulate",
                        "replay a Mooncake trace through the routing policies")
+    _add_module_parser(subparsers, "plan", "loadtest.pd_plan",
+                       "size prefill and decode pools for a workload, an SLO and a GPU count (simulated)")
     _add_module_parser(subparsers, "loadtest", "loadtest.command", "load an OpenAI endpoint and report")
     args, rest = parser.parse_known_args(argv)
     if getattr(args, "delegated", False):

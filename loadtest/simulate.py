@@ -18,7 +18,8 @@ fetched tokens) / prefill rate. The instances publish what they store and evict 
 a request the placer prefills remotely is computed there, and its KV (every prompt block) is
 handed to the decode instance at `fetch-cost` of computing it; with
 `--remote-prefill-max-queued-tokens` a decode instance prefills itself while the chosen prefill
-instance has more queued (the router's `local_busy`). Decode itself is not simulated.
+instance has more queued (the router's `local_busy`). Decode itself is not simulated here
+(`loadtest.serving_sim` steps engines through prefill and decode on measured step times).
 
 Prints, per policy, the prefix hit rate ((cached + fetched) / prompt tokens), TTFT p50/p90/p99
 and the load imbalance (max / mean requests per instance); writes JSON and a PNG.

@@ -1,0 +1,16 @@
+# loadtest.engine_profile on the lent H200 (vLLM 0.26, torch 2.11, Python 3.12, no network): the
+# step-time and KV hand-over profile the serving simulator runs on (issue #37).
+# Calls before this one (each within 30 s of the last) copy into the machine:
+#   /tmp/vparts: the parts of ../shared/gpu/build-vllm-wheelhouse.sh (.vchunks/part00..)
+#   /tmp/xw: nixl==1.5.1 + nixl-cu13==1.5.1 for Python 3.12 (the store shard's NIXL agent)
+# Then, from the repository root: bash docs/gpu/h200/run_profile.sh [engine_profile args]
+# The model is an 8B Llama's shape without weights (the engine keeps vLLM's dummy weights; the
+# shape of docs/pd.md's two-GPU run), written in a process of its own before the engine starts.
+set -eo pipefail
+[ -d /tmp/site ] || bash /tmp/vparts/install.sh > /tmp/install.log 2>&1
+source /tmp/vparts/env.sh
+[ -d /tmp/xsite/nixl ] || python3 -m pip install -q --no-index --no-deps --target /tmp/xsite /tmp/xw/*.whl
+export PATH=/tmp/xsite/bin:$PATH PYTHONPATH=$PYTHONPATH:/tmp/xsite:$PWD
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+[ -f /tmp/m8b/config.json ] || python3 -c "from pathlib import Path; from engine.models import write_llama8b_shape; write_llama8b_shape(Path('/tmp/m8b'))"
+python3 -m loadtest.engine_profile --model /tmp/m8b --no-eager --out "${OUT:-/tmp}/engine_profile-h200-8b.json" "$@"
