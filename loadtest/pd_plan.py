@@ -21,7 +21,10 @@ goodput against offered rate per candidate (the first GPU count and network).
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import functools
 import json
+import os
 from pathlib import Path
 
 from rich.console import Console
@@ -52,19 +55,40 @@ def capacity_per_gpu(model: StepModel, mean_input: float, mean_output: float) ->
 
 
 def plan_one(args: argparse.Namespace, gpus: int, network: str, console: Console) -> dict:
-    """Every candidate for `gpus` at every rate, over `network`; the best per SLO."""
-    model, pd_model, handover = models_and_handover(args, network)
-    workload = Workload.parse(args.workload)
+    """Every candidate for `gpus` at every rate, over `network`, in `args.jobs` processes; the
+    best per SLO."""
+    model, _, _ = models_and_handover(args, network)
+    workload = _workload(args.workload)
     mean_input, mean_output = workload.mean_lengths()
     rates = [round(gpus * capacity_per_gpu(model, mean_input, mean_output) * f, 2) for f in LOAD_FACTORS]
-    rows = []
-    for topology in candidates(gpus, int(mean_input)):
-        for seed, rate in enumerate(rates):
-            rows.append(simulate_rate(topology, model, handover, workload, rate, args.duration, seed, pd_model)
-                        | {"network": network, "gpus": gpus})
+    tasks = [(args.profile, args.pd_profile, args.handover, network, args.workload, topology, rate, args.duration, seed)
+             for topology in candidates(gpus, int(mean_input)) for seed, rate in enumerate(rates)]
+    if args.jobs > 1:
+        with concurrent.futures.ProcessPoolExecutor(args.jobs) as pool:
+            rows = list(pool.map(_simulated, tasks))
+    else:
+        rows = [_simulated(task) for task in tasks]
+    rows = [row | {"network": network, "gpus": gpus} for row in rows]
     console.print(f"{gpus} GPUs, {network}: {len(rows)} runs simulated")
     return {"gpus": gpus, "network": network, "workload": workload.name, "rates": rates, "rows": rows,
             "best": {slo.name: best_for(rows, slo.name) for slo in (STREAMING, LOOSE)}}
+
+
+@functools.cache
+def _workload(text: str) -> Workload:
+    return Workload.parse(text)
+
+
+@functools.cache
+def _models(profile: Path, pd_profile: Path | None, handover: str, network: str):
+    return models_and_handover(argparse.Namespace(profile=profile, pd_profile=pd_profile, handover=handover), network)
+
+
+def _simulated(task: tuple) -> dict:
+    """One (topology, rate) of a plan, in whichever process runs it (profiles and trace loaded once per process)."""
+    profile, pd_profile, handover_kind, network, workload, topology, rate, duration, seed = task
+    model, pd_model, handover = _models(profile, pd_profile, handover_kind, network)
+    return simulate_rate(topology, model, handover, _workload(workload), rate, duration, seed, pd_model)
 
 
 def best_for(rows: list[dict], slo: str) -> dict:
@@ -133,6 +157,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpus", type=int, nargs="+", default=[8])
     parser.add_argument("--networks", nargs="+", choices=sorted(NETWORKS_GBIT), default=["rdma-400"],
                         help="plan for each link between prefill and decode engines")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="simulations run in parallel")
     parser.add_argument("--out", type=Path, default=Path("results/plan.json"))
 
 
