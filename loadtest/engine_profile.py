@@ -11,11 +11,12 @@ engines run with (engine/role_spec.py: no async scheduling, the V1 model runner)
   prefill   time from adding prompts to their first token on an idle engine: one prompt of
             128 ... max-model-len tokens, and batches of prompts (their tokens share the budget)
   decode    the step time (median gap between a stream's tokens) of `batch` streams at a
-            `context`; the streams share all but their last 8 prompt tokens, so that large
-            batches at long contexts need one prefill, not `batch` of them (each stream still
-            attends to its whole context: vLLM reads shared blocks per sequence)
-  mixed     the step in which a `chunk`-token prompt is prefilled among `batch` decoding streams:
-            the stall a colocated engine's streams pay
+            `context`, each prompt its own (streams sharing blocks would read them from the
+            GPU's L2 cache: session 18's first profiles did, and came out too fast at long
+            contexts); shapes whose KV exceeds 80% of the engine's are left out
+  mixed     the step in which a `chunk`-token prompt is prefilled among `batch` decoding streams
+            (the stall a colocated engine's streams pay): the time from adding it to its answer
+            less the decode steps around it, so that it holds with async scheduling too
   handover  a prompt's KV (`tokens` x the model's KV bytes per token) moved device -> device in
             one copy (the lower bound one device allows: NIXL's cuda_ipc between GPUs of a node
             does no better), and device -> host -> a store shard (ours, NIXL over UCX, in a child
@@ -39,8 +40,6 @@ from pathlib import Path
 
 from engine.environment import UCX_LOOPBACK_ENV
 from engine.role_spec import PD_ENV, PD_VLLM_ARGS
-
-UNIQUE_TAIL = 8  # tokens that make each decode stream's prompt its own
 
 
 @dataclasses.dataclass
@@ -122,12 +121,9 @@ class Driver:
         self.finished.clear()
 
     def decoding(self, batch: int, context: int, max_tokens: int) -> list[str]:
-        """`batch` streams decoding at `context`: one computes the shared prefix, the rest reuse it."""
-        shared = self.prompt(max(context - UNIQUE_TAIL, 1))
-        first = self.add(shared + self.prompt(UNIQUE_TAIL), max_tokens)
-        self.step_until(lambda: self.tokens_out[first] >= 1)
-        ids = [first] + [self.add(shared + self.prompt(UNIQUE_TAIL), max_tokens) for _ in range(batch - 1)]
-        self.step_until(lambda: all(self.tokens_out[r] >= 2 for r in ids))
+        """`batch` streams of prompts of their own decoding at `context`."""
+        ids = [self.add(self.prompt(context), max_tokens) for _ in range(batch)]
+        self.step_until(lambda: all(self.tokens_out[r] >= 2 for r in ids), timeout_s=600.0)
         return ids
 
 
@@ -146,11 +142,11 @@ def measure_prefill(driver: Driver, grid: Grid, max_len: int) -> list[dict]:
     return rows
 
 
-def measure_decode(driver: Driver, grid: Grid, max_len: int, max_seqs: int) -> list[dict]:
+def measure_decode(driver: Driver, grid: Grid, max_seqs: int, kv_tokens: int) -> list[dict]:
     rows = []
     for context in grid.contexts:
-        for batch in (b for b in grid.decode_batches if b <= max_seqs):
-            driver.decoding(batch, context, max_len - context - 1)
+        for batch in (b for b in grid.decode_batches if b <= max_seqs and b * (context + 64) <= 0.8 * kv_tokens):
+            driver.decoding(batch, context, grid.steps + 32)
             driver.catch_up()
             times = [driver.step() for _ in range(grid.steps + 1)]
             gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
@@ -168,12 +164,13 @@ def measure_mixed(driver: Driver, grid: Grid, max_len: int, budget: int, max_seq
             stalls = []
             for _ in range(grid.repeats):
                 driver.catch_up()
-                before = [driver.step() for _ in range(3)]
+                before = [driver.step() for _ in range(5)]
+                decode_step = statistics.median(b - a for a, b in zip(before, before[1:], strict=False))
                 prefill = driver.add(driver.prompt(chunk), 1)
-                times = before[-1:] + driver.step_until(lambda prefill=prefill: prefill in driver.finished)
-                # The longest gap from adding it to its answer: with async scheduling the step that
-                # computed it may answer one step later.
-                stalls.append(max(b - a for a, b in zip(times, times[1:], strict=False)))
+                window = before[-1:] + driver.step_until(lambda prefill=prefill: prefill in driver.finished)
+                # The window's steps but one were decode steps (with async scheduling the step that
+                # computed the prompt may answer a step later, so no single gap is it).
+                stalls.append(window[-1] - window[0] - (len(window) - 2) * decode_step)
             rows.append({"batch": batch, "context": context, "chunk": chunk, "step_s": statistics.median(stalls),
                          "samples_s": stalls})
             driver.clear()
@@ -221,7 +218,8 @@ def profile_engine(args: argparse.Namespace, grid: Grid) -> dict:
                    "enforce_eager": args.eager},
         "kv_bytes_per_token": kv_bytes_per_token(engine),
         "prefill": measure_prefill(driver, grid, args.max_model_len),
-        "decode": measure_decode(driver, grid, args.max_model_len, scheduler.max_num_seqs),
+        "decode": measure_decode(driver, grid, scheduler.max_num_seqs,
+                                 cache.num_gpu_blocks * cache.block_size),
         "mixed": measure_mixed(driver, grid, args.max_model_len, budget, scheduler.max_num_seqs),
     }
     engine.engine_core.shutdown()  # its process and device memory, before the hand-over's turn

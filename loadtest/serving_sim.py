@@ -1,10 +1,6 @@
 """Serving simulated step by step: engines that batch, prefill in chunks and decode, placed by the
-live router's own placement step, on step times measured on a real engine (issue #37).
-
-    python -m loadtest.serving_sim --profile docs/gpu/engine_profile-h200-8b.json \
-        [--topologies colocated:2,pd:1+1,adaptive:1+1] [--rates 4,8,12,16 --duration 20]
-        [--input-tokens 4096 --output-tokens 256 | --trace mooncake.jsonl --speed 1]
-        [--handover direct|store --network-gbit 400] [--compare pd_goodput.json ...]
+live router's own placement step, on step times measured on a real engine (issue #37). Run by
+`loadtest.pd_predict` (beside a load test's measurements) and `pdcluster plan` (loadtest.pd_plan).
 
 The decode model: each engine runs vLLM's scheduling loop. A step takes every decoding sequence
 (one token each), then the prompts in prefill, oldest first, chunked to the engine's token budget
@@ -13,14 +9,17 @@ its time is the fitted step model's (`loadtest.step_model`: the profile's decode
 steps with a prefill chunk in them, and whole prefills, measured on the same engine). A step's
 end is when each of its sequences gets its token, so a colocated engine's streams pay every
 prefill chunk that shares their step. In P/D a prefill engine computes the prompt (its answer is
-one token); after the router's hop and the KV hand-over (the profile's direct or store path,
-no faster than `--network-gbit` where given) the decode engine computes the prompt's last token
-in its next step and streams from there. Requests are placed by `router.placement.Placer` with
-the router's policies and the load the router books (requests in flight, prompt tokens queued at
-a prefill instance), so `adaptive` (the router's --remote-prefill-max-queued-tokens) decides as the
-router does. A prompt's blocks already in the serving engine's prefix cache (an LRU of its KV
-capacity) are not computed again. Not modelled: preemption (a request waits for KV instead),
-the engines' and router's CPU beyond the profiled step, network contention between hand-overs.
+one token); after the router's hop the decode engine's next step starts reading its KV (the
+profile's direct or store path, no faster than the chosen link), the step ending after the read
+learns it landed, and the step after that computes the prompt's last token and streams from
+there, as vLLM's KV connectors go. Requests are placed by `router.placement.Placer` with the
+router's policies and the load the router books (requests it sent and has not had answered,
+prompt tokens it sent a prefill instance that has not answered), so `adaptive` (the router's
+--remote-prefill-max-queued-tokens) decides as the router does. A prompt's blocks in an engine's
+prefix cache (an LRU of its KV capacity, filled once the prompt's KV exists there) are not
+computed again. Not modelled: preemption (a request waits for KV instead), the engines' and the
+router's CPU beyond the profiled step (HTTP streaming, the router's relay), network contention
+between hand-overs.
 
 Reports what `loadtest.pd_goodput` reports (the same summary of per-request results): TTFT, TPOT,
 inter-token gaps, served rate and goodput at the streaming and loose SLOs.
@@ -75,7 +74,7 @@ class Topology:
         raise ValueError(f"unknown topology {text!r}: colocated:N, pd:P+D or adaptive:P+D[@tokens]")
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class Job:
     """A request's work at one engine: `compute` prompt tokens, then `outputs` tokens."""
 
@@ -84,6 +83,7 @@ class Job:
     compute: int
     outputs: int
     on_prefilled: Callable[[float], None] | None = None  # P/D prefill: the hand-over, instead of decoding
+    kv_read_s: float = 0.0  # P/D decode: the KV read it starts when a step first schedules it
     done: int = 0
     first_decode_step: int = -1
 
@@ -95,6 +95,8 @@ class SimEngine:
         self.instance, self.model, self.sim = instance, model, sim
         self.cache = LRUBlocks(max(model.kv_capacity_tokens // TRACE_BLOCK_TOKENS, 1))
         self.waiting: collections.deque[Job] = collections.deque()
+        self.arriving: list[Job] = []  # KV to read, not yet seen by a step
+        self.loading: list[tuple[float, Job]] = []  # (when its KV read lands, it)
         self.prefilling: list[Job] = []
         self.decoding: set[int] = set()
         self.finishing: dict[int, list[Job]] = collections.defaultdict(list)
@@ -104,13 +106,21 @@ class SimEngine:
         self.busy = False
         self.requests = 0
 
-    @property
-    def queued_prompt_tokens(self) -> int:
-        return sum(j.compute - j.done for j in itertools.chain(self.waiting, self.prefilling))
-
     def submit(self, job: Job) -> None:
-        self.waiting.append(job)
+        (self.arriving if job.kv_read_s else self.waiting).append(job)
         self.requests += 1
+        if not self.busy:
+            self._start_step(self.sim.now)
+
+    def _landed(self, now: float) -> None:
+        """KV reads done by `now` make their requests schedulable, as vLLM learns at a step's end
+        (or, idle, at its next empty step) that a remote KV load finished."""
+        for ready, job in [item for item in self.loading if item[0] <= now]:
+            self.loading.remove((ready, job))
+            self.sim.stored(self, job.record)
+            self.waiting.append(job)
+
+    def _wake(self) -> None:
         if not self.busy:
             self._start_step(self.sim.now)
 
@@ -123,7 +133,11 @@ class SimEngine:
         return self.kv_tokens + need <= self.model.kv_capacity_tokens or not (self.decoding or self.prefilling)
 
     def _start_step(self, now: float) -> None:
-        """The running prompts' next chunks, then waiting ones while the budget lasts (vLLM's order)."""
+        """The running prompts' next chunks, then waiting ones while the budget lasts (vLLM's order);
+        requests with KV to read start reading it (vLLM schedules them with no tokens first)."""
+        self.loading += [(now + job.kv_read_s, job) for job in self.arriving]
+        self.arriving.clear()
+        self._landed(now)
         decode_seqs = len(self.decoding)
         budget = self.model.max_num_batched_tokens - decode_seqs
         chunks: list[tuple[Job, int]] = []
@@ -140,6 +154,8 @@ class SimEngine:
             budget -= chunks[-1][1]
         if not decode_seqs and not chunks:
             self.busy = False
+            if self.loading:
+                self.sim.at(min(ready for ready, _ in self.loading), self._wake)
             return
         self.busy = True
         attention = sum(Step.chunk_attention(c, j.record.input_length - j.compute + j.done) for j, c in chunks)
@@ -157,6 +173,7 @@ class SimEngine:
             if job.done < job.compute:
                 continue
             self.prefilling.remove(job)
+            self.sim.stored(self, job.record)
             if job.on_prefilled is not None:  # a P/D prefill: its KV leaves, its engine is done with it
                 self._release(job, decoding=False)
                 job.on_prefilled(now)
@@ -169,6 +186,7 @@ class SimEngine:
             self.finishing[index + job.outputs - 1].append(job)
             self.decoding.add(id(job))
             self.context_tokens += job.record.input_length
+        self._landed(now)
         self._start_step(now)
 
     def _release(self, job: Job, decoding: bool) -> None:
@@ -204,7 +222,10 @@ class Simulation:
                 instance = Instance(f"{name}-{i}", role, "sim://", model="sim")
                 self.registry.add(instance)
                 self.engines[instance.instance_id] = SimEngine(instance, engine_model, self)
+        # The router's books: requests it sent each instance and has not had answered, and prompt
+        # tokens it sent each prefill instance and has not had prefilled.
         self.inflight: collections.Counter[str] = collections.Counter()
+        self.pending_prefill: collections.Counter[str] = collections.Counter()
         self.results: list[RequestResult] = []
 
     def at(self, when: float, action: Callable[[], None]) -> None:
@@ -219,9 +240,8 @@ class Simulation:
         return self.results
 
     def _observe(self) -> None:
-        for engine in self.engines.values():
-            self.registry.observed(engine.instance, self.inflight[engine.instance.instance_id],
-                                   engine.queued_prompt_tokens)
+        for iid, engine in self.engines.items():
+            self.registry.observed(engine.instance, self.inflight[iid], self.pending_prefill[iid])
 
     def _arrive(self, record: TraceRecord) -> None:
         self._observe()
@@ -232,32 +252,40 @@ class Simulation:
         served = self.engines[placement.serve.instance.instance_id]
         result = RequestResult(started_at=record.arrival_s, prompt_tokens=record.input_length,
                                output_tokens=record.output_length)
-        self.inflight[served.instance.instance_id] += 1
-        cached = self._cached(served, record)
         if placement.prefill is None:
-            served.submit(Job(record, result, max(record.input_length - cached, 1), record.output_length))
+            self.inflight[served.instance.instance_id] += 1
+            computed = record.input_length - self._cached(served, record)
+            served.submit(Job(record, result, computed, record.output_length))
             return
         prefiller = self.engines[placement.prefill.instance_id]
         self.inflight[prefiller.instance.instance_id] += 1
+        self.pending_prefill[prefiller.instance.instance_id] += record.input_length
 
         def prefilled(now: float) -> None:
             self.inflight[prefiller.instance.instance_id] -= 1
-            # The prefill's answer reaches the router, which sends the decode engine the request.
-            ready = now + prefiller.model.first_token_s + self.hop_s + self.handover.seconds(record.input_length)
-            # The decode engine computes what the hand-over does not bring: the prompt's last token.
-            self.at(ready, lambda: served.submit(Job(record, result, 1, record.output_length)))
+            self.pending_prefill[prefiller.instance.instance_id] -= record.input_length
+            # The prefill's answer reaches the router, which sends the decode engine the request;
+            # it reads the prompt's KV, then computes what that does not bring: the last token.
+            job = Job(record, result, 1, record.output_length, kv_read_s=self.handover.seconds(record.input_length))
+            self.at(now + prefiller.model.first_token_s + self.hop_s, lambda: self._send(served, job))
 
-        computed = max(record.input_length - self._cached(prefiller, record), 1)
+        computed = record.input_length - self._cached(prefiller, record)
         prefiller.submit(Job(record, result, computed, 1, on_prefilled=prefilled))
 
+    def _send(self, engine: SimEngine, job: Job) -> None:
+        self.inflight[engine.instance.instance_id] += 1
+        engine.submit(job)
+
     def _cached(self, engine: SimEngine, record: TraceRecord) -> int:
-        """Prompt tokens the engine's prefix cache holds; it now holds the whole prompt, and tells
-        the router's index so (as vLLM's KV events do)."""
+        """Prompt tokens the engine's prefix cache holds now (at least the last one is computed)."""
         hits = engine.cache.leading_hits(record.hash_ids)
+        return min(sum(record.block_tokens()[:hits]), record.input_length - 1)
+
+    def stored(self, engine: SimEngine, record: TraceRecord) -> None:
+        """The engine holds the prompt's KV now; it tells the router's index (vLLM's KV events)."""
         iid = engine.instance.instance_id
         self.index.stored(iid, record.hash_ids)
         self.index.removed(iid, engine.cache.touch(record.hash_ids))
-        return min(sum(record.block_tokens()[:hits]), record.input_length - 1)
 
     def finished(self, engine: SimEngine, job: Job) -> None:
         self.inflight[engine.instance.instance_id] -= 1
