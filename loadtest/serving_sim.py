@@ -186,7 +186,6 @@ class SimEngine:
             self.finishing[index + job.outputs - 1].append(job)
             self.decoding.add(id(job))
             self.context_tokens += job.record.input_length
-        self._landed(now)
         self._start_step(now)
 
     def _release(self, job: Job, decoding: bool) -> None:
