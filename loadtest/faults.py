@@ -71,10 +71,20 @@ def kill_engine(url: str, signum: int = signal.SIGKILL) -> None:
     port = urlparse(url).port
     # the socket is held by the server and the shell that guards its group (it was handed down),
     # and for a moment by any child the server forks: one that exits between the listing and
-    # the lookup has no group to report
-    holders = {c.pid for c in psutil.net_connections("tcp")
-               if c.status == "LISTEN" and c.laddr.port == port and c.pid}
-    (group,) = {group for group in map(_process_group, holders) if group is not None}
+    # the lookup has no group to report. psutil finds a socket's process by scanning every
+    # process's descriptors, and a busy machine's scan came back once with no owner at all (CI,
+    # session 18): the scan is repeated until it names one.
+    deadline = time.monotonic() + 10
+    while True:
+        holders = {c.pid for c in psutil.net_connections("tcp")
+                   if c.status == "LISTEN" and c.laddr.port == port and c.pid}
+        groups = {group for group in map(_process_group, holders) if group is not None}
+        if groups or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    if not groups:
+        raise RuntimeError(f"no process of ours listens on port {port}")
+    (group,) = groups
     os.killpg(group, signum)
 
 

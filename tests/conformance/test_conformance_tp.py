@@ -37,8 +37,12 @@ def test_pd_through_the_store_with_tp2_on_both_sides_answers_as_plain_vllm_at_tp
     """First in the module: its cluster's four ranks run before the module's engines start."""
     want = oracle(MODEL, TP)
     hits = "vllm:external_prefix_cache_hits_total"
+    # A store read past --store-timeout is a miss that vLLM recomputes (right answers, no KV
+    # through the store): one rank's first read took the whole 5 s default once in CI (session
+    # 18; the next one 1.0 s), four ranks, the shard and the router sharing two cores. What that
+    # read waits for is not known yet (issue #34); here the store gets time to answer.
     args = ["--model", MODEL, "--prefill", "1", "--decode", "1", "--kv-transfer", "store",
-            "--tensor-parallel-size", str(TP), "--remote-prefill-min-tokens", "0"]
+            "--tensor-parallel-size", str(TP), "--remote-prefill-min-tokens", "0", "--store-timeout", "30"]
     with LocalServer(args, artifacts / "serve-conformance-pd-tp2.log") as server:
         assert {(i["role"], i["tensor_parallel_size"]) for i in server.instances()} == {("prefill", TP), ("decode", TP)}
         (decode,) = [server.engine_access(i["instance_id"]) for i in server.instances() if i["role"] == "decode"]
