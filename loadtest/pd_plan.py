@@ -23,13 +23,13 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import functools
-import json
 import os
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
+from loadtest.output import write_results
 from loadtest.pd_goodput import LOOSE, STREAMING
 from loadtest.pd_predict import add_common_arguments, models_and_handover
 from loadtest.serving_sim import NETWORKS_GBIT, Topology, Workload, simulate_rate
@@ -165,10 +165,8 @@ def run(args: argparse.Namespace) -> int:
     console = Console(width=220)
     plans = [plan_one(args, gpus, network, console) for gpus in args.gpus for network in args.networks]
     print_plans(plans, console)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "plans": plans}, indent=1))
-    plot(plans[0], args.out.with_suffix(".png"))
-    console.print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+    write_results(args.out, {"args": {k: str(v) for k, v in vars(args).items()}, "plans": plans},
+                  lambda png: plot(plans[0], png))
     return 0
 
 

@@ -32,11 +32,12 @@ import dataclasses
 import heapq
 import itertools
 from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 
 from decode.role import DECODE
 from engine.role_spec import COLOCATED, RoleSpec
 from fleet.instances import Instance, InstanceRegistry
-from loadtest.simulate import TRACE_BLOCK_TOKENS, LRUBlocks, TraceRecord
+from loadtest.simulate import TRACE_BLOCK_TOKENS, LRUBlocks, TraceRecord, load_trace
 from loadtest.sse_client import RequestResult
 from loadtest.step_model import Handover, Step, StepModel
 from prefill.role import PREFILL
@@ -329,10 +330,6 @@ class Workload:
         if "/" in text and not text.endswith(".jsonl"):
             prompt, output = text.split("/")
             return cls(text, int(prompt), int(output))
-        from pathlib import Path
-
-        from loadtest.simulate import load_trace
-
         return cls(Path(text).stem, trace=tuple(load_trace(Path(text))))
 
     def mean_lengths(self) -> tuple[float, float]:

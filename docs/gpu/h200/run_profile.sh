@@ -7,10 +7,5 @@
 # The model is an 8B Llama's shape without weights (the engine keeps vLLM's dummy weights; the
 # shape of docs/pd.md's two-GPU run), written in a process of its own before the engine starts.
 set -eo pipefail
-[ -d /tmp/site ] || bash /tmp/vparts/install.sh > /tmp/install.log 2>&1
-source /tmp/vparts/env.sh
-[ -d /tmp/xsite/nixl ] || python3 -m pip install -q --no-index --no-deps --target /tmp/xsite /tmp/xw/*.whl
-export PATH=/tmp/xsite/bin:$PATH PYTHONPATH=$PYTHONPATH:/tmp/xsite:$PWD
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-[ -f /tmp/m8b/config.json ] || python3 -c "from pathlib import Path; from engine.models import write_llama8b_shape; write_llama8b_shape(Path('/tmp/m8b'))"
+source "$(dirname "$0")/nixl_8b_env.sh"
 python3 -m loadtest.engine_profile --model /tmp/m8b --no-eager --out "${OUT:-/tmp}/engine_profile-h200-8b.json" "$@"
