@@ -40,7 +40,7 @@ import multiprocessing
 import statistics
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -49,6 +49,7 @@ from rich.progress import track
 from rich.table import Table
 
 from engine.environment import free_port
+from loadtest.idle_flood import IdleFlood
 from loadtest.local_cluster import LocalServer
 from loadtest.otlp_receiver import OTLPReceiver
 from loadtest.output import write_results
@@ -135,20 +136,51 @@ def huge_prompt_attack(router_url: str, model: str, attackers: int) -> Iterator[
             process.join(30)
 
 
-def attacked_ttft(router_url: str, model: str, rounds: int, attackers: int) -> dict:
-    """The router's time to first token quiet and under a huge-prompt attack, same run."""
+@contextlib.contextmanager
+def idle_flood_attack(router_url: str, connections: int) -> Iterator[collections.Counter]:
+    """`connections` idle half-sent requests held at the router while the block runs (reopened as
+    it closes them); yields their counts (opened, closed_by_listener, refused), filled at the end."""
+    with IdleFlood(int(router_url.rsplit(":", 1)[1]), connections) as flood:
+        yield flood.counts
+
+
+def _fresh_health(router_url: str) -> float:
+    """Seconds for `/health` on a connection of its own (a newcomer's, as a load balancer's probe)."""
+    started = time.perf_counter()
+    httpx.get(f"{router_url}/health", timeout=10).raise_for_status()
+    return time.perf_counter() - started
+
+
+def attacked_ttft(router_url: str, model: str, rounds: int,
+                  attack: Callable[[], contextlib.AbstractContextManager[collections.Counter]]) -> dict:
+    """The router's time to first token (a tenant's kept-alive connection) and `/health` (a new
+    connection every tenth round) quiet and while `attack()` runs, same run."""
     body = {"model": model, "prompt": "A short question?", "max_tokens": 1, "stream": True}
+    samples: dict[str, dict[str, list[float]]] = {}
     with httpx.Client(timeout=60) as client:
         for _ in range(5):
             timed_stream(client, router_url, body)
-        quiet = [timed_stream(client, router_url, body)[0] for _ in range(rounds)]
-        with huge_prompt_attack(router_url, model, attackers) as answers:
-            attacked = [timed_stream(client, router_url, body)[0] for _ in range(rounds)]
+        for name, phase in (("quiet", lambda: contextlib.nullcontext(collections.Counter())), ("attacked", attack)):
+            with phase() as answers:
+                ttft = [timed_stream(client, router_url, body)[0] for _ in range(rounds)]
+                health = [_fresh_health(router_url) for _ in range(max(1, rounds // 10))]
+            samples[name] = {"ttft": ttft, "health": health}
     return {
-        **{name: {"median_ms": statistics.median(v) * 1e3, "p90_ms": percentile(v, 90) * 1e3,
-                  "p99_ms": percentile(v, 99) * 1e3} for name, v in (("quiet", quiet), ("attacked", attacked))},
+        **{name: {"median_ms": statistics.median(v["ttft"]) * 1e3, "p90_ms": percentile(v["ttft"], 90) * 1e3,
+                  "p99_ms": percentile(v["ttft"], 99) * 1e3, "health_max_ms": max(v["health"]) * 1e3}
+           for name, v in samples.items()},
         "attack_answers": {str(status): count for status, count in sorted(answers.items())},
     }
+
+
+def summarize_attacks(attacks: list[dict]) -> dict:
+    """Medians over runs of each phase's statistics, their ratios, and the 2x goal on p99."""
+    stats = ("median_ms", "p90_ms", "p99_ms", "health_max_ms")
+    summary = {phase: {stat: statistics.median(a[phase][stat] for a in attacks) for stat in stats}
+               for phase in ("quiet", "attacked")}
+    summary["ratio"] = {stat: summary["attacked"][stat] / summary["quiet"][stat] for stat in stats}
+    summary["p99_within_2x"] = summary["ratio"]["p99_ms"] <= 2
+    return summary
 
 
 async def null_engine_app(scope, receive, send) -> None:
@@ -222,7 +254,7 @@ def child_processes(targets: list[tuple]) -> Iterator[None]:
             process.join(10)
 
 
-def null_engine_run(rounds: int, runs: int, tracing: bool) -> tuple[list[dict], list[dict]]:
+def null_engine_run(rounds: int, runs: int, tracing: bool) -> tuple[list[dict], dict[str, list[dict]]]:
     """Router (and with `tracing` a traced one) in front of the null engine, each in its own process."""
     router_port, traced_port = (free_port("127.0.0.1") for _ in range(2))
     router_url = f"http://127.0.0.1:{router_port}"
@@ -240,10 +272,10 @@ def null_engine_run(rounds: int, runs: int, tracing: bool) -> tuple[list[dict], 
             for url in filter(None, (router_url, traced_url)):
                 _wait_for_http(url)
             return [measure(router_url, engine, "null", rounds, 16, traced_router_url=traced_url)
-                    for _ in range(runs)], []
+                    for _ in range(runs)], {}
 
 
-def engine_runs(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
+def engine_runs(args: argparse.Namespace) -> tuple[list[dict], dict[str, list[dict]]]:
     """The overhead runs and the attack runs against a real engine: the router at --url, or a
     `pdcluster serve --model tiny` started here (with --tracing, its engine exporting vLLM's
     spans to a dropping receiver, and two stand-alone routers before it, one traced)."""
@@ -269,8 +301,15 @@ def engine_runs(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
         engine = credentials.engine_access(EngineEndpoint(**instance["endpoint"]))
         runs = [measure(router_url, engine, model, args.rounds, args.max_tokens, traced_router_url=traced_url)
                 for _ in range(args.runs)]
-        attacks = [attacked_ttft(router_url, model, args.rounds, args.attackers)
-                   for _ in range(args.runs if args.attackers else 0)]
+        attacks = {}
+        if args.attackers:
+            attacks["attack"] = [attacked_ttft(router_url, model, args.rounds,
+                                               lambda: huge_prompt_attack(router_url, model, args.attackers))
+                                 for _ in range(args.runs)]
+        if args.idle_flood:
+            attacks["idle_flood"] = [attacked_ttft(router_url, model, args.rounds,
+                                                   lambda: idle_flood_attack(router_url, args.idle_flood))
+                                     for _ in range(args.runs)]
         return runs, attacks
 
 
@@ -298,13 +337,16 @@ def print_table(result: dict, console: Console) -> None:
             table.add_row(metric, f"{result['added_ms'][metric]:.3f}", f"{tracing['added_ms'][metric]:.3f}",
                           f"{tracing['added_ratio'][metric]:.2f}x")
         console.print(table)
-    if "attack" in result:
-        attack = result["attack"]
-        table = Table(title=f"router TTFT with {result['attackers']} huge-prompt clients (medians of runs)")
+    titles = {"attack": f"router TTFT with {result.get('attackers')} huge-prompt clients (medians of runs)",
+              "idle_flood": f"router TTFT with {result.get('idle_connections')} idle connections held (medians of runs)"}
+    for name, title in titles.items():
+        if name not in result:
+            continue
+        table = Table(title=title)
         for column in ("", "quiet ms", "under attack ms", "ratio"):
             table.add_column(column, justify="right")
-        for stat in ("median_ms", "p90_ms", "p99_ms"):
-            quiet, attacked = attack["quiet"][stat], attack["attacked"][stat]
+        for stat in ("median_ms", "p90_ms", "p99_ms", "health_max_ms"):
+            quiet, attacked = result[name]["quiet"][stat], result[name]["attacked"][stat]
             table.add_row(stat.removesuffix("_ms"), f"{quiet:.2f}", f"{attacked:.2f}", f"{attacked / quiet:.2f}x")
         console.print(table)
 
@@ -317,12 +359,13 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     bars = {"engine": result["engine"]["ttft"], "router": result["router"]["ttft"]}
-    if "attack" in result:
-        bars["router, quiet"] = result["attack"]["quiet"]["median_ms"]
-        bars["router, attacked"] = result["attack"]["attacked"]["median_ms"]
+    for name, label in (("attack", "huge prompts"), ("idle_flood", "idle flood")):
+        if name in result:
+            bars[f"quiet, before\n{label} (p99)"] = result[name]["quiet"]["p99_ms"]
+            bars[f"{label}\n(p99)"] = result[name]["attacked"]["p99_ms"]
     figure, axis = plt.subplots(figsize=(6, 3.5))
     axis.bar(list(bars), list(bars.values()), color="tab:blue")
-    axis.set_ylabel("median time to first token, ms")
+    axis.set_ylabel("time to first token, ms (median; p99 where named)")
     axis.set_title(f"router overhead ({result['engine_kind']})")
     figure.tight_layout()
     figure.savefig(path)
@@ -340,6 +383,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--null-engine", action="store_true", help="measure against a stand-in engine")
     parser.add_argument("--attackers", type=int, default=0,
                         help="also measure the router's TTFT while this many clients send huge prompts")
+    parser.add_argument("--idle-flood", type=int, default=0, metavar="N",
+                        help="also measure the router's TTFT while N idle half-sent connections are held at it")
     parser.add_argument("--tracing", action="store_true",
                         help="also measure a router exporting OpenTelemetry spans (to a receiver that drops them)")
     parser.add_argument("--out", type=Path, default=Path("results/router_overhead.json"))
@@ -365,15 +410,13 @@ def main(argv: list[str] | None = None) -> int:
             "added_ms": traced_ms,
             "added_ratio": {m: traced_ms[m] / result["added_ms"][m] for m in ("ttft", "total")},
         }
-    if attacks:
+    if "attack" in attacks:
         result["attackers"] = args.attackers
-        result["attack"] = {phase: {stat: statistics.median(a[phase][stat] for a in attacks)
-                                    for stat in ("median_ms", "p90_ms", "p99_ms")}
-                            for phase in ("quiet", "attacked")}
-        result["attack"]["ratio"] = {stat: result["attack"]["attacked"][stat] / result["attack"]["quiet"][stat]
-                                     for stat in ("median_ms", "p90_ms", "p99_ms")}
-        result["attack"]["p99_within_2x"] = result["attack"]["ratio"]["p99_ms"] <= 2
-        result["attack_per_run"] = attacks
+    if "idle_flood" in attacks:
+        result["idle_connections"] = args.idle_flood
+    for name, per_run in attacks.items():
+        result[name] = summarize_attacks(per_run)
+        result[f"{name}_per_run"] = per_run
     print_table(result, console)
     write_results(args.out, result, lambda png: plot(result, png))  # the JSON even without matplotlib
     return 0

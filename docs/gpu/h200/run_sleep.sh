@@ -17,8 +17,9 @@
 #           defaults), e.g. ENGINE_ARG="--cudagraph-capture-sizes 1 2 4 8 16 32"; our levers among
 #           vLLM's variables (loadtest.cold_start OUR_LEVERS) are taken from this shell
 #   extras1b: loadtest.engine_extras, decode throughput of vLLM's engine with our logits processor
-#           against plain, the ~1B Llama, CUDA graphs (our KV event plugin is not installed here:
-#           vLLM's entry points would not find it)
+#           and with our KV event publisher against plain, the ~1B Llama, CUDA graphs (the
+#           publisher's vLLM plugin entry point is declared by a dist-info folder written from
+#           pyproject.toml onto PYTHONPATH: the repository is not pip-installed here)
 set -eo pipefail
 [ -d /tmp/site ] || bash /tmp/vparts/install.sh > /tmp/install.log 2>&1
 source /tmp/vparts/env.sh
@@ -48,7 +49,13 @@ case "$1" in
   graphs8b) [ -f /tmp/m8b/config.json ] || python3 -c "from pathlib import Path; from engine.models import write_llama8b_shape; write_llama8b_shape(Path('/tmp/m8b'))"
           python3 -m loadtest.graph_sizes --model /tmp/m8b --load-format dummy --runs "${RUNS:-2}" --out "${OUT:-/tmp}/graph_sizes-m8b.json" ;;
   extras1b) build llama1b-tied
-          python3 -m loadtest.engine_extras --model /tmp/models/llama1b-tied --no-eager --variants plain logits_processor \
+          python3 -c "import sys, tomllib; from pathlib import Path
+points = tomllib.loads(Path('pyproject.toml').read_text())['project']['entry-points']
+meta = Path(sys.argv[1]) / 'pdcluster_plugins-0.dist-info'; meta.mkdir(parents=True, exist_ok=True)
+(meta / 'METADATA').write_text('Metadata-Version: 2.1\nName: pdcluster-plugins\nVersion: 0\n')
+(meta / 'entry_points.txt').write_text(''.join(f'[{group}]\n' + ''.join(f'{k} = {v}\n' for k, v in names.items()) for group, names in points.items()))" /tmp/pdc-meta
+          export PYTHONPATH=$PYTHONPATH:/tmp/pdc-meta
+          python3 -m loadtest.engine_extras --model /tmp/models/llama1b-tied --no-eager --variants plain logits_processor kv_events \
             --runs "${RUNS:-3}" --batch "${BATCH:-32}" --tokens 256 --out "${OUT:-/tmp}/engine_extras-m1b.json" ;;
   *) echo "usage: $0 test|cold1b|cold8b|fresh1b|fresh8b|swap1b|swap8b|graphs8b|extras1b" >&2; exit 2 ;;
 esac
