@@ -86,10 +86,21 @@ def _bound(socket: zmq.Socket, endpoint: str) -> str:
     return socket.last_endpoint.decode()
 
 
+def blanked_fields(struct_type: type[msgspec.Struct]) -> dict:
+    """What `_blinded` sets in `struct_type`'s events: the fields that would tell a reader the
+    prompt, as far as this vLLM's event has them (0.26 has no `session_id`; replacing a field
+    the struct lacks raises, and would kill the engine core at its first stored block)."""
+    secret = {"token_ids": [], "extra_keys": None, "session_id": None}
+    return {name: value for name, value in secret.items() if name in struct_type.__struct_fields__}
+
+
+_BLANKED = blanked_fields(BlockStored)
+
+
 def _blinded(event):
     """The event without what would tell a reader the prompt: block hashes are enough to route."""
     if isinstance(event, BlockStored):
-        return msgspec.structs.replace(event, token_ids=[], extra_keys=None, session_id=None)
+        return msgspec.structs.replace(event, **_BLANKED)
     return event
 
 

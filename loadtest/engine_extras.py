@@ -89,7 +89,10 @@ def run_child(variant: str, args: argparse.Namespace) -> dict[str, float]:
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=1200)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:
-        raise RuntimeError(f"{variant} failed:\n{done.stderr[-3000:]}")
+        log = args.out.with_suffix(f".{variant}.stderr.txt")  # the engine core's cause is far above the end
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text(done.stderr)
+        raise RuntimeError(f"{variant} failed (its whole output: {log}):\n{done.stderr[-3000:]}")
     return json.loads(lines[-1])
 
 

@@ -517,3 +517,26 @@ async def test_malformed_replay_requests_leave_the_publisher_replaying_and_publi
             each.close(0)
         context.term()
         engine.shutdown()
+
+
+def test_blinding_takes_only_the_fields_this_vllms_event_has():
+    """Our publisher blanks the prompt-revealing fields of BlockStored as far as the installed
+    vLLM has them: vLLM 0.26 (the `gpu` extra) has no `session_id`, and asking msgspec to replace
+    it raised inside the engine core at its first stored block, killing every engine with KV
+    events on the H200 (found there by loadtest.engine_extras)."""
+    import msgspec
+    from vllm.distributed.kv_events import BlockStored
+
+    from engine.kv_event_publisher import _blinded, blanked_fields
+
+    class BlockStoredOfVllm026(msgspec.Struct):  # a stand-in: 0.26's fields that matter here
+        block_hashes: list[int]
+        token_ids: list[int]
+        extra_keys: list | None = None
+
+    assert blanked_fields(BlockStoredOfVllm026) == {"token_ids": [], "extra_keys": None}
+    stored = BlockStored(block_hashes=[1, 2], parent_block_hash=None, token_ids=list(range(64)), block_size=32,
+                         lora_id=None, medium="GPU", lora_name=None, extra_keys=[("salt",), ("salt",)])
+    blinded = _blinded(stored)
+    assert blinded.token_ids == [] and blinded.extra_keys is None
+    assert blinded.block_hashes == [1, 2]
