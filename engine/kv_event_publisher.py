@@ -21,6 +21,7 @@ processes vLLM only logs ("Failed to load plugin"): that case is not caught.
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import msgspec
@@ -86,12 +87,36 @@ def _bound(socket: zmq.Socket, endpoint: str) -> str:
     return socket.last_endpoint.decode()
 
 
+ROUTING_FIELDS = frozenset({"block_hashes", "parent_block_hash", "block_size", "lora_id", "lora_name", "medium",
+                            "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window"})
+"""What a router may read of a stored block: its hash, its place and its cache group. Every other
+field of vLLM's BlockStored (token ids, extra keys with cache salts, session ids, whatever a later
+vLLM adds) goes out blank."""
+
+
 def blanked_fields(struct_type: type[msgspec.Struct]) -> dict:
-    """What `_blinded` sets in `struct_type`'s events: the fields that would tell a reader the
-    prompt, as far as this vLLM's event has them (0.26 has no `session_id`; replacing a field
-    the struct lacks raises, and would kill the engine core at its first stored block)."""
-    secret = {"token_ids": [], "extra_keys": None, "session_id": None}
-    return {name: value for name, value in secret.items() if name in struct_type.__struct_fields__}
+    """The blank value of every field of `struct_type` outside ROUTING_FIELDS: its default, or the
+    first of an empty list, None, "" and 0 that its type admits (the routers decode these events
+    with vLLM's types). Taken from the installed vLLM's struct: vLLM 0.26's has no `session_id`,
+    and replacing a field the struct lacks raised in the engine core at its first stored block."""
+    blanks = {}
+    for field in msgspec.structs.fields(struct_type):
+        if field.name in ROUTING_FIELDS:
+            continue
+        if field.default is not msgspec.NODEFAULT:
+            blanks[field.name] = field.default
+        elif field.default_factory is not msgspec.NODEFAULT:
+            blanks[field.name] = field.default_factory()
+        else:
+            blanks[field.name] = _empty_value(field.type)
+    return blanks
+
+
+def _empty_value(annotation):
+    for candidate in ([], None, "", 0):
+        with contextlib.suppress(msgspec.ValidationError):
+            return msgspec.convert(candidate, annotation)
+    raise TypeError(f"no blank value for a field of type {annotation!r}")
 
 
 _BLANKED = blanked_fields(BlockStored)

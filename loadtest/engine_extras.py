@@ -8,16 +8,17 @@ Each run builds vLLM's offline engine (`LLM`) in a process of its own, once per 
 logits processor, KV events, both), variants alternated within a run so drift hits them alike,
 and times greedy decoding of `--batch` prompts of `--tokens` output tokens each after a warm-up:
 decode throughput (output tokens per second of wall time), and output tokens per CPU second of
-the engine's processes (its own and vLLM's engine core, user and system time). On a shared
-2-core machine wall time moves 20-30% from run to run with whatever else runs; CPU time moves far
-less, so on the CPU build the CPU-second ratio is the one that resolves a 2% cost. On a GPU the
-wall-time ratio is the one that counts. Prints medians over runs and each variant's ratios to
+the engine's processes (its own and vLLM's engine core, user and system time). On the CPU build
+the second tracks the first (vLLM's OpenMP threads spin while they wait), so neither resolves a
+2% cost against this machine's 20-30% noise from run to run; on a GPU the wall-time ratio is the
+one that counts. Prints medians over runs and each variant's ratios to
 plain; writes JSON and a PNG. Runs on the CPU build and on CUDA alike (`--no-eager` there).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -38,12 +39,23 @@ VARIANTS = {"plain": (False, False), "logits_processor": (True, False), "kv_even
 METRICS = ("tokens_per_s", "tokens_per_cpu_s")
 
 
-def cpu_seconds_of_tree() -> float:
-    """User and system seconds of this process and every live descendant (vLLM's engine core)."""
+def cpu_seconds_by_process() -> dict[int, float]:
+    """User and system seconds of this process and every live descendant (vLLM's engine core,
+    compile workers), by pid."""
     import psutil
 
     here = psutil.Process()
-    return sum(sum(process.cpu_times()[:2]) for process in (here, *here.children(recursive=True)))
+    seconds = {}
+    for process in (here, *here.children(recursive=True)):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            seconds[process.pid] = sum(process.cpu_times()[:2])
+    return seconds
+
+
+def cpu_seconds_between(before: dict[int, float], after: dict[int, float]) -> float:
+    """CPU seconds spent between two snapshots by the processes alive at the second (one that
+    ended meanwhile is left out, not counted negative)."""
+    return sum(seconds - before.get(pid, 0.0) for pid, seconds in after.items())
 
 
 def one_variant(model: str, logits_processor: bool, kv_events: bool | str, batch: int, tokens: int,
@@ -75,9 +87,9 @@ def one_variant(model: str, logits_processor: bool, kv_events: bool | str, batch
     prompts = [f"Request {k}: tell a long story about the river and the mountain." for k in range(batch)]
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)  # warm-up
-    cpu_before, started = cpu_seconds_of_tree(), time.perf_counter()
+    cpu_before, started = cpu_seconds_by_process(), time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    seconds, cpu_seconds = time.perf_counter() - started, cpu_seconds_of_tree() - cpu_before
+    seconds, cpu_seconds = time.perf_counter() - started, cpu_seconds_between(cpu_before, cpu_seconds_by_process())
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     return {"tokens_per_s": generated / seconds, "tokens_per_cpu_s": generated / cpu_seconds}
 
@@ -89,9 +101,9 @@ def run_child(variant: str, args: argparse.Namespace) -> dict[str, float]:
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=1200)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:
-        log = args.out.with_suffix(f".{variant}.stderr.txt")  # the engine core's cause is far above the end
+        log = args.out.with_suffix(f".{variant}.log")  # vLLM logs the engine core's cause to stdout
         log.parent.mkdir(parents=True, exist_ok=True)
-        log.write_text(done.stderr)
+        log.write_text(done.stdout + done.stderr)
         raise RuntimeError(f"{variant} failed (its whole output: {log}):\n{done.stderr[-3000:]}")
     return json.loads(lines[-1])
 

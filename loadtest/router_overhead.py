@@ -28,6 +28,15 @@ asserts what holds on any machine and leaves this measurement here: on a 2-core 
 attack's tokenizing takes one of the two cores, so the ratio says as much about the machine.
 
     python -m loadtest.router_overhead --attackers 3 --rounds 200 --runs 3 --out results/router_overhead_attack.json
+
+`--idle-flood N` does the same while N idle connections, each half a request line sent, are held
+at the router from many loopback addresses and reopened as it closes them (loadtest/idle_flood.py;
+docs/security.md, attack 11.1): the JSON's `idle_flood` and `idle_flood_per_run`, shaped as
+`attack`, with `/health` on a new connection every tenth round (its slowest, and how many failed)
+and the flood's own counts (opened, closed by the listener, refused, the fewest held) in place of
+HTTP statuses; `idle_connections` is N.
+
+    python -m loadtest.router_overhead --idle-flood 20000 --rounds 200 --runs 5 --out results/router_overhead_idle.json
 """
 
 from __future__ import annotations
@@ -40,6 +49,7 @@ import multiprocessing
 import statistics
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -139,35 +149,43 @@ def huge_prompt_attack(router_url: str, model: str, attackers: int) -> Iterator[
 @contextlib.contextmanager
 def idle_flood_attack(router_url: str, connections: int) -> Iterator[collections.Counter]:
     """`connections` idle half-sent requests held at the router while the block runs (reopened as
-    it closes them); yields their counts (opened, closed_by_listener, refused), filled at the end."""
-    with IdleFlood(int(router_url.rsplit(":", 1)[1]), connections) as flood:
+    it closes them); yields the flood's counts (loadtest/idle_flood.py), filled at the end."""
+    address = urllib.parse.urlsplit(router_url)
+    with IdleFlood(address.hostname, address.port, connections) as flood:
         yield flood.counts
 
 
 def _fresh_health(router_url: str) -> float:
-    """Seconds for `/health` on a connection of its own (a newcomer's, as a load balancer's probe)."""
+    """Seconds for `/health` on a connection of its own (a newcomer's, as a load balancer's
+    probe); infinity when it fails or takes past 10 s."""
     started = time.perf_counter()
-    httpx.get(f"{router_url}/health", timeout=10).raise_for_status()
+    try:
+        httpx.get(f"{router_url}/health", timeout=10).raise_for_status()
+    except httpx.HTTPError:
+        return float("inf")
     return time.perf_counter() - started
 
 
 def attacked_ttft(router_url: str, model: str, rounds: int,
                   attack: Callable[[], contextlib.AbstractContextManager[collections.Counter]]) -> dict:
-    """The router's time to first token (a tenant's kept-alive connection) and `/health` (a new
-    connection every tenth round) quiet and while `attack()` runs, same run."""
+    """The router's time to first token (a tenant's kept-alive connection) and, every tenth
+    round, `/health` on a new connection, quiet and while `attack()` runs, same run."""
     body = {"model": model, "prompt": "A short question?", "max_tokens": 1, "stream": True}
     samples: dict[str, dict[str, list[float]]] = {}
     with httpx.Client(timeout=60) as client:
         for _ in range(5):
             timed_stream(client, router_url, body)
         for name, phase in (("quiet", lambda: contextlib.nullcontext(collections.Counter())), ("attacked", attack)):
+            samples[name] = {"ttft": [], "health": []}
             with phase() as answers:
-                ttft = [timed_stream(client, router_url, body)[0] for _ in range(rounds)]
-                health = [_fresh_health(router_url) for _ in range(max(1, rounds // 10))]
-            samples[name] = {"ttft": ttft, "health": health}
+                for round_ in range(rounds):
+                    samples[name]["ttft"].append(timed_stream(client, router_url, body)[0])
+                    if round_ % 10 == 0:
+                        samples[name]["health"].append(_fresh_health(router_url))
     return {
         **{name: {"median_ms": statistics.median(v["ttft"]) * 1e3, "p90_ms": percentile(v["ttft"], 90) * 1e3,
-                  "p99_ms": percentile(v["ttft"], 99) * 1e3, "health_max_ms": max(v["health"]) * 1e3}
+                  "p99_ms": percentile(v["ttft"], 99) * 1e3, "health_max_ms": max(v["health"]) * 1e3,
+                  "health_failed": sum(h == float("inf") for h in v["health"])}
            for name, v in samples.items()},
         "attack_answers": {str(status): count for status, count in sorted(answers.items())},
     }
@@ -180,6 +198,7 @@ def summarize_attacks(attacks: list[dict]) -> dict:
                for phase in ("quiet", "attacked")}
     summary["ratio"] = {stat: summary["attacked"][stat] / summary["quiet"][stat] for stat in stats}
     summary["p99_within_2x"] = summary["ratio"]["p99_ms"] <= 2
+    summary["health_failed"] = sum(a["attacked"]["health_failed"] for a in attacks)
     return summary
 
 

@@ -519,24 +519,31 @@ async def test_malformed_replay_requests_leave_the_publisher_replaying_and_publi
         engine.shutdown()
 
 
-def test_blinding_takes_only_the_fields_this_vllms_event_has():
-    """Our publisher blanks the prompt-revealing fields of BlockStored as far as the installed
-    vLLM has them: vLLM 0.26 (the `gpu` extra) has no `session_id`, and asking msgspec to replace
-    it raised inside the engine core at its first stored block, killing every engine with KV
-    events on the H200 (found there by loadtest.engine_extras)."""
+def test_blinding_leaves_only_routing_fields_on_any_vllms_event():
+    """Our publisher sends a stored block's hash, place and cache group, and every other field
+    of vLLM's BlockStored blank, as the installed vLLM defines the event: vLLM 0.26 (the `gpu`
+    extra) has no `session_id`, and blanking it by name raised inside the engine core at its
+    first stored block, killing every engine with KV events on the H200 (found there by
+    loadtest.engine_extras); a field a later vLLM adds goes out blank too."""
     import msgspec
     from vllm.distributed.kv_events import BlockStored
 
     from engine.kv_event_publisher import _blinded, blanked_fields
 
-    class BlockStoredOfVllm026(msgspec.Struct):  # a stand-in: 0.26's fields that matter here
+    class BlockStoredOfSomeVllm(msgspec.Struct):  # a stand-in: 0.26's shape, and a field to come
         block_hashes: list[int]
         token_ids: list[int]
+        prompt_text: str
         extra_keys: list | None = None
 
-    assert blanked_fields(BlockStoredOfVllm026) == {"token_ids": [], "extra_keys": None}
-    stored = BlockStored(block_hashes=[1, 2], parent_block_hash=None, token_ids=list(range(64)), block_size=32,
-                         lora_id=None, medium="GPU", lora_name=None, extra_keys=[("salt",), ("salt",)])
+    assert blanked_fields(BlockStoredOfSomeVllm) == {"token_ids": [], "prompt_text": "", "extra_keys": None}
+    secret = {"token_ids": list(range(64)), "extra_keys": [("salt",), ("salt",)]}
+    if "session_id" in BlockStored.__struct_fields__:
+        secret["session_id"] = "tenant-a-session"
+    stored = BlockStored(block_hashes=[1, 2], parent_block_hash=None, block_size=32, lora_id=None, medium="GPU",
+                         lora_name=None, **secret)
     blinded = _blinded(stored)
-    assert blinded.token_ids == [] and blinded.extra_keys is None
-    assert blinded.block_hashes == [1, 2]
+    assert all(getattr(blinded, name) in ([], None) for name in secret)
+    assert (blinded.block_hashes, blinded.block_size, blinded.medium) == ([1, 2], 32, "GPU")
+    decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(blinded), type=BlockStored)  # as a router reads it
+    assert decoded.block_hashes == [1, 2] and decoded.token_ids == []
