@@ -338,11 +338,9 @@ async def _start_initial(launcher, configs: list, placement_timeout_s: float, ma
 async def _serve_router(app, router_config) -> None:
     """Serve the router's app until Ctrl-C / SIGTERM, then drain: no new connection, the requests
     in flight finish (for at most SHUTDOWN_DRAIN_S), and only then the engines stop."""
-    import uvicorn
+    from router.app import router_server
 
-    from router.app import server_config
-
-    server = uvicorn.Server(server_config(app, timeout_graceful_shutdown=SHUTDOWN_DRAIN_S))
+    server = router_server(app, timeout_graceful_shutdown=SHUTDOWN_DRAIN_S)
     url = f"http://{router_config.host}:{router_config.port}"
     names = [m.name for m in router_config.models]
     console.print(f"[bold]pdcluster[/] serving [cyan]{', '.join(names)}[/] at {url}")

@@ -96,10 +96,8 @@ def summarize(results: list[RequestResult], duration_s: float, offered: float) -
 def _router_process(config: dict, described: list[EngineDescription]) -> None:
     """The router's app over HTTP, in a process of its own, in front of the engines `described`
     (their hosts' `describe()`)."""
-    import uvicorn
-
     from fleet.instances import InstanceRegistry, described_instance
-    from router.app import build_app, server_config
+    from router.app import build_app, router_server
     from router.config import RouterConfig
 
     router_config = RouterConfig(**config)
@@ -107,7 +105,7 @@ def _router_process(config: dict, described: list[EngineDescription]) -> None:
     registry = InstanceRegistry()
     for engine in described:
         registry.add(described_instance(engine, roles[engine.role], router_config.credentials()))
-    uvicorn.Server(server_config(build_app(router_config, registry))).run()
+    router_server(build_app(router_config, registry)).run()
 
 
 class Fleet:

@@ -221,11 +221,9 @@ def _serve_router_before(endpoint: dict, port: int, cluster_secret: str, model: 
                          otlp_traces_endpoint: str | None = None) -> None:
     """A router in front of the one engine that published `endpoint`, in a process of its own
     (the secret comes through multiprocessing's pipe, never argv)."""
-    import uvicorn
-
     from engine.role_spec import COLOCATED
     from fleet.instances import Instance, InstanceRegistry
-    from router.app import build_app, server_config
+    from router.app import build_app, router_server
     from router.config import RouterConfig, ServedModel
 
     config = RouterConfig(models=(ServedModel(name=model, max_model_len=4096),), port=port, health_interval_s=3600,
@@ -233,7 +231,7 @@ def _serve_router_before(endpoint: dict, port: int, cluster_secret: str, model: 
     access = config.credentials().engine_access(EngineEndpoint(**endpoint))
     registry = InstanceRegistry()
     registry.add(Instance(endpoint["instance_id"], COLOCATED, access.url, model=model, access=access))
-    uvicorn.Server(server_config(build_app(config, registry), log_level="error")).run()
+    router_server(build_app(config, registry), log_level="error").run()
 
 
 def _serve_null_engine(cluster_secret: str, published) -> None:

@@ -46,7 +46,7 @@ from router.status_page import add_status_page
 from router.streaming import EngineStream
 from router.tracing import NO_SPAN, RequestTrace, RouterTracing
 from security.credentials import ClusterCredentials, bearer_matches
-from transport.listener_guard import ListenerLimits, guarded_protocol
+from transport.listener_guard import GuardedServer, ListenerLimits, guarded_protocol
 from transport.zmq_curve import KV_EVENTS_PLANE
 
 if TYPE_CHECKING:
@@ -143,9 +143,10 @@ def build_app(
     return app
 
 
-def server_config(app: FastAPI, **uvicorn_settings) -> uvicorn.Config:
-    """uvicorn's config for serving the router's `app` (host and port from its RouterConfig)
-    under its guarded listener (transport/listener_guard.py): connections capped in all and per
+def router_server(app: FastAPI, **uvicorn_settings) -> uvicorn.Server:
+    """uvicorn's server for the router's `app` (host and port from its RouterConfig) under its
+    guarded listener (transport/listener_guard.py): accepts bounded per turn of the loop,
+    connections capped in all and per
     client address, deadlines for headers and bodies; a connection counts as proven, and is
     never displaced by a newcomer, once a request on it carries a tenant's API key or the admin
     token (any request, with no API keys configured). uvicorn's logs go to the process's own
@@ -167,10 +168,12 @@ def server_config(app: FastAPI, **uvicorn_settings) -> uvicorn.Config:
         return True
 
     limits = ListenerLimits(max_connections=config.max_connections, max_per_address=config.max_connections_per_address,
+                            max_pending=config.max_pending_connections,
                             header_timeout_s=config.header_timeout_s, body_timeout_s=config.body_timeout_s)
-    settings = {"log_level": "warning", "log_config": None, **uvicorn_settings}
-    return uvicorn.Config(app, host=config.host, port=config.port, http=guarded_protocol("router", limits, proves=proves),
-                          **settings)
+    # asyncio's loop: GuardedServer bounds its accepts per turn (uvloop's has no bound)
+    settings = {"log_level": "warning", "log_config": None, "loop": "asyncio", **uvicorn_settings}
+    return GuardedServer(uvicorn.Config(app, host=config.host, port=config.port,
+                                        http=guarded_protocol("router", limits, proves=proves), **settings))
 
 
 def _placer(config: RouterConfig, index: KVIndex, store_endpoints: tuple[str, ...]) -> Placer:

@@ -104,6 +104,10 @@ class RouterConfig(BaseModel):
     max_connections_per_address: int = Field(1024, ge=1)
     """The same, from one client address (raise it behind a balancer whose address every client
     shares)."""
+    max_pending_connections: int = Field(1024, ge=1)
+    """Connections held at once that have not yet sent an authorized request; past it a new one
+    takes the place of the oldest of them. Each costs the router's collector ~30 objects to walk
+    (transport/listener_guard.py ListenerLimits.max_pending)."""
     header_timeout_s: float = Field(10.0, gt=0)
     """Longest a client may take to send a request's headers (from its first byte, or the
     connection's opening): past it the connection is closed."""

@@ -6,11 +6,12 @@ connections. 20,000 connections sending half a request line each held the router
 descriptor limit, and every tenant's request timed out for as long as they stayed
 (docs/security.md, attack 11.4). `guarded_protocol` is uvicorn's httptools protocol with:
 
-- a `ConnectionBook` per listener: at most `max_connections` in all and `max_per_address` from one
-  client address. A connection that would pass a cap takes the place of the oldest connection
-  still *pending* (nothing proven yet: no complete request, or for an engine no request carrying
-  its token), which is closed; with none pending it is refused. So a flood of idle connections
-  displaces only itself, never a connection that is serving;
+- a `ConnectionBook` per listener: at most `max_connections` in all, `max_per_address` from one
+  client address and `max_pending` still *pending* (nothing proven yet: no complete request, or
+  for an engine no request carrying its token). A connection that would pass a cap takes the
+  place of the oldest pending one (of its address, for that cap), which is closed; with none
+  pending it is refused. So a flood of idle connections displaces only itself, never a
+  connection that is serving, and holds at most `max_pending` of the process's memory;
 - deadlines: a request's headers within `header_timeout_s` of its first byte (or of the
   connection), its body within `body_timeout_s` of its headers, a TLS handshake within
   `tls_handshake_timeout_s`; past one the connection is closed;
@@ -20,17 +21,24 @@ descriptor limit, and every tenant's request timed out for as long as they staye
 
 uvicorn takes the class as its `http` setting (`uvicorn.Config(http=...)`). Counters of refused
 and closed connections are Prometheus metrics of the process.
+
+`GuardedServer` is uvicorn's server with accepting kept from crowding out the connections that
+serve: asyncio accepts at most ACCEPTS_PER_TURN connections each time the listener is ready (then
+the loop serves everything else once), while the kernel still queues uvicorn's backlog.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import logging
 import resource
+import socket
 import ssl
 from collections.abc import Callable
 
+import uvicorn
 from prometheus_client import Counter, Gauge
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
@@ -38,6 +46,11 @@ log = logging.getLogger(__name__)
 FD_RESERVE = 1024
 """Descriptors a process keeps for everything but its listener's connections (files, its own
 clients, the engines it calls)."""
+
+ACCEPTS_PER_TURN = 16
+"""Connections asyncio accepts each time a listener is ready (its `backlog` argument). Each costs the
+loop ~0.3 ms (transport, protocol, book): with uvicorn's 2,048, a stranger reconnecting as fast as he
+is displaced queued seconds of accepts ahead of every tenant's request (docs/benchmarks.md)."""
 
 CONNECTIONS = Gauge("pdcluster_listener_connections", "Open connections of this listener", ["listener"])
 CLOSED = Counter("pdcluster_listener_connections_closed", "Connections this listener closed or refused, by why",
@@ -52,6 +65,9 @@ class ListenerLimits:
     """In all; lowered to fit this process's descriptor limit (`fitted`)."""
     max_per_address: int = 1024
     """From one client address (raise it behind a balancer whose address every client shares)."""
+    max_pending: int = 1024
+    """Connections that have proven nothing yet. Each costs ~30 objects that every full garbage
+    collection walks with the loop stopped: 16,384 idle ones made those walks 0.3-1 s."""
     header_timeout_s: float = 10.0
     """From a request's first byte (or the connection's accept) to its last header."""
     body_timeout_s: float = 60.0
@@ -63,9 +79,11 @@ class ListenerLimits:
         """An engine's: no cap per address. Its callers are a few routers and its host, each
         keeping many connections from one address, and on one node every local user shares
         127.0.0.1 with them: a stranger's connections are told apart by never proving
-        themselves (no token), and those are displaced first."""
+        themselves (no token), and those are displaced first. No cap on pending ones below the
+        total: a caller's connection is pending through its TLS handshake too, which a smaller
+        pool's turnover under a flood could cut short."""
         limits = cls()
-        return dataclasses.replace(limits, max_per_address=limits.max_connections)
+        return dataclasses.replace(limits, max_per_address=limits.max_connections, max_pending=limits.max_connections)
 
     def fitted(self) -> ListenerLimits:
         """These limits with `max_connections` under this process's descriptor limit, the soft
@@ -77,7 +95,8 @@ class ListenerLimits:
             soft = hard
         room = max(64, soft - FD_RESERVE) if soft != resource.RLIM_INFINITY else self.max_connections
         return dataclasses.replace(self, max_connections=min(self.max_connections, room),
-                                   max_per_address=min(self.max_per_address, room))
+                                   max_per_address=min(self.max_per_address, room),
+                                   max_pending=min(self.max_pending, room))
 
 
 class ConnectionBook:
@@ -96,6 +115,7 @@ class ConnectionBook:
         for the address's cap) is closed to make room, if there is one."""
         caps = ((lambda: self.per_address.get(address, 0) >= self.limits.max_per_address,
                  lambda: self._pending_by_address.get(address, {})),
+                (lambda: len(self._pending) >= self.limits.max_pending, lambda: self._pending),
                 (lambda: len(self.open) >= self.limits.max_connections, lambda: self._pending))
         for crowded, pending in caps:  # each judged after the displacement the one before made
             if not crowded():
@@ -125,9 +145,12 @@ class ConnectionBook:
         address = self.open.pop(connection, None)
         if address is None:
             return
-        self.proven(connection)
-        if not self._pending_by_address.get(address, True):
-            del self._pending_by_address[address]
+        self._pending.pop(connection, None)
+        pending_here = self._pending_by_address.get(address)
+        if pending_here is not None:
+            pending_here.pop(connection, None)
+            if not pending_here:
+                del self._pending_by_address[address]
         self.per_address[address] -= 1
         if not self.per_address[address]:
             del self.per_address[address]
@@ -265,3 +288,29 @@ def guarded_protocol(name: str, limits: ListenerLimits = ListenerLimits(), tls: 
     if proves is not None:
         attributes["proves"] = staticmethod(proves)
     return type(f"GuardedConnection[{name}]", (GuardedConnection,), attributes)
+
+
+class GuardedServer(uvicorn.Server):
+    """uvicorn's server whose listeners accept ACCEPTS_PER_TURN connections per turn of the loop,
+    their kernel queue kept at the config's `backlog`, and whose process's start-up heap is kept
+    out of every garbage collection from then on. Needs asyncio's loop (uvloop's accepts until the
+    queue is empty, however long it refills)."""
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        queue = self.config.backlog
+        self.config.backlog = ACCEPTS_PER_TURN  # asyncio's accept batch, and the first listen()
+        try:
+            await super().startup(sockets)
+        finally:
+            self.config.backlog = queue
+        started, self.started = self.started, False  # what callers poll: true once all below is done
+        for server in getattr(self, "servers", ()):
+            for listener in server.sockets:
+                with socket.fromfd(listener.fileno(), listener.family, listener.type) as duplicate:
+                    duplicate.listen(queue)  # on a listening socket: only its queue's length changes
+        # What start-up built lives as long as the process (as vLLM's server does, freeze_gc_heap):
+        # a full collection walked the router's ~400,000 such objects, ~0.25 s with the loop
+        # stopped, and a stranger's connections make full collections frequent (docs/benchmarks.md).
+        gc.collect()
+        gc.freeze()
+        self.started = started

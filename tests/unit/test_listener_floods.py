@@ -7,6 +7,7 @@ stand-in (named so; no vLLM) served exactly as engines are (engine/serving.py)."
 
 from __future__ import annotations
 
+import gc
 import resource
 import threading
 import time
@@ -20,7 +21,7 @@ from stranger import needs_stranger
 from engine.environment import free_port
 from fleet.instances import InstanceRegistry
 from loadtest.engine_standin import AppStandIn
-from router.app import build_app, server_config
+from router.app import build_app, router_server
 from router.config import RouterConfig, ServedModel
 from security.credentials import ClusterCredentials
 from transport.listener_guard import FD_RESERVE, ListenerLimits
@@ -42,7 +43,7 @@ def serving_router(engine: AppStandIn) -> tuple[uvicorn.Server, str]:
     config = RouterConfig(models=(ServedModel(name="m", max_model_len=128),), port=free_port("127.0.0.1"),
                           api_keys={"key-a": "tenant-a"}, health_interval_s=60, header_timeout_s=2.0,
                           cluster_secret=CREDENTIALS.secret.hex())
-    server = uvicorn.Server(server_config(build_app(config, registry)))
+    server = router_server(build_app(config, registry))
     threading.Thread(target=server.run, daemon=True).start()
     deadline = time.monotonic() + 30
     while not server.started:
@@ -78,6 +79,7 @@ def test_the_router_serves_through_idle_and_churning_strangers():
             assert open_descriptors_here() < before + 64  # nothing left behind
         finally:
             server.should_exit = True
+            gc.unfreeze()  # the router froze this process's start-up heap (GuardedServer)
 
 
 def test_an_engines_listener_serves_its_router_through_idle_and_churning_strangers():
