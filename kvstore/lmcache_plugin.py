@@ -28,6 +28,15 @@ PLUGIN_NAME = "pdc_store"
 _STORE_ERRORS = (StoreUnavailable, NixlTransferError)
 
 
+def _free(memory_objects: list, abandoned_read: asyncio.Future | None = None) -> None:
+    """Give LMCache its buffers back (those of `abandoned_read`, a read nobody waits for any more,
+    once it is done: its failure, if it failed, is a miss nobody is told of)."""
+    if abandoned_read is not None and not abandoned_read.cancelled():
+        abandoned_read.exception()
+    for memory_object in memory_objects:
+        memory_object.ref_count_down()
+
+
 class ShardConnectorAdapter(ConnectorAdapter):
     def __init__(self) -> None:
         super().__init__(f"plugin://{PLUGIN_NAME}")
@@ -99,14 +108,19 @@ class ShardRemoteConnector(RemoteConnector):
                 obj, nbytes
             )
 
+        reading = asyncio.ensure_future(asyncio.to_thread(self.client.get, [k.to_string() for k in keys], allocate))
         try:
-            objects = await asyncio.to_thread(self.client.get, [k.to_string() for k in keys], allocate)
+            objects = await asyncio.shield(reading)
+        except asyncio.CancelledError:
+            # LMCache stopped waiting; the thread goes on filling buffers nobody will take: each is
+            # freed once it is done
+            reading.add_done_callback(lambda done: _free(allocated, done))
+            raise
         except _STORE_ERRORS as exc:
             self.misses_from_errors += 1
             log.warning("store read failed, treated as a miss: %s", exc)
             objects = []
-        for unused in allocated[len(objects) :]:  # landed but not returned: a damaged chunk's buffer
-            unused.ref_count_down()
+        _free(allocated[len(objects) :])  # landed but not returned: a damaged chunk's buffer
         return objects + [None] * (len(keys) - len(objects))
 
     # --- writes ----------------------------------------------------------------------------

@@ -4,7 +4,9 @@ second engine loading the same blocks back (what the prefill and decode workers 
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import time
 import types
 
 import pytest
@@ -86,6 +88,49 @@ def test_a_prompt_stored_by_one_engine_is_loaded_bit_identical_by_another(monkey
             assert torch.equal(reader_caches[layer][30:43], writer_caches[layer][10:23])
         engines.append(build_engine(settings, layout, "another-model", None, VLLM_HASH))
         assert engines[-1].lookup(tokens[:usable]) == 0  # keys carry the model and layout
+    finally:
+        for engine in engines:
+            engine.close()
+        shard.close()
+
+
+def test_a_read_lmcache_stopped_waiting_for_gives_its_buffers_back_once_it_ends(monkeypatch):
+    """LMCache cancels a remote get it has stopped waiting for (its `blocking_timeout_secs`), while
+    the read's thread goes on and fills buffers nobody takes: they go back to LMCache once it ends
+    (they leaked, one transfer buffer per abandoned read)."""
+    from kvstore.lmcache_plugin import ShardRemoteConnector, flush_all
+
+    monkeypatch.setenv(*CREDENTIALS.engine_host_keys("colocated-0").new_process("127.0.0.1").as_env().popitem())
+    shard = ShardServer(64 * 1024**2, KEYS, page_bytes=64 * 1024)
+    settings = StoreSettings(endpoints=(shard.endpoint,), timeout_s=5.0)
+    layout = KVLayout(LAYERS, KV_HEADS, HEAD_DIM, torch.bfloat16, (KV_HEADS, BLOCK, 2 * HEAD_DIM))
+    writer_blocks, reader_blocks = (PagedBlockConnector(LAYERS, BLOCK, KV_HEADS * HEAD_DIM) for _ in range(2))
+    writer_blocks.bind(caches(4))
+    reader_blocks.bind(caches(None))
+    engines = [build_engine(settings, layout, "tiny", lambda config, metadata: writer_blocks, VLLM_HASH)]
+    try:
+        known = len(ShardRemoteConnector.live)
+        engines.append(build_engine(settings, layout, "tiny", lambda config, metadata: reader_blocks, VLLM_HASH))
+        connector = ShardRemoteConnector.live[known]
+        tokens = list(range(3000, 3000 + 16 * BLOCK + 1))
+        usable = usable_tokens(len(tokens), BLOCK)
+        engines[0].store(tokens[:usable], slot_mapping=slots(list(range(16)), usable))
+        assert flush_all(10.0)
+        keys = [key for _, _, key in engines[1].token_database.process_tokens(tokens=tokens[:usable])]
+        allocator = connector.local_cpu_backend.memory_allocator.pin_allocator
+        idle, allocated, allocate = allocator.num_active_allocations, [], connector.local_cpu_backend.allocate
+        monkeypatch.setattr(connector.local_cpu_backend, "allocate",  # a spy: counts, changes nothing
+                            lambda *args, **kwargs: allocated.append(1) or allocate(*args, **kwargs))
+        (client,) = connector.client.shards.values()
+        with client._lock:  # another read holds the client: this one waits in its thread
+            reading = asyncio.run_coroutine_threadsafe(connector.batched_get(keys), connector.loop)
+            time.sleep(0.3)
+            reading.cancel()  # as LMCache does once its own wait runs out
+        deadline = time.monotonic() + 10
+        while len(allocated) < len(keys) or allocator.num_active_allocations != idle:  # landed, then given back
+            assert time.monotonic() < deadline, (len(allocated), allocator.num_active_allocations, idle)
+            time.sleep(0.05)
+        assert connector.misses_from_errors == 0 and reading.cancelled()
     finally:
         for engine in engines:
             engine.close()
