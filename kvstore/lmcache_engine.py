@@ -67,9 +67,10 @@ def build_engine(
         "max_local_cpu_size": settings.transfer_buffer_gib if gpu_connector else 0.01,
         "save_unfull_chunk": True,
         "pre_caching_hash_algorithm": hash_algorithm,
-        # LMCache's own wait on a remote get, in whole seconds. It starts before ours and spans the
-        # client's lock and every batch of the read: with room to spare, ours always decides first
-        # (LMCache's firing first cancelled a read whose thread went on holding the client).
+        # LMCache's own wait on a remote call, in whole seconds. It starts before ours, which has
+        # a deadline per call and per batch, and spans the client's lock: twice ours and a second
+        # lets ours decide a read of one batch even behind another (LMCache's firing first cancelled
+        # a read whose thread went on holding the client). It bounds the scheduler's lookups too.
         "blocking_timeout_secs": math.ceil(2 * settings.timeout_s) + 1,
         "remote_storage_plugins": [PLUGIN_NAME],
         "extra_config": {

@@ -30,9 +30,13 @@ _STORE_ERRORS = (StoreUnavailable, NixlTransferError)
 
 def _free(memory_objects: list, abandoned_read: asyncio.Future | None = None) -> None:
     """Give LMCache its buffers back (those of `abandoned_read`, a read nobody waits for any more,
-    once it is done: its failure, if it failed, is a miss nobody is told of)."""
-    if abandoned_read is not None and not abandoned_read.cancelled():
-        abandoned_read.exception()
+    once it is done: a store failure is a miss nobody is told of, anything else is logged)."""
+    if abandoned_read is not None:
+        if abandoned_read.cancelled():  # its thread may still write into them (loop shutdown): kept
+            return
+        failure = abandoned_read.exception()
+        if failure is not None and not isinstance(failure, _STORE_ERRORS):
+            log.error("an abandoned store read failed", exc_info=failure)
     for memory_object in memory_objects:
         memory_object.ref_count_down()
 
@@ -113,7 +117,8 @@ class ShardRemoteConnector(RemoteConnector):
             objects = await asyncio.shield(reading)
         except asyncio.CancelledError:
             # LMCache stopped waiting; the thread goes on filling buffers nobody will take: each is
-            # freed once it is done
+            # freed once it is done. (Cancelled after this returned, its result is dropped unfreed:
+            # a window of one loop turn that LMCache's API leaves.)
             reading.add_done_callback(lambda done: _free(allocated, done))
             raise
         except _STORE_ERRORS as exc:

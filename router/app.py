@@ -143,7 +143,7 @@ def build_app(
     return app
 
 
-def router_server(app: FastAPI, **uvicorn_settings) -> uvicorn.Server:
+def router_server(app: FastAPI, freeze_heap: bool = True, **uvicorn_settings) -> uvicorn.Server:
     """uvicorn's server for the router's `app` (host and port from its RouterConfig) under its
     guarded listener (transport/listener_guard.py): accepts bounded per turn of the loop,
     connections capped in all and per
@@ -170,10 +170,12 @@ def router_server(app: FastAPI, **uvicorn_settings) -> uvicorn.Server:
     limits = ListenerLimits(max_connections=config.max_connections, max_per_address=config.max_connections_per_address,
                             max_pending=config.max_pending_connections,
                             header_timeout_s=config.header_timeout_s, body_timeout_s=config.body_timeout_s)
-    # asyncio's loop: GuardedServer bounds its accepts per turn (uvloop's has no bound)
+    # asyncio's loop where uvicorn makes one (`run()`): GuardedServer bounds its accepts per turn,
+    # uvloop's has no bound. `freeze_heap`: off where the router shares a process (tests).
     settings = {"log_level": "warning", "log_config": None, "loop": "asyncio", **uvicorn_settings}
     return GuardedServer(uvicorn.Config(app, host=config.host, port=config.port,
-                                        http=guarded_protocol("router", limits, proves=proves), **settings))
+                                        http=guarded_protocol("router", limits, proves=proves), **settings),
+                         freeze_heap=freeze_heap)
 
 
 def _placer(config: RouterConfig, index: KVIndex, store_endpoints: tuple[str, ...]) -> Placer:

@@ -292,25 +292,46 @@ def guarded_protocol(name: str, limits: ListenerLimits = ListenerLimits(), tls: 
 
 class GuardedServer(uvicorn.Server):
     """uvicorn's server whose listeners accept ACCEPTS_PER_TURN connections per turn of the loop,
-    their kernel queue kept at the config's `backlog`, and whose process's start-up heap is kept
-    out of every garbage collection from then on. Needs asyncio's loop (uvloop's accepts until the
-    queue is empty, however long it refills)."""
+    their kernel queue kept at the config's `backlog`, and (`freeze_heap`) whose process's
+    start-up heap is kept out of every garbage collection from then on. Needs asyncio's own loop
+    (uvloop's accepts until the queue is empty, however long it refills). `started` is true once
+    all of that is done."""
+
+    _guarded = False
+
+    def __init__(self, config: uvicorn.Config, freeze_heap: bool = True) -> None:
+        super().__init__(config)
+        self.freeze_heap = freeze_heap
+
+    @property
+    def started(self) -> bool:
+        return self._started and self._guarded
+
+    @started.setter
+    def started(self, value: bool) -> None:  # set by uvicorn
+        self._started = value
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        if not isinstance(asyncio.get_running_loop(), asyncio.BaseEventLoop):
+            log.warning("%s: accepts are not bounded per turn on this event loop (not asyncio's own)",
+                        type(asyncio.get_running_loop()).__name__)
         queue = self.config.backlog
         self.config.backlog = ACCEPTS_PER_TURN  # asyncio's accept batch, and the first listen()
         try:
             await super().startup(sockets)
         finally:
             self.config.backlog = queue
-        started, self.started = self.started, False  # what callers poll: true once all below is done
-        for server in getattr(self, "servers", ()):
-            for listener in server.sockets:
-                with socket.fromfd(listener.fileno(), listener.family, listener.type) as duplicate:
-                    duplicate.listen(queue)  # on a listening socket: only its queue's length changes
-        # What start-up built lives as long as the process (as vLLM's server does, freeze_gc_heap):
-        # a full collection walked the router's ~400,000 such objects, ~0.25 s with the loop
-        # stopped, and a stranger's connections make full collections frequent (docs/benchmarks.md).
-        gc.collect()
-        gc.freeze()
-        self.started = started
+        try:
+            for server in getattr(self, "servers", ()):
+                for listener in server.sockets:
+                    with socket.fromfd(listener.fileno(), listener.family, listener.type) as duplicate:
+                        duplicate.listen(queue)  # on a listening socket: only its queue's length changes
+            if self.freeze_heap:
+                # What start-up built lives as long as the process (as vLLM's server does,
+                # freeze_gc_heap): a full collection walked the router's ~400,000 such objects, ~0.25 s
+                # with the loop stopped, and a stranger's connections make full collections frequent
+                # (docs/benchmarks.md). The price: start-up objects that become garbage stay.
+                gc.collect()
+                gc.freeze()
+        finally:
+            self._guarded = True

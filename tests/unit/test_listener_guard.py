@@ -111,14 +111,14 @@ def test_a_request_in_flight_waits_behind_a_few_accepts_and_no_collection_of_the
     server = GuardedServer(uvicorn.Config(app, host="127.0.0.1", port=free_port("127.0.0.1"), http=protocol,
                                           loop="asyncio", log_level="warning", backlog=2048))
     threading.Thread(target=server.run, daemon=True).start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    assert gc.get_freeze_count() > 10_000
     port, frozen = server.config.port, threading.Event()
     stranger: list[socket.socket] = []
     try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert gc.get_freeze_count() > 10_000
         with socket.create_connection(("127.0.0.1", port), timeout=10) as tenant:
             request = b"GET / HTTP/1.1\r\nhost: x\r\n\r\n"
             tenant.sendall(request)
