@@ -5,7 +5,10 @@ same flags. Each side runs in a process of its own (a GPU holds one engine at a 
 
     python3 docs/gpu/h200/fp8_reload_check.py plain MODEL OUT_DIR [vLLM LLM(...) options as JSON]
     python3 docs/gpu/h200/fp8_reload_check.py ours MODEL OUT_DIR [same]
-    python3 docs/gpu/h200/fp8_reload_check.py compare MODEL OUT_DIR
+    python3 docs/gpu/h200/fp8_reload_check.py compare MODEL OUT_DIR [SIDE SIDE]
+
+`alone` is plain vLLM given one prompt at a time (the others give all four at once, one batch):
+`compare MODEL OUT_DIR plain alone` says whether plain vLLM's own answers depend on the batch.
 
 e.g. options '{"quantization": "fp8"}' for vLLM's online FP8 (weights cast at load, per-tensor
 scales). engine/quantization.py refuses online quantization until such a check says it is right.
@@ -40,7 +43,11 @@ def answers(side: str, model: str, options: dict) -> dict:
     llm = LLM(**settings)
     if side == "ours":
         record = llm.collective_rpc("pdc_load_weights", args=("{}",))
-    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32, logprobs=5), use_tqdm=False)
+    params = SamplingParams(temperature=0, max_tokens=32, logprobs=5)
+    if side == "alone":
+        outputs = [llm.generate([prompt], params, use_tqdm=False)[0] for prompt in PROMPTS]
+    else:
+        outputs = llm.generate(PROMPTS, params, use_tqdm=False)
     return {
         "options": options,
         "load": record,
@@ -49,13 +56,13 @@ def answers(side: str, model: str, options: dict) -> dict:
     }
 
 
-def compare(out: Path) -> dict:
-    plain, ours = (json.loads((out / f"{side}.json").read_text()) for side in ("plain", "ours"))
+def compare(out: Path, sides: tuple[str, str] = ("plain", "ours")) -> dict:
+    plain, ours = (json.loads((out / f"{side}.json").read_text()) for side in sides)
     differing = [k for k, (a, b) in enumerate(zip(plain["tokens"], ours["tokens"], strict=True)) if a != b]
     worst = max(abs(p[token] - o.get(token, float("-inf")))  # one side may end sooner: its steps so far
                 for plain_steps, our_steps in zip(plain["top5"], ours["top5"], strict=True)
                 for p, o in zip(plain_steps, our_steps, strict=False) for token in p)
-    return {"options": plain["options"], "prompts": len(PROMPTS), "prompts_differing": differing,
+    return {"sides": sides, "options": plain["options"], "prompts": len(PROMPTS), "prompts_differing": differing,
             "largest_top5_logprob_difference": worst, "load": ours["load"]}
 
 
@@ -63,8 +70,9 @@ def main() -> int:
     side, model, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
     out.mkdir(parents=True, exist_ok=True)
     if side == "compare":
-        result = compare(out)
-        (out / "compare.json").write_text(json.dumps(result, indent=1))
+        sides = (sys.argv[4], sys.argv[5]) if len(sys.argv) > 5 else ("plain", "ours")
+        result = compare(out, sides)
+        (out / f"compare-{'-'.join(sides)}.json").write_text(json.dumps(result, indent=1))
     else:
         result = answers(side, model, json.loads(sys.argv[4]) if len(sys.argv) > 4 else {})
         (out / f"{side}.json").write_text(json.dumps(result))
