@@ -136,25 +136,28 @@ class ConnectionBook:
 
     def proven(self, connection: GuardedConnection) -> None:
         """`connection` is serving: never displaced from now on."""
-        self._pending.pop(connection, None)
         address = self.open.get(connection)
         if address is not None:
-            self._pending_by_address.get(address, {}).pop(connection, None)
+            self._unpend(connection, address)
 
     def release(self, connection: GuardedConnection) -> None:
         address = self.open.pop(connection, None)
         if address is None:
             return
+        self._unpend(connection, address)
+        self.per_address[address] -= 1
+        if not self.per_address[address]:
+            del self.per_address[address]
+        CONNECTIONS.labels(self.name).set(len(self.open))
+
+    def _unpend(self, connection: GuardedConnection, address: str) -> None:
+        """`connection` out of the pending pools (its address's dropped once empty)."""
         self._pending.pop(connection, None)
         pending_here = self._pending_by_address.get(address)
         if pending_here is not None:
             pending_here.pop(connection, None)
             if not pending_here:
                 del self._pending_by_address[address]
-        self.per_address[address] -= 1
-        if not self.per_address[address]:
-            del self.per_address[address]
-        CONNECTIONS.labels(self.name).set(len(self.open))
 
 
 class GuardedConnection(HttpToolsProtocol):
