@@ -67,6 +67,7 @@ class Stream:
         self.endpoint, self.body = body(k, structured)
         self.url, self.text, self.usage, self.events, self.errors, self.ids = url, "", None, 0, [], set()
         self.token_ids: list[int] = []
+        self.refused: str | None = None  # the status and body of an answer that was no stream
         self.thread = threading.Thread(target=self._read)
         self.thread.start()
 
@@ -74,7 +75,9 @@ class Stream:
         with httpx.Client(timeout=120) as client, client.stream(
             "POST", f"{self.url}{self.endpoint}", json=self.body
         ) as response:
-            assert response.status_code == 200
+            if response.status_code != 200:
+                self.refused = f"HTTP {response.status_code}: {response.read().decode(errors='replace')[:500]}"
+                return
             for line in response.iter_lines():
                 if not line.startswith("data: {"):
                     continue
@@ -93,7 +96,21 @@ class Stream:
 
     def result(self) -> tuple[str, dict | None, list, list[int]]:
         self.thread.join(180)
+        assert self.refused is None, self.refused
         return self.text, self.usage, self.errors, self.token_ids
+
+
+def _until_each_sent_tokens(server, streams: list[Stream], timeout_s: float = 60) -> None:
+    """Until every stream has sent a few tokens; a refused one fails the test with its answer and
+    the router's last warnings."""
+    deadline = time.monotonic() + timeout_s
+    while min(s.events for s in streams) < 3:
+        refused = [s.refused for s in streams if s.refused]
+        if refused or time.monotonic() > deadline:
+            warnings = [line for line in server.log_path.read_text().splitlines() if " WARNING " in line]
+            pytest.fail(f"streams refused: {refused}; events {[s.events for s in streams]}; the router's last "
+                        "warnings:\n" + "\n".join(warnings[-15:]))
+        time.sleep(0.005)
 
 
 @pytest.mark.parametrize(("structured", "fault"), [(False, "killed"), (True, "killed"), (False, "frozen")],
@@ -136,10 +153,7 @@ def _fault_mid_stream(server, structured: bool, fault: str) -> tuple[list[Stream
     """Starts one stream per prompt and, once each has sent tokens, kills or freezes the instance
     holding the most of them; a frozen one is thawed after its streams ended."""
     streams = [Stream(server.url, k, structured) for k in range(len(PROMPTS))]
-    deadline = time.monotonic() + 60
-    while min(s.events for s in streams) < 3:  # every stream has sent tokens
-        assert time.monotonic() < deadline
-        time.sleep(0.005)
+    _until_each_sent_tokens(server, streams)
     victim = max((i for i in server.instances() if i["state"] == "ready"), key=lambda i: i["inflight"])
     assert victim["inflight"] >= 1, victim
     kill_engine(victim["url"], signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
@@ -175,10 +189,7 @@ def test_a_drained_instance_finishes_its_streams_then_stops(served_two):
     _wait_for_two_ready(served_two)
     migrations_before = _migrations(served_two)
     streams = [Stream(served_two.url, k) for k in range(len(PROMPTS))]
-    deadline = time.monotonic() + 60
-    while min(s.events for s in streams) < 3:
-        assert time.monotonic() < deadline
-        time.sleep(0.005)
+    _until_each_sent_tokens(served_two, streams)
     victim = max((i for i in served_two.instances() if i["state"] == "ready"), key=lambda i: i["inflight"])
     assert victim["inflight"] >= 1, victim
     drained = httpx.post(f"{served_two.url}/admin/instances/{victim['instance_id']}/drain", headers=admin, timeout=10)
@@ -202,10 +213,7 @@ def test_sigterm_drains_the_streams_in_flight_before_the_engines_stop(served_two
     """Last in this module: it stops the server. `pdcluster down` and a pod's termination send
     SIGTERM; the router takes no new connection but its open streams end whole."""
     stream = Stream(served_two.url, 0)
-    deadline = time.monotonic() + 60
-    while stream.events < 3:
-        assert time.monotonic() < deadline
-        time.sleep(0.005)
+    _until_each_sent_tokens(served_two, [stream])
     served_two._process.send_signal(signal.SIGTERM)
     text, usage, errors, _ = stream.result()
     assert not errors and usage["completion_tokens"] == MAX_TOKENS
