@@ -76,12 +76,15 @@ class ChunkStore:
         return self._chunks[key].extents
 
     def commit(self, key: str) -> bool:
+        """Whether `key` is stored once this returns: committed now, or already (a writer whose
+        commit went unanswered asks again)."""
         chunk = self._chunks.get(key)
-        if chunk is None or chunk.committed:
+        if chunk is None:
             return False
-        chunk.committed = True
-        del self._writing[key]
-        self._chunks.move_to_end(key)
+        if not chunk.committed:
+            chunk.committed = True
+            del self._writing[key]
+            self._chunks.move_to_end(key)
         return True
 
     def abort(self, key: str) -> None:

@@ -38,6 +38,11 @@ Allocate = Callable[[int], tuple[np.ndarray, object]]
 # A read is posted in pieces of about this size, so that the first pieces are checked and
 # copied while the later ones are still on the wire.
 READ_PIECE_BYTES = 4 * 1024**2
+ASKED_AGAIN = (messages.Hello, messages.Commit, messages.Abort, messages.Contains, messages.Stats,
+               messages.Members)
+"""Control messages a shard may receive twice with no harm. One unanswered for half the timeout
+is sent again on a new connection (the ZMQ guide's "lazy pirate"): a REQ socket whose request or
+answer was lost waits for nothing, and a write whose commit went unanswered is a store miss."""
 
 
 def _new_array(nbytes: int) -> tuple[np.ndarray, np.ndarray]:
@@ -316,7 +321,7 @@ class ShardClient:
             if answer_later:
                 self._unanswered = _op(request)
                 return {}
-            reply = self._answer(_op(request))
+            reply = self._answer(_op(request)) if not isinstance(request, ASKED_AGAIN) else self._ask_twice(request)
         except StoreUnavailable:
             self._socket.close(0)
             self._socket = None
@@ -338,8 +343,28 @@ class ShardClient:
         self.peer = add_peer(self.agent, metadata)
         log.info("store shard %s was restarted: now reading from its agent %s", self.endpoint, self.peer)
 
-    def _answer(self, op: str) -> dict:
-        reply = _reply(self._socket, op, self.timeout_s, self.endpoint)
+    def _ask_twice(self, request: messages.Request) -> dict:
+        """The answer to `request` (sent): waited for half the timeout, then for the other half
+        to the same request sent again on a new connection."""
+        op = _op(request)
+        try:
+            return self._answer(op, self.timeout_s / 2)
+        except StoreUnavailable:
+            log.warning("store shard %s did not answer %r within %.1f s: asking again on a new connection",
+                        self.endpoint, op, self.timeout_s / 2)
+        self._socket.close(0)
+        self._socket = _socket(self._context, self.endpoint, self.keys)
+        self._socket.send(messages.encode(request))
+        try:
+            reply = self._answer(op, self.timeout_s / 2)
+        except StoreUnavailable:
+            raise StoreUnavailable(f"store shard {self.endpoint} did not answer {op!r} within {self.timeout_s} s "
+                                   "(asked twice)") from None
+        log.warning("store shard %s answered %r on the new connection", self.endpoint, op)
+        return reply
+
+    def _answer(self, op: str, timeout_s: float | None = None) -> dict:
+        reply = _reply(self._socket, op, self.timeout_s if timeout_s is None else timeout_s, self.endpoint)
         self.members_epoch = max(self.members_epoch, reply.get("members_epoch", 0))
         return reply
 

@@ -147,6 +147,30 @@ def test_chunks_round_trip_through_nixl_bit_identical_and_damage_is_a_miss(shard
         client.close()
 
 
+def test_a_commit_whose_answer_is_lost_is_asked_again_and_the_write_counts(shard, monkeypatch):
+    """A fault loopback does not cause at will (a mock, named so: the shard's answer dropped):
+    the shard commits a write but its answer never reaches the writer (issue #34's stall). The
+    writer asks again on a new connection after half its timeout; the write counts, and reads."""
+    lost, serve_one = [], shard._serve_one
+
+    def losing_the_first_commits_answer(frames: list[bytes]) -> None:
+        if not lost and len(frames) == 3 and isinstance(request := messages.decode(frames[2]), messages.Commit):
+            lost.append(shard.handle(request))  # committed here; the answer goes nowhere
+            return
+        serve_one(frames)
+
+    monkeypatch.setattr(shard, "_serve_one", losing_the_first_commits_answer)
+    client = ShardClient(shard.endpoint, KEYS, timeout_s=2.0, staging_bytes=1024**2)
+    payload = np.arange(50_000, dtype=np.uint32).view(np.uint8)
+    try:
+        started = time.monotonic()
+        assert client.put(["k"], [payload]) == 1
+        assert [a["committed"] for a in lost] == [1] and time.monotonic() - started < 2.0
+        assert [g.tobytes() for g in client.get(["k"])] == [payload.tobytes()]
+    finally:
+        client.close()
+
+
 def test_a_shard_that_stops_answering_costs_one_timeout_then_fails_fast():
     import time
 
