@@ -196,6 +196,15 @@ def oracle_answers(config: EngineConfig, log_path: Path) -> dict[str, Answer]:
         return warmed_up_answers(server.url, config.served_model_name)
 
 
+def oracle_answers_both_ways(config: EngineConfig, log_path: Path) -> tuple[dict[str, Answer], dict[str, Answer]]:
+    """Plain vLLM's answers to PROMPTS asked one after the other (as `oracle_answers`), then all
+    at once: for a configuration whose answers depend on the batch (FP8 on the H200), what
+    `assert_conforms` compares each round with."""
+    with PlainVLLM(config, log_path) as server:
+        return (warmed_up_answers(server.url, config.served_model_name),
+                ask_all(server.url, config.served_model_name, concurrently=True))
+
+
 def warmed_up_answers(url: str, model: str) -> dict[str, Answer]:
     """PROMPTS' answers from a server just started."""
     # vLLM 0.32's CPU attention uses AMX without asking Linux for it: a short first prompt
@@ -204,12 +213,14 @@ def warmed_up_answers(url: str, model: str) -> dict[str, Answer]:
     return ask_all(url, model)
 
 
-def assert_conforms(to: str | EngineAccess, model: str, oracle: dict[str, Answer]) -> None:
+def assert_conforms(to: str | EngineAccess, model: str, oracle: dict[str, Answer],
+                    oracle_concurrent: dict[str, Answer] | None = None) -> None:
     """PROMPTS through `to` (a URL, or an engine's access) give plain vLLM's answers, sent one after
-    the other and all at once."""
+    the other and all at once (compared with `oracle_concurrent` where plain vLLM's own answers
+    all at once differ from one after the other)."""
     url = to.url if isinstance(to, EngineAccess) else to
     for concurrently in (False, True):
-        found = differences(ask_all(to, model, concurrently), oracle)
+        found = differences(ask_all(to, model, concurrently), (oracle_concurrent or oracle) if concurrently else oracle)
         assert not found, f"{url} ({'concurrent' if concurrently else 'sequential'}) differs from plain vLLM:\n" + (
             "\n".join(found)
         )
