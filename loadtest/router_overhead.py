@@ -37,6 +37,11 @@ and the flood's own counts (opened, closed by the listener, refused, the fewest 
 HTTP statuses; `idle_connections` is N.
 
     python -m loadtest.router_overhead --idle-flood 20000 --rounds 200 --runs 5 --out results/router_overhead_idle.json
+
+`--decoy` adds, in the same run, the same flood at a second router of its own (another process,
+the same listener settings) that no tenant uses: `idle_flood_decoy`. What the tenants' p99 loses
+there is what the flood costs them through the machine (its cores, the kernel), not through the
+router they use; the difference between the two is the router's own share.
 """
 
 from __future__ import annotations
@@ -327,6 +332,15 @@ def engine_runs(args: argparse.Namespace) -> tuple[list[dict], dict[str, list[di
             attacks["idle_flood"] = [attacked_ttft(router_url, model, args.rounds,
                                                    lambda: idle_flood_attack(router_url, args.idle_flood))
                                      for _ in range(args.runs)]
+        if args.idle_flood and args.decoy:
+            decoy_port = free_port("127.0.0.1")
+            decoy_url = f"http://127.0.0.1:{decoy_port}"
+            stack.enter_context(child_processes([(_serve_router_before, instance["endpoint"], decoy_port,
+                                                  credentials.secret.hex(), model)]))
+            _wait_for_http(decoy_url)
+            attacks["idle_flood_decoy"] = [attacked_ttft(router_url, model, args.rounds,
+                                                         lambda: idle_flood_attack(decoy_url, args.idle_flood))
+                                           for _ in range(args.runs)]
         return runs, attacks
 
 
@@ -355,7 +369,9 @@ def print_table(result: dict, console: Console) -> None:
                           f"{tracing['added_ratio'][metric]:.2f}x")
         console.print(table)
     titles = {"attack": f"router TTFT with {result.get('attackers')} huge-prompt clients (medians of runs)",
-              "idle_flood": f"router TTFT with {result.get('idle_connections')} idle connections held (medians of runs)"}
+              "idle_flood": f"router TTFT with {result.get('idle_connections')} idle connections held (medians of runs)",
+              "idle_flood_decoy": f"router TTFT with {result.get('idle_connections')} idle connections held at "
+                                  "another router (medians of runs)"}
     for name, title in titles.items():
         if name not in result:
             continue
@@ -376,7 +392,7 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     bars = {"engine": result["engine"]["ttft"], "router": result["router"]["ttft"]}
-    for name, label in (("attack", "huge prompts"), ("idle_flood", "idle flood")):
+    for name, label in (("attack", "huge prompts"), ("idle_flood", "idle flood"), ("idle_flood_decoy", "decoy flood")):
         if name in result:
             bars[f"quiet, before\n{label} (p99)"] = result[name]["quiet"]["p99_ms"]
             bars[f"{label}\n(p99)"] = result[name]["attacked"]["p99_ms"]
@@ -402,6 +418,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="also measure the router's TTFT while this many clients send huge prompts")
     parser.add_argument("--idle-flood", type=int, default=0, metavar="N",
                         help="also measure the router's TTFT while N idle half-sent connections are held at it")
+    parser.add_argument("--decoy", action="store_true",
+                        help="with --idle-flood: also hold the flood at a second router no tenant uses")
     parser.add_argument("--tracing", action="store_true",
                         help="also measure a router exporting OpenTelemetry spans (to a receiver that drops them)")
     parser.add_argument("--out", type=Path, default=Path("results/router_overhead.json"))
