@@ -40,6 +40,7 @@ def exchange(rank: int, port: int, results) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # a process or engine of its own: ~3 s
 def test_weights_cross_processes_bit_identical_in_one_region_per_dtype():
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     results = mp.get_context("spawn").SimpleQueue()

@@ -86,6 +86,7 @@ print(json.dumps({"accepted": accepted, "received": received.decode("latin-1")})
 '''
 
 
+@pytest.mark.slow  # a process or engine of its own: ~3 s
 @needs_stranger
 def test_a_listener_on_a_dead_engines_port_gets_no_token_prompt_or_salt():
     """Attack 12.2 as it ran live: the engine at an instance's address is gone and another local

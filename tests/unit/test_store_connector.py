@@ -58,6 +58,7 @@ def test_blocks_round_trip_and_a_load_leaves_already_computed_blocks_alone():
         copier.from_gpu(chunk, 0, BLOCK + 1, slot_mapping=slots([5, 9], BLOCK + 1))
 
 
+@pytest.mark.slow  # a process or engine of its own: ~3 s
 def test_a_prompt_stored_by_one_engine_is_loaded_bit_identical_by_another(monkeypatch):
     monkeypatch.setenv(*CREDENTIALS.engine_host_keys("colocated-0").new_process("127.0.0.1").as_env().popitem())  # as an engine's host sets them
     shard = ShardServer(64 * 1024**2, KEYS, page_bytes=64 * 1024)
@@ -94,6 +95,7 @@ def test_a_prompt_stored_by_one_engine_is_loaded_bit_identical_by_another(monkey
         shard.close()
 
 
+@pytest.mark.slow  # a process or engine of its own: ~3 s
 def test_a_read_lmcache_stopped_waiting_for_gives_its_buffers_back_once_it_ends(monkeypatch):
     """LMCache cancels a remote get it has stopped waiting for (its `blocking_timeout_secs`), while
     the read's thread goes on and fills buffers nobody takes: they go back to LMCache once it ends
@@ -137,6 +139,7 @@ def test_a_read_lmcache_stopped_waiting_for_gives_its_buffers_back_once_it_ends(
         shard.close()
 
 
+@pytest.mark.slow  # a process or engine of its own: ~3 s
 def test_a_tensor_parallel_ranks_chunks_are_found_by_that_rank_of_that_size_alone(monkeypatch):
     """Each rank holds its own KV heads: a chunk rank 0 of a TP=2 engine stored must be found by
     rank 0 of a TP=2 engine, and by no other rank or size (it would load another rank's heads)."""
