@@ -10,6 +10,7 @@ that cannot answer returns None), counted in `misses_from_errors`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 
@@ -18,7 +19,7 @@ from lmcache.v1.storage_backend.connector import ConnectorAdapter, ConnectorCont
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from kvstore.settings import StoreSettings
-from kvstore.shard_client import StoreUnavailable
+from kvstore.shard_client import ReadInFlight, StoreUnavailable
 from kvstore.sharded_store import ShardedStore
 from security.credentials import EngineKeys
 from transport.nixl import NixlTransferError
@@ -35,10 +36,24 @@ def _free(memory_objects: list, abandoned_read: asyncio.Future | None = None) ->
         if abandoned_read.cancelled():  # its thread may still write into them (loop shutdown): kept
             return
         failure = abandoned_read.exception()
+        if isinstance(failure, ReadInFlight):
+            _free_once_ended(memory_objects, failure, abandoned_read.get_loop())
+            return
         if failure is not None and not isinstance(failure, _STORE_ERRORS):
             log.error("an abandoned store read failed", exc_info=failure)
     for memory_object in memory_objects:
         memory_object.ref_count_down()
+
+
+def _free_once_ended(memory_objects: list, read: ReadInFlight, loop: asyncio.AbstractEventLoop) -> None:
+    """Give LMCache the buffers of `read` (still in flight past its deadline: UCX may still write
+    into them) on `loop`, once the store client has seen it end."""
+
+    def ended(_) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is gone (shutdown): nothing to give back to
+            loop.call_soon_threadsafe(_free, memory_objects)
+
+    read.ended.add_done_callback(ended)
 
 
 class ShardConnectorAdapter(ConnectorAdapter):
@@ -124,6 +139,9 @@ class ShardRemoteConnector(RemoteConnector):
         except _STORE_ERRORS as exc:
             self.misses_from_errors += 1
             log.warning("store read failed, treated as a miss: %s", exc)
+            if isinstance(exc, ReadInFlight):
+                _free_once_ended(allocated, exc, asyncio.get_running_loop())
+                return [None] * len(keys)
             objects = []
         _free(allocated[len(objects) :])  # landed but not returned: a damaged chunk's buffer
         return objects + [None] * (len(keys) - len(objects))

@@ -23,6 +23,7 @@ import numpy as np
 import xxhash
 
 from kvstore import messages
+from kvstore.stranded_reads import StrandedReads, in_flight
 from security.credentials import CurveKeys
 from transport.nixl import NixlTransferError, PostedTransfer, add_peer, new_agent, transfer
 from transport.zmq_curve import connect_curve
@@ -32,6 +33,17 @@ log = logging.getLogger(__name__)
 
 class StoreUnavailable(RuntimeError):
     """The shard did not answer in time, or refused the request."""
+
+
+class ReadInFlight(StoreUnavailable):
+    """A read outlived its deadline and is still posted. UCX does not cancel a posted remote read,
+    so the memory it lands in (the caller's, from `allocate`) must stay untouched until `ended` is
+    done (once the client has seen the read end, on a later call or at close): the caller frees
+    it then, never before."""
+
+    def __init__(self, message: str, ended: concurrent.futures.Future) -> None:
+        super().__init__(message)
+        self.ended = ended
 
 
 Allocate = Callable[[int], tuple[np.ndarray, object]]
@@ -149,6 +161,7 @@ class ShardClient:
         self.rejected = 0  # chunks whose checksum did not match
         self._caller_memory: list[tuple[int, int]] = []  # caller memory transfers use directly
         self._caller_registrations: list = []
+        self._stranded = StrandedReads(self.agent)
 
     def register_caller_memory(self, address: int, nbytes: int) -> None:
         """Register [address, address + nbytes) (LMCache's buffer of memory objects) with our NIXL
@@ -181,6 +194,7 @@ class ShardClient:
         that found no room, are skipped)."""
         written = 0
         with self._lock:
+            self._stranded.reap()
             for batch in self._batches([p.nbytes for p in payloads]):
                 written += self._put_batch([keys[i] for i in batch], [payloads[i] for i in batch])
         return written
@@ -191,6 +205,7 @@ class ShardClient:
         `allocate(nbytes)` (a uint8 array and what to return for it; the caller's own memory),
         else to a new array. Memory allocated for chunks not returned is the caller's to free."""
         with self._lock:
+            self._stranded.reap()
             reply = self._call(messages.Lease(list(keys)))
             damaged: list[str] = []
             try:
@@ -204,6 +219,9 @@ class ShardClient:
 
     def close(self) -> None:
         with self._lock:
+            self._stranded.wait(time.monotonic() + self.timeout_s)
+            if self._stranded:  # their memory stays given away: better lost than written into
+                log.warning("closing with %d reads from %s still in flight", len(self._stranded), self.endpoint)
             self.agent.remove_remote_agent(self.peer)
             for registration in [self._registration, *self._caller_registrations]:
                 self.agent.deregister_memory(registration)
@@ -248,8 +266,8 @@ class ShardClient:
         for batch in self._batches([c["nbytes"] for c in chunks]):
             pieces: list[_Piece] = []
             deadline = time.monotonic() + self.timeout_s
+            staged = 0
             try:
-                staged = 0
                 for group in _group([chunks[i]["nbytes"] for i in batch], READ_PIECE_BYTES):
                     piece = _Piece()
                     local, remote = [], []
@@ -279,14 +297,40 @@ class ShardClient:
                         log.warning("a stored KV chunk failed its checksum: treated as a miss and dropped")
                         return found, True
             finally:  # reads still in flight write into our memory, checks read it: let them end
-                for piece in pieces:
-                    with contextlib.suppress(NixlTransferError):
-                        piece.read.wait(deadline)
-                    piece.read.release()
-                    if piece.verdict is not None:
-                        with contextlib.suppress(Exception):
-                            piece.verdict.result(timeout=max(0.0, deadline - time.monotonic()))
+                stranded = self._let_reads_end(pieces, deadline)
+                if stranded:
+                    raise self._strand(stranded, staged > 0)
         return found, False
+
+    def _let_reads_end(self, pieces: list[_Piece], deadline: float) -> list[PostedTransfer]:
+        """Wait (until `deadline`) for each piece's read and check; release those that ended; the
+        reads still in flight."""
+        stranded = []
+        for piece in pieces:
+            with contextlib.suppress(NixlTransferError):
+                piece.read.wait(deadline)
+            if in_flight(piece.read):
+                stranded.append(piece.read)
+                continue
+            piece.read.release()
+            if piece.verdict is not None:
+                with contextlib.suppress(Exception):
+                    piece.verdict.result(timeout=max(0.0, deadline - time.monotonic()))
+        return stranded
+
+    def _strand(self, reads: list[PostedTransfer], used_staging: bool) -> ReadInFlight:
+        """Keep `reads` and their memory out of use until they end (kvstore/stranded_reads.py): a
+        staging buffer they land in is replaced by a new one."""
+        retired = None
+        if used_staging:
+            retired = (self.staging, self._registration)
+            self.staging = np.zeros(self.staging.nbytes, dtype=np.uint8)
+            self._registration = self.agent.register_memory(
+                [(self.staging.ctypes.data, self.staging.nbytes, 0, "")], "DRAM")
+        log.warning("%d reads from %s still in flight past their deadline: their memory is kept until they end",
+                    len(reads), self.endpoint)
+        return ReadInFlight(f"a read from {self.endpoint} is still in flight past its deadline",
+                            self._stranded.keep(reads, retired))
 
     def _verify_landed(self, pieces: list[_Piece], deadline: float | None) -> None:
         """Hand each landed, unchecked piece (in order) to the verifier thread; with a deadline,

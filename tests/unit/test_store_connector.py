@@ -96,6 +96,53 @@ def test_a_prompt_stored_by_one_engine_is_loaded_bit_identical_by_another(monkey
 
 
 @pytest.mark.slow  # a process or engine of its own: ~3 s
+def test_lmcache_buffers_a_stranded_read_may_still_fill_go_back_only_once_it_ends(monkeypatch):
+    """A store read still in flight past its deadline (a stand-in stalls it: tests/unit/
+    test_store_shard.py `stall_reads`) is a miss, and the LMCache buffers it may still land in
+    stay taken until the store client has seen it end; then they go back."""
+    from test_store_shard import stall_reads
+
+    from kvstore.lmcache_plugin import ShardRemoteConnector, flush_all
+
+    monkeypatch.setenv(*CREDENTIALS.engine_host_keys("colocated-0").new_process("127.0.0.1").as_env().popitem())
+    shard = ShardServer(64 * 1024**2, KEYS, page_bytes=64 * 1024)
+    settings = StoreSettings(endpoints=(shard.endpoint,), timeout_s=0.5)
+    layout = KVLayout(LAYERS, KV_HEADS, HEAD_DIM, torch.bfloat16, (KV_HEADS, BLOCK, 2 * HEAD_DIM))
+    blocks = PagedBlockConnector(LAYERS, BLOCK, KV_HEADS * HEAD_DIM)
+    blocks.bind(caches(5))
+    known = len(ShardRemoteConnector.live)
+    engine = build_engine(settings, layout, "tiny", lambda config, metadata: blocks, VLLM_HASH)
+    try:
+        connector = ShardRemoteConnector.live[known]
+        tokens = list(range(5000, 5000 + 4 * BLOCK + 1))
+        usable = usable_tokens(len(tokens), BLOCK)
+        engine.store(tokens[:usable], slot_mapping=slots(list(range(4)), usable))
+        assert flush_all(10.0)
+        keys = [key for _, _, key in engine.token_database.process_tokens(tokens=tokens[:usable])]
+        allocator = connector.local_cpu_backend.memory_allocator.pin_allocator
+        idle, release = allocator.num_active_allocations, stall_reads(monkeypatch)
+
+        def get() -> list:
+            return asyncio.run_coroutine_threadsafe(connector.batched_get(keys), connector.loop).result(30)
+
+        assert get() == [None] * len(keys) and connector.misses_from_errors == 1
+        time.sleep(0.3)
+        assert allocator.num_active_allocations > idle  # kept: the read may still land in them
+        release.set()
+        landed = get()  # the client sees the stranded read ended before this one
+        assert None not in landed
+        for memory_object in landed:  # what LMCache would do with a read's answer once used
+            memory_object.ref_count_down()
+        deadline = time.monotonic() + 10
+        while allocator.num_active_allocations != idle:  # the stranded read's buffers given back
+            assert time.monotonic() < deadline, (allocator.num_active_allocations, idle)
+            time.sleep(0.05)
+    finally:
+        engine.close()
+        shard.close()
+
+
+@pytest.mark.slow  # a process or engine of its own: ~3 s
 def test_a_read_lmcache_stopped_waiting_for_gives_its_buffers_back_once_it_ends(monkeypatch):
     """LMCache cancels a remote get it has stopped waiting for (its `blocking_timeout_secs`), while
     the read's thread goes on and fills buffers nobody takes: they go back to LMCache once it ends

@@ -3,6 +3,7 @@ control socket and NIXL/UCX on loopback."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -167,6 +168,38 @@ def test_a_commit_whose_answer_is_lost_is_asked_again_and_the_write_counts(shard
         assert client.put(["k"], [payload]) == 1
         assert [a["committed"] for a in lost] == [1] and time.monotonic() - started < 2.0
         assert [g.tobytes() for g in client.get(["k"])] == [payload.tobytes()]
+    finally:
+        client.close()
+
+
+def stall_reads(monkeypatch) -> threading.Event:
+    """A stand-in (named so) for a UCX read that does not end by its deadline, which loopback does
+    not cause at will: every READ reports itself in flight until the returned event is set."""
+    from transport.nixl import PostedTransfer
+
+    release, done = threading.Event(), PostedTransfer.done
+    monkeypatch.setattr(PostedTransfer, "done", lambda read: (read.op != "READ" or release.is_set()) and done(read))
+    return release
+
+
+def test_a_read_still_in_flight_past_its_deadline_keeps_its_memory_until_it_ends(shard, monkeypatch):
+    """UCX does not cancel a posted read: memory it may still land in is not reused (the staging
+    buffer is retired, the caller told to wait) until the client has seen it end."""
+    from kvstore.shard_client import ReadInFlight
+
+    client = ShardClient(shard.endpoint, KEYS, timeout_s=0.5, staging_bytes=1024**2)
+    payload = np.arange(60_000, dtype=np.uint32).view(np.uint8)
+    try:
+        assert client.put(["stalled"], [payload]) == 1
+        release, staging = stall_reads(monkeypatch), client.staging
+        with pytest.raises(ReadInFlight) as stranded:
+            client.get(["stalled"])
+        assert not stranded.value.ended.done() and client.staging is not staging  # landing there: retired
+        assert client.put(["after"], [payload[::-1].copy()]) == 1  # writes go on, through the new buffer
+        assert not stranded.value.ended.done()
+        release.set()
+        assert [g.tobytes() for g in client.get(["stalled"])] == [payload.tobytes()]
+        assert stranded.value.ended.done()  # seen to end on the next call: the caller may free its memory
     finally:
         client.close()
 
