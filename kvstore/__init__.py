@@ -7,9 +7,9 @@
   LMCache's engine for either half.
 - `lmcache_plugin`: the store as LMCache's remote storage plugin (errors are misses).
 - `sharded_store.ShardedStore` / `shard_client.ShardClient`: batched put/get/contains over all
-  shards (rendezvous hashing), NIXL/UCX one-sided transfers, xxh3 checksums, timeouts, control
-  messages asked again on a new connection; `stranded_reads`: reads past their deadline, whose
-  memory is kept until they end.
+  shards (rendezvous hashing), NIXL/UCX one-sided transfers, xxh3 checksums, timeouts;
+  `shard_control`: its control messages (asked again on a new connection where harmless);
+  `stranded_reads`: reads past their deadline, whose memory is kept until they end.
 - `shard`: one shard per node (a Ray actor): a registered host-memory arena (`chunk_store`: pages,
   LRU, leases and reservations that expire), typed control messages (`messages`) on a CURVE
   socket only the cluster's members reach.

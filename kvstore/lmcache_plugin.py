@@ -19,7 +19,8 @@ from lmcache.v1.storage_backend.connector import ConnectorAdapter, ConnectorCont
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from kvstore.settings import StoreSettings
-from kvstore.shard_client import ReadInFlight, StoreUnavailable
+from kvstore.shard_client import ReadInFlight
+from kvstore.shard_control import StoreUnavailable
 from kvstore.sharded_store import ShardedStore
 from security.credentials import EngineKeys
 from transport.nixl import NixlTransferError

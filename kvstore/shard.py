@@ -37,6 +37,9 @@ from transport.nixl import Extent, new_agent
 from transport.zmq_curve import Gate, serve_curve
 
 log = logging.getLogger(__name__)
+PROBE_BYTES = 64
+"""A registered area of zeros apart from the arena, that a client reads once when it meets the
+shard (kvstore/shard_client.py `_warm`): UCX sets up its connection then, not on a request's read."""
 
 
 class ShardServer:
@@ -76,8 +79,10 @@ class ShardServer:
         self.ttl_s = ttl_s
         self.arena = np.zeros(self.store.capacity_bytes, dtype=np.uint8)  # touched now, not mid-request
         self.base = self.arena.ctypes.data
+        self.probe = np.zeros(PROBE_BYTES, dtype=np.uint8)  # what a new client reads first: no one's KV
         self.agent = new_agent("pdc-store")
-        self._registration = self.agent.register_memory([(self.base, self.arena.nbytes, 0, "")], "DRAM")
+        self._registration = self.agent.register_memory(
+            [(self.base, self.arena.nbytes, 0, ""), (self.probe.ctypes.data, PROBE_BYTES, 0, "")], "DRAM")
         self.members: tuple[str, ...] = ()  # every shard of the store (set_members), unknown at first
         self.members_epoch = 0
         self.malformed = 0  # messages answered with an error before any op ran
@@ -110,7 +115,8 @@ class ShardServer:
         self.store.expire(now)
         match request:
             case messages.Hello():
-                return {"agent": self.agent.get_agent_metadata(), "page_bytes": self.store.page_bytes}
+                return {"agent": self.agent.get_agent_metadata(), "page_bytes": self.store.page_bytes,
+                        "probe": [self.probe.ctypes.data, PROBE_BYTES]}
             case messages.Reserve(nbytes=sizes) if max(sizes, default=0) > self.store.max_chunk_bytes:
                 return {"error": f"chunks are limited to {self.store.max_chunk_bytes} bytes on this shard"}
             case messages.Reserve(keys=keys, nbytes=sizes, checksums=sums):

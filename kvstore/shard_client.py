@@ -1,9 +1,8 @@
 """The client side of a store shard: batched put, get and contains of KV chunks.
 
-Control messages (kvstore/messages.py) go over the shard's ZMQ socket as a CURVE client of the
-store plane (only the cluster's members get answers), bounded by `timeout_s`; the bytes move
-one-sided over NIXL/UCX between a registered staging buffer of ours and the shard's arena (one
-transfer per batch). Every chunk carries an xxh3 checksum computed by the writer and checked by
+Control messages go over the shard's ZMQ socket (kvstore/shard_control.py), bounded by
+`timeout_s`; the bytes move one-sided over NIXL/UCX between a registered staging buffer of ours
+(or the caller's registered memory) and the shard's arena (one transfer per batch). Every chunk carries an xxh3 checksum computed by the writer and checked by
 the reader: a chunk damaged in the store, a failed or timed-out transfer, an unreachable shard
 are each reported as a miss (`StoreUnavailable` for the whole call, None for a chunk), never as
 wrong KV.
@@ -23,16 +22,12 @@ import numpy as np
 import xxhash
 
 from kvstore import messages
+from kvstore.shard_control import ShardControl, StoreUnavailable
 from kvstore.stranded_reads import StrandedReads, in_flight
 from security.credentials import CurveKeys
 from transport.nixl import NixlTransferError, PostedTransfer, add_peer, new_agent, transfer
-from transport.zmq_curve import connect_curve
 
 log = logging.getLogger(__name__)
-
-
-class StoreUnavailable(RuntimeError):
-    """The shard did not answer in time, or refused the request."""
 
 
 class ReadInFlight(StoreUnavailable):
@@ -50,13 +45,6 @@ Allocate = Callable[[int], tuple[np.ndarray, object]]
 # A read is posted in pieces of about this size, so that the first pieces are checked and
 # copied while the later ones are still on the wire.
 READ_PIECE_BYTES = 4 * 1024**2
-ASKED_AGAIN = (messages.Hello, messages.Commit, messages.Abort, messages.Contains, messages.Stats,
-               messages.Members)
-"""Control messages a shard may receive twice with no harm. One unanswered for half the timeout
-is sent again on a new connection (the ZMQ guide's "lazy pirate"): a REQ socket whose request or
-answer was lost waits for nothing, and a write whose commit went unanswered is a store miss."""
-
-
 def _new_array(nbytes: int) -> tuple[np.ndarray, np.ndarray]:
     array = np.empty(nbytes, dtype=np.uint8)
     return array, array
@@ -64,43 +52,6 @@ def _new_array(nbytes: int) -> tuple[np.ndarray, np.ndarray]:
 
 def checksum(data: np.ndarray) -> int:
     return xxhash.xxh3_64_intdigest(memoryview(data))
-
-
-def _op(request: messages.Request) -> str:
-    return type(request).__name__.lower()
-
-
-def _reply(socket, op: str, timeout_s: float, endpoint: str) -> dict:
-    if not socket.poll(int(timeout_s * 1000)):
-        raise StoreUnavailable(f"store shard {endpoint} did not answer {op!r} within {timeout_s} s")
-    return messages.decode_reply(socket.recv())
-
-
-def _socket(context, endpoint: str, keys: CurveKeys):
-    import zmq
-
-    socket = context.socket(zmq.REQ)
-    socket.setsockopt(zmq.LINGER, 0)
-    connect_curve(socket, keys)
-    socket.connect(endpoint)
-    return socket
-
-
-def request_once(endpoint: str, request: messages.Request, timeout_s: float, keys: CurveKeys) -> dict:
-    """One control message to a shard, with no transfer agent (stats, fault injection)."""
-    import zmq
-
-    context = zmq.Context()
-    socket = _socket(context, endpoint, keys)
-    try:
-        socket.send(messages.encode(request))
-        reply = _reply(socket, _op(request), timeout_s, endpoint)
-    finally:
-        socket.close(0)
-        context.term()
-    if "error" in reply:
-        raise StoreUnavailable(f"store shard refused {_op(request)!r}: {reply['error']}")
-    return reply
 
 
 def _group(sizes: list[int], limit: int) -> list[list[int]]:
@@ -138,30 +89,28 @@ class ShardClient:
                  retry_after_s: float | None = None):
         """`retry_after_s`: how long the shard counts as down after a call timed out (default:
         twice `timeout_s`, as StoreSettings.retry_after_s)."""
-        import zmq
-
         self.endpoint = endpoint
-        self.keys = keys
         self.timeout_s = timeout_s
-        self.retry_after_s = 2 * timeout_s if retry_after_s is None else retry_after_s
-        self._down_until = 0.0  # after a timeout, calls fail fast (a miss) instead of each waiting
-        self._zmq = zmq
-        self._context = zmq.Context()
-        self._socket = None
-        self._unanswered: str | None = None  # the op whose answer is still to be read
-        self.members_epoch = 0  # the newest member list the shard has said it holds
+        self.control = ShardControl(endpoint, keys, timeout_s, 2 * timeout_s if retry_after_s is None else retry_after_s)
         self._lock = threading.Lock()  # one request and one staging buffer at a time
         self.staging = np.zeros(staging_bytes, dtype=np.uint8)
         self.agent = new_agent("pdc-kv")
         self._registration = self.agent.register_memory(
             [(self.staging.ctypes.data, self.staging.nbytes, 0, "")], "DRAM"
         )
-        self.peer = add_peer(self.agent, self._call(messages.Hello())["agent"])
+        hello = self.control.call(messages.Hello())
+        self.peer = add_peer(self.agent, hello["agent"])
         self._verifier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pdc-kv-verify")
         self.rejected = 0  # chunks whose checksum did not match
         self._caller_memory: list[tuple[int, int]] = []  # caller memory transfers use directly
         self._caller_registrations: list = []
         self._stranded = StrandedReads(self.agent)
+        self._warm(hello.get("probe"))
+
+    @property
+    def members_epoch(self) -> int:
+        """The newest member list the shard has said it holds."""
+        return self.control.members_epoch
 
     def register_caller_memory(self, address: int, nbytes: int) -> None:
         """Register [address, address + nbytes) (LMCache's buffer of memory objects) with our NIXL
@@ -178,16 +127,16 @@ class ShardClient:
 
     def contains(self, keys: Sequence[str]) -> int:
         with self._lock:
-            return self._call(messages.Contains(list(keys)))["count"]
+            return self.control.call(messages.Contains(list(keys)))["count"]
 
     def stats(self) -> dict:
         with self._lock:
-            return self._call(messages.Stats())
+            return self.control.call(messages.Stats())
 
     def members(self) -> list[str]:
         """Every shard of the store, as the launcher last told this one (see ShardedStore)."""
         with self._lock:
-            return self._call(messages.Members())["members"]
+            return self.control.call(messages.Members())["members"]
 
     def put(self, keys: Sequence[str], payloads: Sequence[np.ndarray]) -> int:
         """Store chunks (uint8 arrays); returns how many were written (keys already stored, or
@@ -206,7 +155,7 @@ class ShardClient:
         else to a new array. Memory allocated for chunks not returned is the caller's to free."""
         with self._lock:
             self._stranded.reap()
-            reply = self._call(messages.Lease(list(keys)))
+            reply = self.control.call(messages.Lease(list(keys)))
             damaged: list[str] = []
             try:
                 self._meet(reply["agent_name"])
@@ -215,7 +164,7 @@ class ShardClient:
                     damaged.append(keys[len(found)])
                 return found
             finally:  # its answer is collected before our next message, off the read's path
-                self._call(messages.Release(reply["lease"], damaged), answer_later=True)
+                self.control.call(messages.Release(reply["lease"], damaged), answer_later=True)
 
     def close(self) -> None:
         with self._lock:
@@ -225,16 +174,12 @@ class ShardClient:
             self.agent.remove_remote_agent(self.peer)
             for registration in [self._registration, *self._caller_registrations]:
                 self.agent.deregister_memory(registration)
-            if self._socket is not None:
-                with contextlib.suppress(StoreUnavailable):  # a release sent last is delivered
-                    self._collect_answer()
-                self._socket.close(0)
-            self._context.term()
+            self.control.close()
             self._verifier.shutdown(wait=True)
 
     def _put_batch(self, keys: list[str], payloads: list[np.ndarray]) -> int:
         sums = [checksum(p) for p in payloads]
-        reply = self._call(messages.Reserve(keys, [p.nbytes for p in payloads], sums))
+        reply = self.control.call(messages.Reserve(keys, [p.nbytes for p in payloads], sums))
         granted = [(k, p, e) for k, p, e in zip(keys, payloads, reply["extents"], strict=True) if e]
         if not granted:
             return 0
@@ -252,9 +197,9 @@ class ShardClient:
         try:
             transfer(self.agent, "WRITE", local, remote, self.peer, self.timeout_s)
         except NixlTransferError:
-            self._call(messages.Abort(names))
+            self.control.call(messages.Abort(names))
             raise
-        return self._call(messages.Commit(names))["committed"]
+        return self.control.call(messages.Commit(names))["committed"]
 
     def _read(self, chunks: list[dict], allocate: Allocate) -> tuple[list, bool]:
         """The leased chunks that arrived intact, up to the first damaged one; and whether one was.
@@ -352,70 +297,37 @@ class ShardClient:
             )
         return _group(sizes, self.staging.nbytes)
 
-    def _call(self, request: messages.Request, answer_later: bool = False) -> dict:
-        """One control message and its answer. With `answer_later`, return once it is sent: its
-        answer is read (and a refusal logged) before the next message, or at close."""
-        if time.monotonic() < self._down_until:
-            raise StoreUnavailable(f"store shard {self.endpoint} is unreachable; retrying after a pause")
-        if self._socket is None:
-            self._socket = _socket(self._context, self.endpoint, self.keys)
-        try:
-            self._collect_answer()
-            self._socket.send(messages.encode(request))
-            if answer_later:
-                self._unanswered = _op(request)
-                return {}
-            reply = self._answer(_op(request)) if not isinstance(request, ASKED_AGAIN) else self._ask_twice(request)
-        except StoreUnavailable:
-            self._socket.close(0)
-            self._socket = None
-            self._unanswered = None
-            self._down_until = time.monotonic() + self.retry_after_s
-            raise
-        if "error" in reply:
-            raise StoreUnavailable(f"store shard refused {_op(request)!r}: {reply['error']}")
-        return reply
-
     def _meet(self, agent_name: str) -> None:
         """Transfer with the shard's NIXL agent `agent_name`. Another name than the one we know
         means the shard behind our endpoint was restarted (a new agent, a new arena): learn it."""
         if agent_name == self.peer:
             return
-        metadata = self._call(messages.Hello())["agent"]
+        hello = self.control.call(messages.Hello())
         with contextlib.suppress(Exception):  # the old agent is gone; forgetting it may complain
             self.agent.remove_remote_agent(self.peer)
-        self.peer = add_peer(self.agent, metadata)
+        self.peer = add_peer(self.agent, hello["agent"])
+        self._warm(hello.get("probe"))
         log.info("store shard %s was restarted: now reading from its agent %s", self.endpoint, self.peer)
 
-    def _ask_twice(self, request: messages.Request) -> dict:
-        """The answer to `request` (sent): waited for half the timeout, then for the other half
-        to the same request sent again on a new connection."""
-        op = _op(request)
-        try:
-            return self._answer(op, self.timeout_s / 2)
-        except StoreUnavailable:
-            log.warning("store shard %s did not answer %r within %.1f s: asking again on a new connection",
-                        self.endpoint, op, self.timeout_s / 2)
-        self._socket.close(0)
-        self._socket = _socket(self._context, self.endpoint, self.keys)
-        self._socket.send(messages.encode(request))
-        try:
-            reply = self._answer(op, self.timeout_s / 2)
-        except StoreUnavailable:
-            raise StoreUnavailable(f"store shard {self.endpoint} did not answer {op!r} within {self.timeout_s} s "
-                                   "(asked twice)") from None
-        log.warning("store shard %s answered %r on the new connection", self.endpoint, op)
-        return reply
-
-    def _answer(self, op: str, timeout_s: float | None = None) -> dict:
-        reply = _reply(self._socket, op, self.timeout_s if timeout_s is None else timeout_s, self.endpoint)
-        self.members_epoch = max(self.members_epoch, reply.get("members_epoch", 0))
-        return reply
-
-    def _collect_answer(self) -> None:
-        if self._unanswered is None:
+    def _warm(self, probe: list[int] | None) -> None:
+        """Read the shard's probe area once, now: UCX connects to the shard's agent on the first
+        transfer (its wire-up over loopback TCP, which needs both sides' progress threads), and
+        on two loaded cores a request's first read once waited the whole timeout for it (issue
+        #34). A failure here is only logged: reads try again."""
+        if not probe:
             return
-        op, self._unanswered = self._unanswered, None
-        reply = self._answer(op)
-        if "error" in reply:
-            log.warning("store shard %s refused %r: %s", self.endpoint, op, reply["error"])
+        address, nbytes = probe
+        started = time.perf_counter()
+        try:
+            read = PostedTransfer(self.agent, "READ", [(self.staging.ctypes.data, nbytes)], [(address, nbytes)],
+                                  self.peer)
+        except NixlTransferError as exc:
+            log.warning("store shard %s: the first transfer failed (%s); reads will try again", self.endpoint, exc)
+            return
+        with contextlib.suppress(NixlTransferError):
+            read.wait(time.monotonic() + self.timeout_s)
+        if in_flight(read):
+            self._strand([read], used_staging=True)
+            return
+        read.release()
+        log.info("store shard %s: transfers set up in %.3f s", self.endpoint, time.perf_counter() - started)

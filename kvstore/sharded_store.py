@@ -11,7 +11,8 @@ import numpy as np
 import xxhash
 
 from kvstore.settings import StoreSettings
-from kvstore.shard_client import Allocate, ShardClient, StoreUnavailable
+from kvstore.shard_client import Allocate, ShardClient
+from kvstore.shard_control import StoreUnavailable
 from security.credentials import CurveKeys
 
 log = logging.getLogger(__name__)

@@ -31,7 +31,8 @@ import numpy as np
 
 from engine.environment import UCX_LOOPBACK_ENV
 from kvstore import messages
-from kvstore.shard_client import ShardClient, request_once
+from kvstore.shard_client import ShardClient
+from kvstore.shard_control import request_once
 from security.credentials import ClusterCredentials, CurveKeys
 from transport.nixl import add_peer, new_agent, transfer
 from transport.zmq_curve import STORE_PLANE

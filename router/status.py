@@ -132,7 +132,7 @@ async def read_shards(endpoints: tuple[str, ...], keys: CurveKeys,
     counters) with its endpoint, or {"endpoint", "error"} for one that did not answer. The shards
     are those the first answering endpoint counts now (nodes join and leave), else `endpoints`."""
     from kvstore import messages
-    from kvstore.shard_client import StoreUnavailable, request_once
+    from kvstore.shard_control import StoreUnavailable, request_once
 
     members: list[str] = []
     for endpoint in endpoints:

@@ -60,7 +60,7 @@ def test_pd_through_the_store_with_tp2_on_both_sides_answers_as_plain_vllm_at_tp
     (prefill_log,) = (artifacts / "serve-conformance-pd-tp2").glob("prefill-*.log")
     prefill_lines = prefill_log.read_text().splitlines()
     asked_again = [line for line in prefill_lines if "asking again on a new connection" in line]
-    if asked_again:  # recovered (kvstore/shard_client.py ASKED_AGAIN), and evidence for the issue
+    if asked_again:  # recovered (kvstore/shard_control.py ASKED_AGAIN), and evidence for the issue
         warnings.warn(f"issue #34: a store shard left a prefill rank's message unanswered: {asked_again[0]}",
                       stacklevel=1)
     failed_writes = [line for line in prefill_lines if "store write failed" in line]

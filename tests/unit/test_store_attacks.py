@@ -16,7 +16,8 @@ import zmq
 
 from kvstore import messages
 from kvstore.shard import ShardServer
-from kvstore.shard_client import ShardClient, StoreUnavailable, request_once
+from kvstore.shard_client import ShardClient
+from kvstore.shard_control import StoreUnavailable, request_once
 from security.credentials import ClusterCredentials
 from transport.zmq_curve import STORE_PLANE, connect_curve
 

@@ -11,7 +11,7 @@ import pytest
 
 from kvstore import messages
 from kvstore.chunk_store import ChunkStore
-from kvstore.shard import ShardServer
+from kvstore.shard import PROBE_BYTES, ShardServer
 from kvstore.shard_client import ShardClient
 from security.credentials import ClusterCredentials
 from transport.zmq_curve import STORE_PLANE
@@ -172,6 +172,21 @@ def test_a_commit_whose_answer_is_lost_is_asked_again_and_the_write_counts(shard
         client.close()
 
 
+def test_a_client_sets_up_its_transfers_with_the_shard_when_it_is_made(shard, monkeypatch):
+    """Its first read is of the shard's probe area (zeros, no one's KV), at once: UCX's wire-up is
+    paid there, not by a request's first read (issue #34)."""
+    from transport.nixl import PostedTransfer
+
+    reads, init = [], PostedTransfer.__init__
+    monkeypatch.setattr(PostedTransfer, "__init__", lambda read, agent, op, local, remote, peer: (
+        reads.append((op, sum(n for _, n in remote))), init(read, agent, op, local, remote, peer))[1])
+    client = ShardClient(shard.endpoint, KEYS, timeout_s=5.0, staging_bytes=1024**2)
+    try:
+        assert reads == [("READ", PROBE_BYTES)] and not client.staging[:PROBE_BYTES].any()
+    finally:
+        client.close()
+
+
 def stall_reads(monkeypatch) -> threading.Event:
     """A stand-in (named so) for a UCX read that does not end by its deadline, which loopback does
     not cause at will: every READ reports itself in flight until the returned event is set."""
@@ -207,7 +222,7 @@ def test_a_read_still_in_flight_past_its_deadline_keeps_its_memory_until_it_ends
 def test_a_shard_that_stops_answering_costs_one_timeout_then_fails_fast():
     import time
 
-    from kvstore.shard_client import StoreUnavailable
+    from kvstore.shard_control import StoreUnavailable
 
     server = ShardServer(1024**2, KEYS, page_bytes=64 * 1024)
     client = ShardClient(server.endpoint, KEYS, timeout_s=0.5, staging_bytes=64 * 1024, retry_after_s=30)
@@ -228,7 +243,7 @@ def test_a_shard_that_stops_answering_costs_one_timeout_then_fails_fast():
 def test_a_shard_restarted_on_its_port_is_used_again_by_its_clients(monkeypatch):
     """A restarted shard (new process: new NIXL agent, empty arena) on the same endpoint: at most
     a timeout and a pause, then its clients read and write it as before."""
-    from kvstore.shard_client import StoreUnavailable
+    from kvstore.shard_control import StoreUnavailable
 
     first = ShardServer(1024**2, KEYS, page_bytes=64 * 1024)
     client = ShardClient(first.endpoint, KEYS, timeout_s=1.0, staging_bytes=512 * 1024, retry_after_s=0.2)
@@ -257,7 +272,7 @@ def test_a_shard_restarted_on_its_port_is_used_again_by_its_clients(monkeypatch)
 
 
 def test_an_unreachable_shard_is_a_clean_error_within_the_timeout():
-    from kvstore.shard_client import StoreUnavailable
+    from kvstore.shard_control import StoreUnavailable
 
     with pytest.raises(StoreUnavailable):
         ShardClient("tcp://127.0.0.1:9", KEYS, timeout_s=0.5)

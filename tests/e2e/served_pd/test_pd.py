@@ -23,7 +23,7 @@ from stranger import StrangerProcess, needs_stranger
 from decode.role import DECODE
 from fleet.instances import Instance, InstanceRegistry
 from kvstore import messages
-from kvstore.shard_client import request_once
+from kvstore.shard_control import request_once
 from loadtest.arrivals import FixedConcurrency
 from loadtest.faults import kill_engine
 from loadtest.report import summarize
