@@ -79,17 +79,6 @@ class EngineFailed(RouterError):
     type = "BadGatewayError"
 
 
-def router_error_kinds() -> set[tuple[str, int]]:
-    """(OpenAI type, HTTP status) of every RouterError: the router's error counters start at zero
-    for each, so that a rate over them shows the first error (a series born at 1 has no increase)."""
-    kinds, classes = set(), [RouterError]
-    while classes:
-        cls = classes.pop()
-        kinds.add((cls.type, cls.status))
-        classes += cls.__subclasses__()
-    return kinds
-
-
 def error_body(message: str, type_: str, status: int, param: str | None = None) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": status}}
 

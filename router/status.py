@@ -33,7 +33,7 @@ from pydantic import BaseModel
 from engine.lifecycle import InstanceState
 from fleet.instances import Instance, InstanceRegistry
 from router import metrics
-from router.errors import EngineFailed, router_error_kinds
+from router.errors import EngineFailed
 from router.placement import Placement
 from router.status_model import (
     ClusterStatus,
@@ -101,8 +101,6 @@ class ErrorLog:
     def __init__(self, size: int = MAX_RECORDS) -> None:
         self._records: collections.deque[ErrorRecord] = collections.deque(maxlen=size)
         self.total = 0
-        for kind, status in router_error_kinds():
-            metrics.ERRORS.labels(kind, str(status))
 
     def record(self, kind: str, status: int, message: str) -> None:
         """Count it; list it unless it is a 401 (anyone can send those, and they would push the
