@@ -127,20 +127,23 @@ def started_one_by_one(url: str) -> list[Stream]:
 
 
 def arranged(server, streams: list[Stream]) -> tuple[dict[str, list[int]], list[str]]:
-    """Once every stream has tokens and one decode holds a stream of each kind that its engine
-    still generates: each decode's streams, and the decodes holding both kinds; none if a stream
-    ended first."""
+    """Once one decode holds a stream of each kind, each with tokens, that its engine still
+    generates: each decode's streams, and the decodes holding both kinds; none if every stream
+    ended first. Streams that ended elsewhere do not matter: the kill is of that decode's."""
     deadline = time.monotonic() + 60
     while True:
         assert time.monotonic() < deadline, ([s.tokens for s in streams], decodes(server))
         held = {i["instance_id"]: [k for k, s in enumerate(streams) if s.id in {x["id"] for x in i["streams"]}]
                 for i in decodes(server)}
-        both = [name for name, ks in held.items() if set(ks) & set(PLAIN) and set(ks) & set(JSON_SCHEMA_CHATS)]
-        if any(s.ended for s in streams):
+        both = [name for name, ks in held.items() if set(ks) & set(PLAIN) and set(ks) & set(JSON_SCHEMA_CHATS)
+                and all(streams[k].tokens >= 3 and not streams[k].ended for k in ks)]
+        if all(s.ended for s in streams):
             return held, []
         # ... and its engine still generates them: a stream it has finished may only sit in the
-        # sockets' buffers, which a kill does not cut (loadtest/faults.py found it so)
-        if min(s.tokens for s in streams) >= 3 and both and engine_running(server, both[0]) >= len(held[both[0]]):
+        # sockets' buffers, which a kill does not cut (loadtest/faults.py found it so). (Waiting
+        # for all four instead failed three rounds in CI, session 21: on a loaded machine the first
+        # stream ended before the last had begun.)
+        if both and engine_running(server, both[0]) >= len(held[both[0]]):
             return held, both
         time.sleep(0.01)
 
@@ -156,9 +159,9 @@ def test_a_killed_decode_engines_streams_go_on_on_the_other_with_the_fault_free_
     expected = [s.result() for s in reference]
     assert all(not errors and usage["completion_tokens"] == MAX_TOKENS for _, usage, errors, _ in expected), expected
     assert len(expected[1][3]) == MAX_TOKENS and not expected[0][3]  # token ids for who asked only
-    # A round whose first stream ended before the others were all under way (its engine ran alone
-    # while the rest waited on their prefills and grammars) holds no plain and JSON-schema stream
-    # on one decode at once: it cut nothing, so it is let finish and run again.
+    # A round in which no decode ever held a plain and a JSON-schema stream in flight at once (each
+    # ended before the other began: prefills and grammars on a loaded machine) cut nothing, so it is
+    # let finish and run again.
     for _ in range(3):
         router_before = scrape(server.url, ("pdcluster_router_",), headers=admin)
         streams = started_one_by_one(server.url)
