@@ -193,7 +193,7 @@ class ShardRemoteConnector(RemoteConnector):
     async def close(self) -> None:
         if self in ShardRemoteConnector.live:
             ShardRemoteConnector.live.remove(self)
-        self.client.close()
+        await asyncio.to_thread(self.client.close)  # it may wait for reads in flight: not on LMCache's loop
 
 
 def flush_all(timeout_s: float) -> bool:

@@ -16,7 +16,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 import xxhash
@@ -112,6 +112,14 @@ class ShardClient:
         """The newest member list the shard has said it holds."""
         return self.control.members_epoch
 
+    @contextlib.contextmanager
+    def _turn(self) -> Iterator[None]:
+        """The client's lock (one request and one staging buffer at a time), with the stranded
+        reads that have ended released first."""
+        with self._lock:
+            self._stranded.reap()
+            yield
+
     def register_caller_memory(self, address: int, nbytes: int) -> None:
         """Register [address, address + nbytes) (LMCache's buffer of memory objects) with our NIXL
         agent: chunks `get` allocates there are read straight into it, and payloads `put` is
@@ -126,24 +134,23 @@ class ShardClient:
         return any(low <= start and start + array.nbytes <= high for low, high in self._caller_memory)
 
     def contains(self, keys: Sequence[str]) -> int:
-        with self._lock:
+        with self._turn():
             return self.control.call(messages.Contains(list(keys)))["count"]
 
     def stats(self) -> dict:
-        with self._lock:
+        with self._turn():
             return self.control.call(messages.Stats())
 
     def members(self) -> list[str]:
         """Every shard of the store, as the launcher last told this one (see ShardedStore)."""
-        with self._lock:
+        with self._turn():
             return self.control.call(messages.Members())["members"]
 
     def put(self, keys: Sequence[str], payloads: Sequence[np.ndarray]) -> int:
         """Store chunks (uint8 arrays); returns how many were written (keys already stored, or
         that found no room, are skipped)."""
         written = 0
-        with self._lock:
-            self._stranded.reap()
+        with self._turn():
             for batch in self._batches([p.nbytes for p in payloads]):
                 written += self._put_batch([keys[i] for i in batch], [payloads[i] for i in batch])
         return written
@@ -153,8 +160,7 @@ class ShardClient:
         chunk (what follows it is useless to a prefix cache). Each chunk goes to
         `allocate(nbytes)` (a uint8 array and what to return for it; the caller's own memory),
         else to a new array. Memory allocated for chunks not returned is the caller's to free."""
-        with self._lock:
-            self._stranded.reap()
+        with self._turn():
             reply = self.control.call(messages.Lease(list(keys)))
             damaged: list[str] = []
             try:
@@ -171,11 +177,15 @@ class ShardClient:
             self._stranded.wait(time.monotonic() + self.timeout_s)
             if self._stranded:  # their memory stays given away: better lost than written into
                 log.warning("closing with %d reads from %s still in flight", len(self._stranded), self.endpoint)
-            self.agent.remove_remote_agent(self.peer)
-            for registration in [self._registration, *self._caller_registrations]:
-                self.agent.deregister_memory(registration)
-            self.control.close()
-            self._verifier.shutdown(wait=True)
+            try:  # NIXL may refuse to let go of a peer or memory a transfer still holds: closed anyway
+                with contextlib.suppress(Exception):
+                    self.agent.remove_remote_agent(self.peer)
+                for registration in [self._registration, *self._caller_registrations]:
+                    with contextlib.suppress(Exception):
+                        self.agent.deregister_memory(registration)
+            finally:
+                self.control.close()
+                self._verifier.shutdown(wait=True)
 
     def _put_batch(self, keys: list[str], payloads: list[np.ndarray]) -> int:
         sums = [checksum(p) for p in payloads]
@@ -268,10 +278,10 @@ class ShardClient:
         staging buffer they land in is replaced by a new one."""
         retired = None
         if used_staging:
+            fresh = np.zeros(self.staging.nbytes, dtype=np.uint8)
+            registration = self.agent.register_memory([(fresh.ctypes.data, fresh.nbytes, 0, "")], "DRAM")
             retired = (self.staging, self._registration)
-            self.staging = np.zeros(self.staging.nbytes, dtype=np.uint8)
-            self._registration = self.agent.register_memory(
-                [(self.staging.ctypes.data, self.staging.nbytes, 0, "")], "DRAM")
+            self.staging, self._registration = fresh, registration
         log.warning("%d reads from %s still in flight past their deadline: their memory is kept until they end",
                     len(reads), self.endpoint)
         return ReadInFlight(f"a read from {self.endpoint} is still in flight past its deadline",
@@ -314,20 +324,21 @@ class ShardClient:
         transfer (its wire-up over loopback TCP, which needs both sides' progress threads), and
         on two loaded cores a request's first read once waited the whole timeout for it (issue
         #34). A failure here is only logged: reads try again."""
-        if not probe:
+        try:
+            address, nbytes = int(probe[0]), min(int(probe[1]), 4096)
+        except (TypeError, ValueError, IndexError):  # an older shard names none
             return
-        address, nbytes = probe
-        started = time.perf_counter()
+        started, read = time.perf_counter(), None
         try:
             read = PostedTransfer(self.agent, "READ", [(self.staging.ctypes.data, nbytes)], [(address, nbytes)],
                                   self.peer)
+            read.wait(time.monotonic() + self.timeout_s)
         except NixlTransferError as exc:
             log.warning("store shard %s: the first transfer failed (%s); reads will try again", self.endpoint, exc)
-            return
-        with contextlib.suppress(NixlTransferError):
-            read.wait(time.monotonic() + self.timeout_s)
-        if in_flight(read):
-            self._strand([read], used_staging=True)
+            if read is not None and in_flight(read):
+                self._strand([read], used_staging=True)
+            elif read is not None:
+                read.release()
             return
         read.release()
         log.info("store shard %s: transfers set up in %.3f s", self.endpoint, time.perf_counter() - started)

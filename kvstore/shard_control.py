@@ -22,11 +22,13 @@ class StoreUnavailable(RuntimeError):
     """The shard did not answer in time, or refused the request."""
 
 
-ASKED_AGAIN = (messages.Hello, messages.Commit, messages.Abort, messages.Contains, messages.Stats,
-               messages.Members)
+ASKED_AGAIN = (messages.Hello, messages.Commit, messages.Contains, messages.Stats, messages.Members)
 """Control messages a shard may receive twice with no harm. One unanswered for half the timeout
 is sent again on a new connection (the ZMQ guide's "lazy pirate"): a REQ socket whose request or
-answer was lost waits for nothing, and a write whose commit went unanswered is a store miss."""
+answer was lost waits for nothing, and a write whose commit went unanswered is a store miss. A
+commit names keys, not a reservation: one repeated after its reservation expired and another
+writer reserved the key commits that writer's chunk early, which a reader's checksum then finds
+damaged (a miss). Not abort: repeated, it would drop such a writer's reservation."""
 
 
 def _op(request: messages.Request) -> str:
@@ -102,7 +104,8 @@ class ShardControl:
                 return {}
             reply = self._answer(_op(request)) if not isinstance(request, ASKED_AGAIN) else self._ask_twice(request)
         except StoreUnavailable:
-            self._socket.close(0)
+            if self._socket is not None:
+                self._socket.close(0)
             self._socket = None
             self._unanswered = None
             self._down_until = time.monotonic() + self.retry_after_s
@@ -112,29 +115,47 @@ class ShardControl:
         return reply
 
     def _ask_twice(self, request: messages.Request) -> dict:
-        """The answer to `request` (sent): waited for half the timeout, then for the other half
-        to the same request sent again on a new connection."""
-        op = _op(request)
+        """The answer to `request` (sent), waited for half the timeout; then the same request goes
+        again on a new connection, and the first answer on either is taken, for the other half."""
+        import zmq
+
+        op, first, wait_ms = _op(request), self._socket, int(self.timeout_s / 2 * 1000)
+        if first.poll(wait_ms):
+            return self._take(first)
+        log.warning("store shard %s did not answer %r within %.1f s: asking again on a new connection",
+                    self.endpoint, op, self.timeout_s / 2)
+        self._socket, answered = None, None  # set again to the connection that answers
+        second = _socket(self._context, self.endpoint, self.keys)
         try:
-            return self._answer(op, self.timeout_s / 2)
-        except StoreUnavailable:
-            log.warning("store shard %s did not answer %r within %.1f s: asking again on a new connection",
-                        self.endpoint, op, self.timeout_s / 2)
-        self._socket.close(0)
-        self._socket = _socket(self._context, self.endpoint, self.keys)
-        self._socket.send(messages.encode(request))
-        try:
-            reply = self._answer(op, self.timeout_s / 2)
-        except StoreUnavailable:
-            raise StoreUnavailable(f"store shard {self.endpoint} did not answer {op!r} within {self.timeout_s} s "
-                                   "(asked twice)") from None
-        log.warning("store shard %s answered %r on the new connection", self.endpoint, op)
+            second.send(messages.encode(request))
+            poller = zmq.Poller()
+            for connection in (first, second):
+                poller.register(connection, zmq.POLLIN)
+            ready = dict(poller.poll(wait_ms))
+            answered = first if first in ready else second if second in ready else None
+            if answered is None:
+                raise StoreUnavailable(f"store shard {self.endpoint} did not answer {op!r} within "
+                                       f"{self.timeout_s} s (asked twice)")
+            reply = self._take(answered)
+        finally:
+            for connection in (first, second):
+                if connection is not answered:
+                    connection.close(0)
+        self._socket = answered
+        log.warning("store shard %s answered %r on the %s connection", self.endpoint, op,
+                    "first" if answered is first else "new")
         return reply
 
-    def _answer(self, op: str, timeout_s: float | None = None) -> dict:
-        reply = _reply(self._socket, op, self.timeout_s if timeout_s is None else timeout_s, self.endpoint)
+    def _take(self, connection) -> dict:
+        """The answer waiting on `connection`."""
+        reply = messages.decode_reply(connection.recv())
         self.members_epoch = max(self.members_epoch, reply.get("members_epoch", 0))
         return reply
+
+    def _answer(self, op: str) -> dict:
+        if not self._socket.poll(int(self.timeout_s * 1000)):
+            raise StoreUnavailable(f"store shard {self.endpoint} did not answer {op!r} within {self.timeout_s} s")
+        return self._take(self._socket)
 
     def _collect_answer(self) -> None:
         if self._unanswered is None:

@@ -5,6 +5,7 @@ staging buffer it lands in (retired, replaced by a new one) and the caller's (to
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import time
 
@@ -55,7 +56,8 @@ class StrandedReads:
             for read in entry.reads:
                 read.release()
             if entry.retired_staging is not None:
-                self.agent.deregister_memory(entry.retired_staging[1])
+                with contextlib.suppress(Exception):  # NIXL refusing it costs a registration, not the client
+                    self.agent.deregister_memory(entry.retired_staging[1])
             entry.ended.set_result(None)
         self._entries = still
 
