@@ -2,10 +2,10 @@
 
 Control messages go over the shard's ZMQ socket (kvstore/shard_control.py), bounded by
 `timeout_s`; the bytes move one-sided over NIXL/UCX between a registered staging buffer of ours
-(or the caller's registered memory) and the shard's arena (one transfer per batch). Every chunk carries an xxh3 checksum computed by the writer and checked by
-the reader: a chunk damaged in the store, a failed or timed-out transfer, an unreachable shard
-are each reported as a miss (`StoreUnavailable` for the whole call, None for a chunk), never as
-wrong KV.
+(or the caller's registered memory) and the shard's arena (one transfer per batch). Every chunk
+carries an xxh3 checksum computed by the writer and checked by the reader: a chunk damaged in
+the store, a failed or timed-out transfer, an unreachable shard are each reported as a miss
+(`StoreUnavailable` for the whole call, None for a chunk), never as wrong KV.
 """
 
 from __future__ import annotations
@@ -45,6 +45,8 @@ Allocate = Callable[[int], tuple[np.ndarray, object]]
 # A read is posted in pieces of about this size, so that the first pieces are checked and
 # copied while the later ones are still on the wire.
 READ_PIECE_BYTES = 4 * 1024**2
+
+
 def _new_array(nbytes: int) -> tuple[np.ndarray, np.ndarray]:
     array = np.empty(nbytes, dtype=np.uint8)
     return array, array
