@@ -46,7 +46,8 @@ from router.status_page import add_status_page
 from router.streaming import EngineStream
 from router.tracing import NO_SPAN, RequestTrace, RouterTracing
 from security.credentials import ClusterCredentials, bearer_matches
-from transport.listener_guard import GuardedServer, ListenerLimits, guarded_protocol
+from transport.guarded_server import GuardedServer
+from transport.listener_guard import ListenerLimits, guarded_protocol
 from transport.zmq_curve import KV_EVENTS_PLANE
 
 if TYPE_CHECKING:
@@ -170,8 +171,8 @@ def router_server(app: FastAPI, freeze_heap: bool = True, **uvicorn_settings) ->
     limits = ListenerLimits(max_connections=config.max_connections, max_per_address=config.max_connections_per_address,
                             max_pending=config.max_pending_connections,
                             header_timeout_s=config.header_timeout_s, body_timeout_s=config.body_timeout_s)
-    # asyncio's loop where uvicorn makes one (`run()`): GuardedServer bounds its accepts per turn,
-    # uvloop's has no bound. `freeze_heap`: off where the router shares a process (tests).
+    # asyncio's loop where uvicorn makes one (`run()`): the one GuardedServer's accept path is
+    # measured on. `freeze_heap`: off where the router shares a process (tests).
     settings = {"log_level": "warning", "log_config": None, "loop": "asyncio", **uvicorn_settings}
     return GuardedServer(uvicorn.Config(app, host=config.host, port=config.port,
                                         http=guarded_protocol("router", limits, proves=proves), **settings),

@@ -22,23 +22,19 @@ descriptor limit, and every tenant's request timed out for as long as they staye
 uvicorn takes the class as its `http` setting (`uvicorn.Config(http=...)`). Counters of refused
 and closed connections are Prometheus metrics of the process.
 
-`GuardedServer` is uvicorn's server with accepting kept from crowding out the connections that
-serve: asyncio accepts at most ACCEPTS_PER_TURN connections each time the listener is ready (then
-the loop serves everything else once), while the kernel still queues uvicorn's backlog.
+The router's server (transport/guarded_server.py) also keeps a connection bare, out of
+this protocol, until its first request head is in.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import gc
 import logging
 import resource
-import socket
 import ssl
 from collections.abc import Callable
 
-import uvicorn
 from prometheus_client import Counter, Gauge
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
@@ -46,11 +42,6 @@ log = logging.getLogger(__name__)
 FD_RESERVE = 1024
 """Descriptors a process keeps for everything but its listener's connections (files, its own
 clients, the engines it calls)."""
-
-ACCEPTS_PER_TURN = 16
-"""Connections asyncio accepts each time a listener is ready (its `backlog` argument). Each costs the
-loop ~0.3 ms (transport, protocol, book): with uvicorn's 2,048, a stranger reconnecting as fast as he
-is displaced queued seconds of accepts ahead of every tenant's request (docs/benchmarks.md)."""
 
 CONNECTIONS = Gauge("pdcluster_listener_connections", "Open connections of this listener", ["listener"])
 CLOSED = Counter("pdcluster_listener_connections_closed", "Connections this listener closed or refused, by why",
@@ -168,6 +159,9 @@ class GuardedConnection(HttpToolsProtocol):
     tls: ssl.SSLContext | None = None
     proves: Callable[[list[tuple[bytes, bytes]]], bool] = staticmethod(lambda headers: True)
     """Whether a request's headers prove the connection is a client's (an engine: its token)."""
+    received_before: bytes = b""
+    """What the client sent before this protocol was made (transport/guarded_server.py reads a
+    request head on the bare socket): parsed as soon as the connection is made."""
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._deadline: asyncio.TimerHandle | None = None
@@ -181,6 +175,8 @@ class GuardedConnection(HttpToolsProtocol):
         self._limit(self.book.limits.header_timeout_s, "header_timeout")
         if self.tls is None:
             super().connection_made(transport)
+            if self.received_before:
+                self.data_received(self.received_before)
         else:
             self._handshake = self.loop.create_task(self._secure(transport, self._start_tls_now(transport)))
 
@@ -291,50 +287,3 @@ def guarded_protocol(name: str, limits: ListenerLimits = ListenerLimits(), tls: 
     if proves is not None:
         attributes["proves"] = staticmethod(proves)
     return type(f"GuardedConnection[{name}]", (GuardedConnection,), attributes)
-
-
-class GuardedServer(uvicorn.Server):
-    """uvicorn's server whose listeners accept ACCEPTS_PER_TURN connections per turn of the loop,
-    their kernel queue kept at the config's `backlog`, and (`freeze_heap`) whose process's
-    start-up heap is kept out of every garbage collection from then on. Needs asyncio's own loop
-    (uvloop's accepts until the queue is empty, however long it refills). `started` is true once
-    all of that is done."""
-
-    _guarded = False
-
-    def __init__(self, config: uvicorn.Config, freeze_heap: bool = True) -> None:
-        super().__init__(config)
-        self.freeze_heap = freeze_heap
-
-    @property
-    def started(self) -> bool:
-        return self._started and self._guarded
-
-    @started.setter
-    def started(self, value: bool) -> None:  # set by uvicorn
-        self._started = value
-
-    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        if not isinstance(asyncio.get_running_loop(), asyncio.BaseEventLoop):
-            log.warning("%s: accepts are not bounded per turn on this event loop (not asyncio's own)",
-                        type(asyncio.get_running_loop()).__name__)
-        queue = self.config.backlog
-        self.config.backlog = ACCEPTS_PER_TURN  # asyncio's accept batch, and the first listen()
-        try:
-            await super().startup(sockets)
-        finally:
-            self.config.backlog = queue
-        try:
-            for server in getattr(self, "servers", ()):
-                for listener in server.sockets:
-                    with socket.fromfd(listener.fileno(), listener.family, listener.type) as duplicate:
-                        duplicate.listen(queue)  # on a listening socket: only its queue's length changes
-            if self.freeze_heap:
-                # What start-up built lives as long as the process (as vLLM's server does,
-                # freeze_gc_heap): a full collection walked the router's ~400,000 such objects, ~0.25 s
-                # with the loop stopped, and a stranger's connections make full collections frequent
-                # (docs/benchmarks.md). The price: start-up objects that become garbage stay.
-                gc.collect()
-                gc.freeze()
-        finally:
-            self._guarded = True

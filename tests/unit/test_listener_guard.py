@@ -5,21 +5,18 @@ a flood of connections never crowds out a request in flight."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import socket
 import threading
 import time
 
+import pytest
 import uvicorn
 
 from engine.environment import free_port
-from transport.listener_guard import (
-    ACCEPTS_PER_TURN,
-    ConnectionBook,
-    GuardedServer,
-    ListenerLimits,
-    guarded_protocol,
-)
+from transport.guarded_server import ACCEPTS_PER_TURN, SWEEP_S, BareConnection, GuardedServer
+from transport.listener_guard import ConnectionBook, ListenerLimits, guarded_protocol
 
 
 class Connection:
@@ -108,39 +105,127 @@ def test_a_request_in_flight_waits_behind_a_few_accepts_and_no_collection_of_the
         await send({"type": "http.response.body", "body": b"ok"})
 
     protocol = guarded_protocol("test", ListenerLimits(max_connections=4096))
-    server = GuardedServer(uvicorn.Config(app, host="127.0.0.1", port=free_port("127.0.0.1"), http=protocol,
-                                          loop="asyncio", log_level="warning", backlog=2048))
-    threading.Thread(target=server.run, daemon=True).start()
-    port, frozen = server.config.port, threading.Event()
-    stranger: list[socket.socket] = []
+    frozen, stranger = threading.Event(), []
     try:
-        deadline = time.monotonic() + 30
-        while not server.started:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        assert gc.get_freeze_count() > 10_000
-        with socket.create_connection(("127.0.0.1", port), timeout=10) as tenant:
-            request = b"GET / HTTP/1.1\r\nhost: x\r\n\r\n"
-            tenant.sendall(request)
-            assert answer(tenant).startswith(b"HTTP/1.1 200")
-            server.servers[0].get_loop().call_soon_threadsafe(frozen.wait, 30)  # the loop stops here
-            tenant.sendall(request)
-            stranger += [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(500)]
-            frozen.set()
-            assert answer(tenant).startswith(b"HTTP/1.1 200")
-        assert seen[-1] <= (turns + 3) * ACCEPTS_PER_TURN < 500, seen
+        with serving(app, protocol, freeze_heap=True) as (server, port):
+            assert gc.get_freeze_count() > 10_000
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as tenant:
+                request = b"GET / HTTP/1.1\r\nhost: x\r\n\r\n"
+                tenant.sendall(request)
+                assert answer(tenant).startswith(b"HTTP/1.1 200")
+                server.servers[0].get_loop().call_soon_threadsafe(frozen.wait, 30)  # the loop stops here
+                tenant.sendall(request)
+                stranger += [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(500)]
+                frozen.set()
+                assert answer(tenant).startswith(b"HTTP/1.1 200")
+            assert seen[-1] <= (turns + 3) * ACCEPTS_PER_TURN < 500, seen
     finally:
         frozen.set()
         for connection in stranger:
             connection.close()
-        server.should_exit = True
         gc.unfreeze()  # this test process's own heap, back to the collector
 
 
-def answer(connection: socket.socket) -> bytes:
-    """One whole response of the test's app (its body: b"ok")."""
+def test_a_connection_costs_no_protocol_until_its_request_head_is_in_and_a_request_in_pieces_is_served_whole():
+    """Half a request line (the idle flood's) keeps a connection bare: in the book, pending, with no
+    uvicorn protocol; a tenant's POST whose head and body arrive in pieces is answered with its
+    whole body, as if it had come at once."""
+    protocol = guarded_protocol("test", ListenerLimits(max_connections=64))
+    with serving(echo, protocol) as (server, port):
+        idle = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(8)]
+        for connection in idle:
+            connection.sendall(b"GET /v1/models HT")
+        body = b'{"prompt": "' + b"x" * 3000 + b'"}'
+        pieces = [b"POST /echo HTTP/1.1\r\nhost: x\r\n", b"content-length: %d\r\n" % len(body),
+                  b"\r", b"\n" + body[:1000], body[1000:]]
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as tenant:
+            for piece in pieces:
+                tenant.sendall(piece)
+                time.sleep(0.05)
+            assert answer(tenant, body).startswith(b"HTTP/1.1 200")
+        until(lambda: len(protocol.book.open) == 8, "the tenant's connection closed")
+        assert all(isinstance(connection, BareConnection) for connection in protocol.book.open)
+        assert len(protocol.book._pending) == 8 and not server.server_state.connections
+        for connection in idle:
+            connection.close()
+        until(lambda: not protocol.book.open, "the idle connections closed")
+
+
+def test_a_bare_connection_is_displaced_by_a_newcomer_and_closed_at_its_header_deadline():
+    protocol = guarded_protocol("test", ListenerLimits(max_connections=64, max_pending=2, header_timeout_s=1.0))
+    with serving(echo, protocol) as (_, port):
+        first, second, third = (socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(3))
+        assert first.recv(1) == b""  # displaced by the third
+        second.setblocking(False)
+        with pytest.raises(BlockingIOError):  # still open: its deadline is a second away
+            second.recv(1)
+        second.setblocking(True)
+        started = time.monotonic()
+        assert second.recv(1) == b"" and third.recv(1) == b""  # nothing sent: the deadline
+        assert time.monotonic() - started < 1.0 + SWEEP_S + 5
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as tenant:
+            tenant.sendall(b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\nok")
+            assert answer(tenant).startswith(b"HTTP/1.1 200")
+        for connection in (first, second, third):
+            connection.close()
+
+
+def test_shutdown_closes_the_listener_and_every_bare_connection():
+    protocol = guarded_protocol("test", ListenerLimits(max_connections=64))
+    with serving(echo, protocol) as (_, port):
+        idle = socket.create_connection(("127.0.0.1", port), timeout=10)
+        idle.sendall(b"GET")
+        until(lambda: len(protocol.book.open) == 1, "the connection accepted")
+    with idle:
+        assert idle.recv(1) == b""
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    except ConnectionRefusedError:
+        return
+    raise AssertionError("the listener still accepts after shutdown")
+
+
+async def echo(scope, receive, send) -> None:
+    """Answers a request with its body."""
+    if scope["type"] != "http":
+        return
+    body, more = b"", True
+    while more:
+        message = await receive()
+        body, more = body + message.get("body", b""), message.get("more_body", False)
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"%d" % len(body))]})
+    await send({"type": "http.response.body", "body": body})
+
+
+@contextlib.contextmanager
+def serving(app, protocol, freeze_heap: bool = False):
+    """A GuardedServer of `app` under `protocol` on a free port, in a thread, until the block ends
+    (then shut down and its thread joined). Yields the server and its port."""
+    server = GuardedServer(uvicorn.Config(app, host="127.0.0.1", port=free_port("127.0.0.1"), http=protocol,
+                                          loop="asyncio", log_level="warning", backlog=2048),
+                           freeze_heap=freeze_heap)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        until(lambda: server.started, "the server started")
+        yield server, server.config.port
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        assert not thread.is_alive(), "the server did not stop"
+
+
+def until(condition, what: str, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"not {what} in {timeout_s} s"
+        time.sleep(0.02)
+
+
+def answer(connection: socket.socket, body: bytes = b"ok") -> bytes:
+    """One whole response whose body is `body`."""
     received = b""
-    while not received.endswith(b"\r\n\r\nok"):
+    while not received.endswith(b"\r\n\r\n" + body):
         chunk = connection.recv(4096)
         assert chunk, received
         received += chunk

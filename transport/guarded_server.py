@@ -1,0 +1,223 @@
+"""The router's HTTP server: uvicorn's, accepting connections itself so that a stranger's costs the
+event loop as little as it can.
+
+asyncio accepts up to its `backlog` connections each time a listener is ready (uvicorn's 2,048:
+one readiness queued seconds of set-ups ahead of every request in flight) and builds a transport,
+uvicorn's protocol and a task for each before anything judges it. A flood of connections that
+send half a request line and are reconnected as fast as the listener displaces them then costs
+the loop ~100 us a connection (docs/benchmarks.md, issue #31). `GuardedServer` takes the
+listener's readiness from asyncio and, per turn of the loop:
+
+- accepts at most ACCEPTS_PER_TURN connections (the kernel still queues the config's `backlog`);
+- keeps each one *bare*: the socket, in the listener's `ConnectionBook` as a pending connection,
+  read into a buffer until a whole request head (headers and their blank line) is in. No
+  transport, protocol or task is built for a connection that never sends one: a displaced or
+  timed-out one is just closed. Its header deadline counts from its accept (checked every
+  SWEEP_S);
+- hands a connection whose head is in to uvicorn's protocol (transport/listener_guard.py), which
+  parses the bytes read so far before any others.
+
+The acceptor takes over a copy of each listening socket uvicorn bound and closes the loop's own
+server, so accepting is bounded on any loop (uvloop's own accepts until its queue is empty,
+however long it refills). The listener must not be TLS (the router's is not). `freeze_heap` keeps
+the process's start-up heap out of every garbage collection from then on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import functools
+import gc
+import logging
+import socket
+import time
+from collections.abc import Callable
+
+import uvicorn
+
+from transport.listener_guard import CLOSED, ConnectionBook, GuardedConnection
+
+log = logging.getLogger(__name__)
+
+ACCEPTS_PER_TURN = 16
+"""Connections accepted each time a listener is ready: a turn of accepts costs a request in flight
+at most this many set-ups (4 a turn measured the same as 16: docs/benchmarks.md)."""
+SWEEP_S = 0.5
+"""How often bare connections past their header deadline are closed."""
+MAX_HEAD_BYTES = 64 * 1024
+"""A bare connection that sent this much without ending its head is handed to the protocol,
+whose parser refuses or serves it as it would any other."""
+ACCEPT_RETRY_S = 1.0
+"""How long accepting pauses when the process is out of descriptors or memory (asyncio's own)."""
+OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+
+
+class BareConnection:
+    """An accepted socket that has not sent a whole request head: a pending connection in the
+    listener's book, with no transport or protocol."""
+
+    __slots__ = ("acceptor", "sock", "address", "accepted_at", "head")
+
+    def __init__(self, acceptor: HeadFirstAcceptor, sock: socket.socket, address: str) -> None:
+        self.acceptor, self.sock, self.address = acceptor, sock, address
+        self.accepted_at, self.head = time.monotonic(), b""
+
+    def close(self, reason: str) -> None:
+        """Closed by the book (displaced) or a deadline."""
+        CLOSED.labels(self.acceptor.book.name, reason).inc()
+        self.acceptor.drop(self)
+
+
+class HeadFirstAcceptor:
+    """Accepting on one listening socket, in the place of asyncio's: connections kept bare until
+    their first request head is in, then made uvicorn's."""
+
+    def __init__(self, listener: socket.socket, protocol_factory: Callable[[], GuardedConnection],
+                 book: ConnectionBook) -> None:
+        self.listener, self.protocol_factory, self.book = listener, protocol_factory, book
+        self.loop = asyncio.get_running_loop()
+        self.bare: dict[BareConnection, None] = {}  # oldest first: their deadlines in order
+        self._sweeping: asyncio.TimerHandle | None = None
+        self._handing_over: set[asyncio.Task] = set()
+
+    def start(self) -> None:
+        self.listener.setblocking(False)
+        self.loop.add_reader(self.listener.fileno(), self._accept)
+        self._sweeping = self.loop.call_later(SWEEP_S, self._sweep)
+
+    def close(self) -> None:
+        """The listener and every bare connection closed; no more sweeps."""
+        if self._sweeping is not None:
+            self._sweeping.cancel()
+        if self.listener.fileno() != -1:
+            self.loop.remove_reader(self.listener.fileno())
+            self.listener.close()
+        for bare in list(self.bare):
+            self.drop(bare)
+
+    def drop(self, bare: BareConnection) -> None:
+        if bare in self.bare:
+            del self.bare[bare]
+            self.loop.remove_reader(bare.sock.fileno())
+            self.book.release(bare)
+            bare.sock.close()
+
+    def _accept(self) -> None:
+        for _ in range(ACCEPTS_PER_TURN):
+            try:
+                sock, peer = self.listener.accept()
+            except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+                return
+            except OSError as error:
+                if error.errno not in OUT_OF_RESOURCES:
+                    raise  # asyncio's loop logs it; the reader stays
+                log.warning("%s: accepting paused %.0f s: %s", self.book.name, ACCEPT_RETRY_S, error)
+                self.loop.remove_reader(self.listener.fileno())
+                self.loop.call_later(ACCEPT_RETRY_S, self._resume)
+                return
+            sock.setblocking(False)
+            bare = BareConnection(self, sock, peer[0] if isinstance(peer, tuple) else str(peer))
+            if not self.book.admit(bare, bare.address):
+                sock.close()
+                continue
+            self.bare[bare] = None
+            self.loop.add_reader(sock.fileno(), self._read, bare)
+
+    def _resume(self) -> None:
+        if self.listener.fileno() != -1:  # not closed meanwhile
+            self.loop.add_reader(self.listener.fileno(), self._accept)
+
+    def _read(self, bare: BareConnection) -> None:
+        try:
+            data = bare.sock.recv(MAX_HEAD_BYTES)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:  # the client closed (or reset) before its head was in
+            self.drop(bare)
+            return
+        searched_from = max(0, len(bare.head) - 3)
+        bare.head += data
+        if bare.head.find(b"\r\n\r\n", searched_from) >= 0 or len(bare.head) >= MAX_HEAD_BYTES:
+            self._hand_over(bare)
+
+    def _hand_over(self, bare: BareConnection) -> None:
+        """`bare` to uvicorn's protocol, which admits it to the book again (its place just freed)."""
+        del self.bare[bare]
+        self.loop.remove_reader(bare.sock.fileno())
+        self.book.release(bare)
+        protocol = self.protocol_factory()
+        protocol.received_before = bare.head
+        task = self.loop.create_task(self._connect(bare.sock, protocol))
+        self._handing_over.add(task)
+        task.add_done_callback(self._handing_over.discard)
+
+    async def _connect(self, sock: socket.socket, protocol: GuardedConnection) -> None:
+        try:
+            await self.loop.connect_accepted_socket(lambda: protocol, sock)
+        except OSError:
+            sock.close()
+
+    def _sweep(self) -> None:
+        expired = time.monotonic() - self.book.limits.header_timeout_s
+        for bare in list(self.bare):
+            if bare.accepted_at > expired:
+                break
+            bare.close("header_timeout")
+        self._sweeping = self.loop.call_later(SWEEP_S, self._sweep)
+
+
+class GuardedServer(uvicorn.Server):
+    """uvicorn's server whose listeners accept through a `HeadFirstAcceptor` each, their kernel
+    queue kept at the config's `backlog`, and (`freeze_heap`) whose process's start-up heap is
+    kept out of every garbage collection from then on. The config's `http` is a class that
+    `guarded_protocol` made without TLS. `started` is true once all of that is done."""
+
+    _guarded = False
+
+    def __init__(self, config: uvicorn.Config, freeze_heap: bool = True) -> None:
+        protocol = config.http
+        if not (isinstance(protocol, type) and issubclass(protocol, GuardedConnection)) or protocol.tls is not None:
+            raise ValueError("GuardedServer serves a guarded_protocol class without TLS as its `http`")
+        super().__init__(config)
+        self.freeze_heap = freeze_heap
+        self.acceptors: list[HeadFirstAcceptor] = []
+
+    @property
+    def started(self) -> bool:
+        return self._started and self._guarded
+
+    @started.setter
+    def started(self, value: bool) -> None:  # set by uvicorn
+        self._started = value
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        config = self.config
+        # the protocol as uvicorn's startup makes it for the loop's accepts, which ours replace
+        protocol_factory = functools.partial(config.http_protocol_class, config=config,
+                                             server_state=self.server_state, app_state=self.lifespan.state)
+        try:
+            for server in self.servers:
+                listeners = [socket.fromfd(s.fileno(), s.family, s.type) for s in server.sockets]
+                server.close()  # the loop's accepts stop; each listening socket lives on in its copy
+                for listener in listeners:
+                    acceptor = HeadFirstAcceptor(listener, protocol_factory, config.http.book)
+                    acceptor.start()
+                    self.acceptors.append(acceptor)
+            if self.freeze_heap:
+                # What start-up built lives as long as the process (as vLLM's server does,
+                # freeze_gc_heap): a full collection walked the router's ~400,000 such objects, ~0.25 s
+                # with the loop stopped, and a stranger's connections make full collections frequent
+                # (docs/benchmarks.md). The price: start-up objects that become garbage stay.
+                gc.collect()
+                gc.freeze()
+        finally:
+            self._guarded = True
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        for acceptor in self.acceptors:
+            acceptor.close()
+        await super().shutdown(sockets)
