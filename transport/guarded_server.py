@@ -201,7 +201,8 @@ class GuardedServer(uvicorn.Server):
                                              server_state=self.server_state, app_state=self.lifespan.state)
         try:
             for server in self.servers:
-                listeners = [socket.fromfd(s.fileno(), s.family, s.type) for s in server.sockets]
+                # proto too: asyncio sets TCP_NODELAY only on sockets whose proto says TCP
+                listeners = [socket.fromfd(s.fileno(), s.family, s.type, s.proto) for s in server.sockets]
                 server.close()  # the loop's accepts stop; each listening socket lives on in its copy
                 for listener in listeners:
                     acceptor = HeadFirstAcceptor(listener, protocol_factory, config.http.book)
