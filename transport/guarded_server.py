@@ -10,7 +10,8 @@ listener's readiness from asyncio and, per turn of the loop:
 
 - accepts at most ACCEPTS_PER_TURN connections (the kernel still queues the config's `backlog`);
 - keeps each one *bare*: the socket, in the listener's `ConnectionBook` as a pending connection,
-  read into a buffer until a whole request head (headers and their blank line) is in. No
+  read into a buffer until a whole request head (headers and their blank line) is in, or answered
+  431 past MAX_HEAD_BYTES. No
   transport, protocol or task is built for a connection that never sends one: a displaced or
   timed-out one is just closed. Its header deadline counts from its accept (checked every
   SWEEP_S);
@@ -18,14 +19,16 @@ listener's readiness from asyncio and, per turn of the loop:
   parses the bytes read so far before any others.
 
 The acceptor takes over a copy of each listening socket uvicorn bound and closes the loop's own
-server, so accepting is bounded on any loop (uvloop's own accepts until its queue is empty,
-however long it refills). The listener must not be TLS (the router's is not). `freeze_heap` keeps
+server. It runs on asyncio's loop (the router's; uvloop's resumes reading after a protocol is
+made whatever the protocol asked, which the read-ahead head could upset). The listener must not
+be TLS (the router's is not). `freeze_heap` keeps
 the process's start-up heap out of every garbage collection from then on.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import functools
 import gc
@@ -45,9 +48,11 @@ ACCEPTS_PER_TURN = 16
 at most this many set-ups (4 a turn measured the same as 16: docs/benchmarks.md)."""
 SWEEP_S = 0.5
 """How often bare connections past their header deadline are closed."""
-MAX_HEAD_BYTES = 64 * 1024
-"""A bare connection that sent this much without ending its head is handed to the protocol,
-whose parser refuses or serves it as it would any other."""
+MAX_HEAD_BYTES = 16 * 1024
+"""A request head longer than this is answered 431 and closed (Node's limit; nginx's default
+buffers hold 4 x 8 KiB): what a stranger's pending connections can make the router hold."""
+TOO_LARGE = (b"HTTP/1.1 431 Request Header Fields Too Large\r\nconnection: close\r\n"
+             b"content-length: 0\r\n\r\n")
 ACCEPT_RETRY_S = 1.0
 """How long accepting pauses when the process is out of descriptors or memory (asyncio's own)."""
 OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
@@ -55,13 +60,23 @@ OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 class BareConnection:
     """An accepted socket that has not sent a whole request head: a pending connection in the
-    listener's book, with no transport or protocol."""
+    listener's book, with no transport or protocol (a `HeadReadAhead` once its head is in)."""
 
-    __slots__ = ("acceptor", "sock", "address", "accepted_at", "head")
+    __slots__ = ("acceptor", "sock", "address", "accepted_at", "head", "head_starts")
 
     def __init__(self, acceptor: HeadFirstAcceptor, sock: socket.socket, address: str) -> None:
         self.acceptor, self.sock, self.address = acceptor, sock, address
-        self.accepted_at, self.head = time.monotonic(), b""
+        self.accepted_at, self.head = time.monotonic(), bytearray()
+        self.head_starts: int | None = None
+        """Where the request line begins: blank lines before it are skipped, as HTTP parsers do."""
+
+    def head_is_in(self) -> bool:
+        if self.head_starts is None:
+            blank = len(self.head) - len(self.head.lstrip(b"\r\n"))
+            if blank == len(self.head):
+                return False
+            self.head_starts = blank
+        return self.head.find(b"\r\n\r\n", self.head_starts) >= 0
 
     def close(self, reason: str) -> None:
         """Closed by the book (displaced) or a deadline."""
@@ -138,35 +153,45 @@ class HeadFirstAcceptor:
         if not data:  # the client closed (or reset) before its head was in
             self.drop(bare)
             return
-        searched_from = max(0, len(bare.head) - 3)
         bare.head += data
-        if bare.head.find(b"\r\n\r\n", searched_from) >= 0 or len(bare.head) >= MAX_HEAD_BYTES:
+        if bare.head_is_in():
             self._hand_over(bare)
+        elif len(bare.head) >= MAX_HEAD_BYTES:
+            with contextlib.suppress(OSError):
+                bare.sock.send(TOO_LARGE)
+            bare.close("head_too_large")
 
     def _hand_over(self, bare: BareConnection) -> None:
-        """`bare` to uvicorn's protocol, which admits it to the book again (its place just freed)."""
+        """`bare` to uvicorn's protocol, which takes its place in the book once it is connected."""
         del self.bare[bare]
         self.loop.remove_reader(bare.sock.fileno())
-        self.book.release(bare)
         protocol = self.protocol_factory()
-        protocol.received_before = bare.head
-        task = self.loop.create_task(self._connect(bare.sock, protocol))
+        protocol.handed_over = bare
+        task = self.loop.create_task(self._connect(bare, protocol))
         self._handing_over.add(task)
         task.add_done_callback(self._handing_over.discard)
 
-    async def _connect(self, sock: socket.socket, protocol: GuardedConnection) -> None:
+    async def _connect(self, bare: BareConnection, protocol: GuardedConnection) -> None:
         try:
-            await self.loop.connect_accepted_socket(lambda: protocol, sock)
-        except OSError:
-            sock.close()
+            await self.loop.connect_accepted_socket(lambda: protocol, bare.sock)
+        except BaseException:
+            self.book.release(bare)
+            bare.sock.close()
+            raise
+
+    async def finish_handing_over(self) -> None:
+        """Wait until every connection being handed over is its protocol's (or closed)."""
+        await asyncio.gather(*self._handing_over, return_exceptions=True)
 
     def _sweep(self) -> None:
-        expired = time.monotonic() - self.book.limits.header_timeout_s
-        for bare in list(self.bare):
-            if bare.accepted_at > expired:
-                break
-            bare.close("header_timeout")
-        self._sweeping = self.loop.call_later(SWEEP_S, self._sweep)
+        try:
+            expired = time.monotonic() - self.book.limits.header_timeout_s
+            for bare in list(self.bare):
+                if bare.accepted_at > expired:
+                    break
+                bare.close("header_timeout")
+        finally:
+            self._sweeping = self.loop.call_later(SWEEP_S, self._sweep)
 
 
 class GuardedServer(uvicorn.Server):
@@ -179,7 +204,8 @@ class GuardedServer(uvicorn.Server):
 
     def __init__(self, config: uvicorn.Config, freeze_heap: bool = True) -> None:
         protocol = config.http
-        if not (isinstance(protocol, type) and issubclass(protocol, GuardedConnection)) or protocol.tls is not None:
+        if not (isinstance(protocol, type) and issubclass(protocol, GuardedConnection)) or protocol.tls is not None \
+                or config.ssl_certfile is not None:
             raise ValueError("GuardedServer serves a guarded_protocol class without TLS as its `http`")
         super().__init__(config)
         self.freeze_heap = freeze_heap
@@ -194,6 +220,8 @@ class GuardedServer(uvicorn.Server):
         self._started = value
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        if not isinstance(asyncio.get_running_loop(), asyncio.BaseEventLoop):
+            raise RuntimeError("GuardedServer runs on asyncio's own event loop (uvicorn's loop='asyncio')")
         await super().startup(sockets)
         config = self.config
         # the protocol as uvicorn's startup makes it for the loop's accepts, which ours replace
@@ -221,4 +249,6 @@ class GuardedServer(uvicorn.Server):
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         for acceptor in self.acceptors:
             acceptor.close()
+        # a connection still being handed over is uvicorn's before uvicorn tells each to stop
+        await asyncio.gather(*(acceptor.finish_handing_over() for acceptor in self.acceptors))
         await super().shutdown(sockets)

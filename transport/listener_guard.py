@@ -34,6 +34,7 @@ import logging
 import resource
 import ssl
 from collections.abc import Callable
+from typing import Protocol
 
 from prometheus_client import Counter, Gauge
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -151,6 +152,13 @@ class ConnectionBook:
                 del self._pending_by_address[address]
 
 
+class HeadReadAhead(Protocol):
+    """A connection booked, and its first request head read, before its protocol was made."""
+
+    address: str
+    head: bytearray
+
+
 class GuardedConnection(HttpToolsProtocol):
     """uvicorn's httptools protocol under a `ConnectionBook` and deadlines (the class that
     `guarded_protocol` makes binds `book`, `tls` and `proves`)."""
@@ -159,15 +167,26 @@ class GuardedConnection(HttpToolsProtocol):
     tls: ssl.SSLContext | None = None
     proves: Callable[[list[tuple[bytes, bytes]]], bool] = staticmethod(lambda headers: True)
     """Whether a request's headers prove the connection is a client's (an engine: its token)."""
-    received_before: bytes = b""
-    """What the client sent before this protocol was made (transport/guarded_server.py reads a
-    request head on the bare socket): parsed as soon as the connection is made."""
+    handed_over: HeadReadAhead | None = None
+    """The connection as it was booked before this protocol was made (transport/guarded_server.py
+    reads a request head on the bare socket): this protocol takes its place in the book and parses
+    its head as soon as the connection is made."""
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._deadline: asyncio.TimerHandle | None = None
         self._raw, self._early = transport, []
-        peer = transport.get_extra_info("peername")
-        if not self.book.admit(self, peer[0] if isinstance(peer, tuple) else str(peer)):
+        handed_over, self.handed_over = self.handed_over, None
+        if handed_over is not None:
+            if handed_over not in self.book.open:  # displaced while it was being handed over
+                self._admitted = False
+                transport.abort()
+                return
+            self.book.release(handed_over)  # its place, taken at once below
+            address = handed_over.address
+        else:
+            peer = transport.get_extra_info("peername")
+            address = peer[0] if isinstance(peer, tuple) else str(peer)
+        if not self.book.admit(self, address):
             self._admitted = False
             transport.abort()
             return
@@ -175,8 +194,8 @@ class GuardedConnection(HttpToolsProtocol):
         self._limit(self.book.limits.header_timeout_s, "header_timeout")
         if self.tls is None:
             super().connection_made(transport)
-            if self.received_before:
-                self.data_received(self.received_before)
+            if handed_over is not None:
+                self.data_received(bytes(handed_over.head))
         else:
             self._handshake = self.loop.create_task(self._secure(transport, self._start_tls_now(transport)))
 
