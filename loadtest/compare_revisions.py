@@ -13,6 +13,9 @@ Benchmarks (each prints and writes its own JSON, read back here):
   routing - `loadtest.routing_decision`: hashing, index match and scoring of an 8k-token prompt;
   pd     - `loadtest.pd_bench` (one run of 24 requests per topology, tiny model): TTFT, TPOT and
            throughput of colocated and P/D serving;
+  idle_flood - `loadtest.router_overhead --idle-flood 20000` (one run, tiny model): a tenant's TTFT
+           through the router while a stranger holds 20,000 half-sent connections at it, as
+           ratios to the quiet phase of the same run;
   routing_live, routing_live_pd - `loadtest.routing_live` (the multi-tenant agent workload, 5
            seeds, two colocated instances / P/D 1+1): TTFT p50/p90/p99, wall time and cached share
            of round robin and kv_aware. This tree's load generator against each tree's server
@@ -45,6 +48,9 @@ BENCHES = {
     "pd": (["-m", "loadtest.pd_bench", "--runs", "1", "--requests", "24"],
            lambda r: {f"{name}: {col}": v for name, row in r["medians"].items() for col, v in row.items()
                       if col in ("TTFT p50 ms", "TPOT p50 ms", "req/s")}),
+    "idle_flood": (["-m", "loadtest.router_overhead", "--idle-flood", "20000", "--runs", "1", "--rounds", "200"],
+                   lambda r: {f"flood/quiet {metric}": r["idle_flood"]["ratio"][metric]
+                              for metric in ("median_ms", "p90_ms", "p99_ms", "health_max_ms")}),
     "routing_live": (["-m", "loadtest.routing_live", "--seeds", "5"], lambda r: _routing(r)),
     "routing_live_pd": (["-m", "loadtest.routing_live", "--seeds", "5", "--topology", "pd"], lambda r: _routing(r)),
 }
