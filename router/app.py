@@ -146,8 +146,9 @@ def build_app(
 
 def router_server(app: FastAPI, freeze_heap: bool = True, **uvicorn_settings) -> uvicorn.Server:
     """uvicorn's server for the router's `app` (host and port from its RouterConfig) under its
-    guarded listener (transport/listener_guard.py): accepts bounded per turn of the loop,
-    connections capped in all and per
+    guarded listener (transport/guarded_server.py, transport/listener_guard.py): accepts bounded
+    per turn of the loop, a connection bare until its request head is in, connections capped in
+    all and per
     client address, deadlines for headers and bodies; a connection counts as proven, and is
     never displaced by a newcomer, once a request on it carries a tenant's API key or the admin
     token (any request, with no API keys configured). uvicorn's logs go to the process's own
@@ -171,8 +172,8 @@ def router_server(app: FastAPI, freeze_heap: bool = True, **uvicorn_settings) ->
     limits = ListenerLimits(max_connections=config.max_connections, max_per_address=config.max_connections_per_address,
                             max_pending=config.max_pending_connections,
                             header_timeout_s=config.header_timeout_s, body_timeout_s=config.body_timeout_s)
-    # asyncio's loop where uvicorn makes one (`run()`): the one GuardedServer's accept path is
-    # measured on. `freeze_heap`: off where the router shares a process (tests).
+    # asyncio's loop where uvicorn makes one (`run()`): GuardedServer runs on no other.
+    # `freeze_heap`: off where the router shares a process (tests).
     settings = {"log_level": "warning", "log_config": None, "loop": "asyncio", **uvicorn_settings}
     return GuardedServer(uvicorn.Config(app, host=config.host, port=config.port,
                                         http=guarded_protocol("router", limits, proves=proves), **settings),

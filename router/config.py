@@ -106,7 +106,8 @@ class RouterConfig(BaseModel):
     shares)."""
     max_pending_connections: int = Field(1024, ge=1)
     """Connections held at once that have not yet sent an authorized request; past it a new one
-    takes the place of the oldest of them. Each costs the router's collector ~30 objects to walk
+    takes the place of the oldest of them. Each holds up to 16 KiB of its request head while bare,
+    and ~30 objects for the collector to walk once it has a protocol
     (transport/listener_guard.py ListenerLimits.max_pending)."""
     header_timeout_s: float = Field(10.0, gt=0)
     """Longest a client may take to send a request's headers (from its first byte, or the

@@ -50,7 +50,8 @@ SWEEP_S = 0.5
 """How often bare connections past their header deadline are closed."""
 MAX_HEAD_BYTES = 16 * 1024
 """A request head longer than this is answered 431 and closed (Node's limit; nginx's default
-buffers hold 4 x 8 KiB): what a stranger's pending connections can make the router hold."""
+buffers hold 4 x 8 KiB): what a stranger's pending connections can make the router hold. (A
+client that sent more than was read may see a reset rather than the 431.)"""
 TOO_LARGE = (b"HTTP/1.1 431 Request Header Fields Too Large\r\nconnection: close\r\n"
              b"content-length: 0\r\n\r\n")
 ACCEPT_RETRY_S = 1.0
@@ -62,21 +63,26 @@ class BareConnection:
     """An accepted socket that has not sent a whole request head: a pending connection in the
     listener's book, with no transport or protocol (a `HeadReadAhead` once its head is in)."""
 
-    __slots__ = ("acceptor", "sock", "address", "accepted_at", "head", "head_starts")
+    __slots__ = ("acceptor", "sock", "address", "accepted_at", "head", "head_starts", "transported")
 
     def __init__(self, acceptor: HeadFirstAcceptor, sock: socket.socket, address: str) -> None:
         self.acceptor, self.sock, self.address = acceptor, sock, address
         self.accepted_at, self.head = time.monotonic(), bytearray()
         self.head_starts: int | None = None
         """Where the request line begins: blank lines before it are skipped, as HTTP parsers do."""
+        self.transported = False
+        """Whether an asyncio transport owns the socket (it closes it from then on)."""
 
-    def head_is_in(self) -> bool:
+    def head_is_in(self, new_bytes: int) -> bool:
+        """Whether the head's blank line is among the bytes read (the last `new_bytes` of them
+        new). A bare-LF ending counts too: the parser refuses it at once."""
         if self.head_starts is None:
             blank = len(self.head) - len(self.head.lstrip(b"\r\n"))
             if blank == len(self.head):
                 return False
             self.head_starts = blank
-        return self.head.find(b"\r\n\r\n", self.head_starts) >= 0
+        start = max(self.head_starts, len(self.head) - new_bytes - 3)
+        return self.head.find(b"\r\n\r\n", start) >= 0 or self.head.find(b"\n\n", start) >= 0
 
     def close(self, reason: str) -> None:
         """Closed by the book (displaced) or a deadline."""
@@ -145,7 +151,7 @@ class HeadFirstAcceptor:
 
     def _read(self, bare: BareConnection) -> None:
         try:
-            data = bare.sock.recv(MAX_HEAD_BYTES)
+            data = bare.sock.recv(MAX_HEAD_BYTES - len(bare.head))  # the rest is the transport's
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
@@ -154,7 +160,7 @@ class HeadFirstAcceptor:
             self.drop(bare)
             return
         bare.head += data
-        if bare.head_is_in():
+        if bare.head_is_in(len(data)):
             self._hand_over(bare)
         elif len(bare.head) >= MAX_HEAD_BYTES:
             with contextlib.suppress(OSError):
@@ -165,19 +171,26 @@ class HeadFirstAcceptor:
         """`bare` to uvicorn's protocol, which takes its place in the book once it is connected."""
         del self.bare[bare]
         self.loop.remove_reader(bare.sock.fileno())
+        task = self.loop.create_task(self._connect(bare))
+        self._handing_over.add(task)
+        task.add_done_callback(functools.partial(self._handed_over, bare))
+
+    async def _connect(self, bare: BareConnection) -> None:
         protocol = self.protocol_factory()
         protocol.handed_over = bare
-        task = self.loop.create_task(self._connect(bare, protocol))
-        self._handing_over.add(task)
-        task.add_done_callback(self._handing_over.discard)
+        # asyncio makes the transport before its first wait: from here on a failure or a
+        # cancellation closes the transport, and the socket with it
+        bare.transported = True
+        await self.loop.connect_accepted_socket(lambda: protocol, bare.sock)
 
-    async def _connect(self, bare: BareConnection, protocol: GuardedConnection) -> None:
-        try:
-            await self.loop.connect_accepted_socket(lambda: protocol, bare.sock)
-        except BaseException:
-            self.book.release(bare)
-            bare.sock.close()
-            raise
+    def _handed_over(self, bare: BareConnection, task: asyncio.Task) -> None:
+        self._handing_over.discard(task)
+        if task.cancelled() or task.exception() is not None:
+            self.book.release(bare)  # a no-op where the protocol took its place
+            if not bare.transported:
+                bare.sock.close()
+            if not task.cancelled():
+                log.warning("%s: a connection not handed over: %r", self.book.name, task.exception())
 
     async def finish_handing_over(self) -> None:
         """Wait until every connection being handed over is its protocol's (or closed)."""
@@ -205,8 +218,9 @@ class GuardedServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, freeze_heap: bool = True) -> None:
         protocol = config.http
         if not (isinstance(protocol, type) and issubclass(protocol, GuardedConnection)) or protocol.tls is not None \
-                or config.ssl_certfile is not None:
-            raise ValueError("GuardedServer serves a guarded_protocol class without TLS as its `http`")
+                or config.ssl_certfile is not None or config.uds is not None or config.fd is not None:
+            raise ValueError("GuardedServer serves a guarded_protocol class without TLS as its `http`, on a host "
+                             "and port")
         super().__init__(config)
         self.freeze_heap = freeze_heap
         self.acceptors: list[HeadFirstAcceptor] = []

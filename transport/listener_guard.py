@@ -58,8 +58,9 @@ class ListenerLimits:
     max_per_address: int = 1024
     """From one client address (raise it behind a balancer whose address every client shares)."""
     max_pending: int = 1024
-    """Connections that have proven nothing yet. Each costs ~30 objects that every full garbage
-    collection walks with the loop stopped: 16,384 idle ones made those walks 0.3-1 s."""
+    """Connections that have proven nothing yet. Each with a protocol costs ~30 objects that every
+    full garbage collection walks with the loop stopped: 16,384 idle ones made those walks 0.3-1 s
+    (the router's keep none until their request head is in: transport/guarded_server.py)."""
     header_timeout_s: float = 10.0
     """From a request's first byte (or the connection's accept) to its last header."""
     body_timeout_s: float = 60.0
