@@ -176,9 +176,11 @@ async def streams_on_victim(server: LocalServer, live: list[RequestResult], coun
     while time.monotonic() < deadline:
         try:
             instances = await asyncio.to_thread(server.instances)
-            running = await asyncio.to_thread(engine_running, server, victim_id) if victim_id else None
         except httpx.TimeoutException:  # a router busy relaying the burst answers late: ask again
             continue
+        running = None
+        if victim_id and (running := await asyncio.to_thread(engine_running, server, victim_id)) is None:
+            continue  # not known now: ask again
         relayed = {s["id"] for i in instances if victim_id in (None, i["instance_id"]) for s in i["streams"]}
         streaming = open_streams(live)
         hit = [r for r in streaming if r.response_id in relayed]
@@ -193,10 +195,19 @@ async def streams_on_victim(server: LocalServer, live: list[RequestResult], coun
                      "and nothing else")
 
 
-def engine_running(server: LocalServer, instance_id: str) -> int:
-    """Requests the engine is generating now (its vLLM metrics, relayed by the router)."""
-    running = scrape(f"{server.url}/admin/engines/{instance_id}", ("vllm:num_requests_running",), timeout_s=10,
-                     headers=server.credentials.admin_headers())
+def engine_running(server: LocalServer, instance_id: str) -> int | None:
+    """Requests the engine is generating now (its vLLM metrics, relayed by the router); None when
+    that is not known now: the router answered late, or the busy engine did not answer its relay
+    in time (502; CI session 22)."""
+    try:
+        running = scrape(f"{server.url}/admin/engines/{instance_id}", ("vllm:num_requests_running",),
+                         timeout_s=10, headers=server.credentials.admin_headers())
+    except httpx.TimeoutException:
+        return None
+    except httpx.HTTPStatusError as error:
+        if error.response.status_code != 502:
+            raise
+        return None
     return int(sum(running.values()))
 
 

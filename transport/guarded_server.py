@@ -39,7 +39,7 @@ from collections.abc import Callable
 
 import uvicorn
 
-from transport.listener_guard import CLOSED, ConnectionBook, GuardedConnection
+from transport.listener_guard import CLOSED, ConnectionBook, GuardedConnection, client_address
 
 log = logging.getLogger(__name__)
 
@@ -119,10 +119,14 @@ class HeadFirstAcceptor:
 
     def drop(self, bare: BareConnection) -> None:
         if bare in self.bare:
-            del self.bare[bare]
-            self.loop.remove_reader(bare.sock.fileno())
+            self._unwatch(bare)
             self.book.release(bare)
             bare.sock.close()
+
+    def _unwatch(self, bare: BareConnection) -> None:
+        """`bare` no longer read nor timed here."""
+        del self.bare[bare]
+        self.loop.remove_reader(bare.sock.fileno())
 
     def _accept(self) -> None:
         for _ in range(ACCEPTS_PER_TURN):
@@ -138,7 +142,7 @@ class HeadFirstAcceptor:
                 self.loop.call_later(ACCEPT_RETRY_S, self._resume)
                 return
             sock.setblocking(False)
-            bare = BareConnection(self, sock, peer[0] if isinstance(peer, tuple) else str(peer))
+            bare = BareConnection(self, sock, client_address(peer))
             if not self.book.admit(bare, bare.address):
                 sock.close()
                 continue
@@ -169,8 +173,7 @@ class HeadFirstAcceptor:
 
     def _hand_over(self, bare: BareConnection) -> None:
         """`bare` to uvicorn's protocol, which takes its place in the book once it is connected."""
-        del self.bare[bare]
-        self.loop.remove_reader(bare.sock.fileno())
+        self._unwatch(bare)
         task = self.loop.create_task(self._connect(bare))
         self._handing_over.add(task)
         task.add_done_callback(functools.partial(self._handed_over, bare))

@@ -153,6 +153,11 @@ class ConnectionBook:
                 del self._pending_by_address[address]
 
 
+def client_address(peer: object) -> str:
+    """The client's address, as a book counts connections by it, from a socket's peer name."""
+    return peer[0] if isinstance(peer, tuple) else str(peer)
+
+
 class HeadReadAhead(Protocol):
     """A connection booked, and its first request head read, before its protocol was made."""
 
@@ -185,8 +190,7 @@ class GuardedConnection(HttpToolsProtocol):
             self.book.release(handed_over)  # its place, taken at once below
             address = handed_over.address
         else:
-            peer = transport.get_extra_info("peername")
-            address = peer[0] if isinstance(peer, tuple) else str(peer)
+            address = client_address(transport.get_extra_info("peername"))
         if not self.book.admit(self, address):
             self._admitted = False
             transport.abort()
