@@ -42,7 +42,7 @@ from loadtest.sse_client import RequestResult
 from loadtest.step_model import Handover, Step, StepModel
 from prefill.role import PREFILL
 from router.kv_index import KVIndex
-from router.placement import PlacementSettings, Placer
+from router.placement import DEFAULT_REMOTE_PREFILL_MIN_TOKENS, PlacementSettings, Placer
 from router.policies import PolicyContext, RoutingRequest, make_policy
 
 
@@ -204,7 +204,7 @@ class Simulation:
     """A clock, its events, the engines of one topology and the router's placement."""
 
     def __init__(self, topology: Topology, model: StepModel, handover: Handover, pd_model: StepModel | None = None,
-                 policy: str = "kv_aware", hop_s: float = 0.002, remote_prefill_min_tokens: int = 256) -> None:
+                 policy: str = "kv_aware", hop_s: float = 0.002, remote_prefill_min_tokens: int = DEFAULT_REMOTE_PREFILL_MIN_TOKENS) -> None:
         """`model` steps colocated engines, `pd_model` (default: `model`) prefill and decode ones
         (ours run P/D engines with other vLLM settings: engine/role_spec.py)."""
         self.now, self.events, self.counter = 0.0, [], itertools.count()

@@ -60,9 +60,13 @@ _PREFILLED_WHERE = {PlacementReason.COLOCATED: None, PlacementReason.SHORT: "loc
                     PlacementReason.REMOTE: "remote"}
 
 
-DEFAULT_REMOTE_PREFILL_MIN_TOKENS = 256
+DEFAULT_REMOTE_PREFILL_MIN_TOKENS = 1024
 """Below this many uncached prompt tokens a decode instance prefills itself (RouterConfig,
-`pdcluster serve --remote-prefill-min-tokens` and the simulator take it from here)."""
+`pdcluster serve --remote-prefill-min-tokens` and the simulators take it from here). Dynamo's
+disaggregated router decides the same way, remote only past `max_local_prefill_length` (1000)
+uncached tokens. At 256 an agent's next turn (its prefix held by the decode instance, ~300 new
+tokens) went through the prefill hop, and kv_aware's knowledge of the cache bought nothing in P/D
+(docs/routing.md, issue #32)."""
 
 
 @dataclasses.dataclass(frozen=True)
