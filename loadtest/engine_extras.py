@@ -59,9 +59,9 @@ def cpu_seconds_between(before: dict[int, float], after: dict[int, float]) -> fl
 
 
 def one_variant(model: str, logits_processor: bool, kv_events: bool | str, batch: int, tokens: int,
-                eager: bool) -> dict[str, float]:
-    """Output tokens per second and per CPU second of one engine (run in a child process:
-    `python -m ... --child`)."""
+                eager: bool, repeats: int) -> dict[str, float]:
+    """Output tokens per second and per CPU second of one engine, medians of `repeats` timed
+    batches (run in a child process: `python -m ... --child`)."""
     import time
 
     from vllm import LLM, SamplingParams
@@ -87,16 +87,22 @@ def one_variant(model: str, logits_processor: bool, kv_events: bool | str, batch
     prompts = [f"Request {k}: tell a long story about the river and the mountain." for k in range(batch)]
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)  # warm-up
-    cpu_before, started = cpu_seconds_by_process(), time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    seconds, cpu_seconds = time.perf_counter() - started, cpu_seconds_between(cpu_before, cpu_seconds_by_process())
-    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
-    return {"tokens_per_s": generated / seconds, "tokens_per_cpu_s": generated / cpu_seconds}
+    measured: dict[str, list[float]] = {metric: [] for metric in METRICS}
+    for _ in range(repeats):
+        cpu_before, started = cpu_seconds_by_process(), time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        seconds, cpu_seconds = time.perf_counter() - started, cpu_seconds_between(cpu_before, cpu_seconds_by_process())
+        generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+        measured["tokens_per_s"].append(generated / seconds)
+        measured["tokens_per_cpu_s"].append(generated / cpu_seconds)
+    return {**{metric: statistics.median(values) for metric, values in measured.items()},
+            "tokens_per_s_each": measured["tokens_per_s"]}
 
 
 def run_child(variant: str, args: argparse.Namespace) -> dict[str, float]:
     command = [sys.executable, "-m", "loadtest.engine_extras", "--child", variant, "--model", args.model,
-               "--batch", str(args.batch), "--tokens", str(args.tokens), *(["--no-eager"] if args.no_eager else [])]
+               "--batch", str(args.batch), "--tokens", str(args.tokens), "--repeats", str(args.repeats),
+               *(["--no-eager"] if args.no_eager else [])]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=1200)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
@@ -114,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="timed batches per engine start, their median kept (throughput on the H200 "
+                             "varies more from one start to the next than within one)")
     parser.add_argument("--no-eager", action="store_true", help="compile and capture graphs (GPUs)")
     parser.add_argument("--variants", nargs="+", choices=tuple(VARIANTS), default=list(VARIANTS),
                         help="which to run (plain first: the ratios are to it)")
@@ -126,16 +135,19 @@ def main(argv: list[str] | None = None) -> int:
         args.model = str(ensure_model("tiny"))
     if args.child:
         processor, events = VARIANTS[args.child]
-        print(json.dumps(one_variant(args.model, processor, events, args.batch, args.tokens, not args.no_eager)))
+        print(json.dumps(one_variant(args.model, processor, events, args.batch, args.tokens, not args.no_eager,
+                                            args.repeats)))
         return 0
     if args.variants[0] != "plain":
         parser.error("--variants begins with plain (the ratios are to it)")
     samples: dict[str, dict[str, list[float]]] = {m: {v: [] for v in args.variants} for m in METRICS}
+    each_start: dict[str, list[list[float]]] = {v: [] for v in args.variants}  # tokens/s of every repeat
     for run in range(args.runs):
         for variant in args.variants:
             measured = run_child(variant, args)
             for metric in METRICS:
                 samples[metric][variant].append(measured[metric])
+            each_start[variant].append(measured["tokens_per_s_each"])
             print(f"run {run + 1}/{args.runs} {variant}: {measured['tokens_per_s']:.1f} tokens/s, "
                   f"{measured['tokens_per_cpu_s']:.1f} tokens/CPU s", flush=True)
     medians = {m: {v: statistics.median(s) for v, s in by_variant.items()} for m, by_variant in samples.items()}
@@ -150,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
                       " ".join(f"{s:.0f}" for s in samples["tokens_per_cpu_s"][variant]))
     Console(width=140).print(table)
     data = {"model": args.model, "batch": args.batch, "tokens": args.tokens, "eager": not args.no_eager,
-            "medians": medians, "ratios": ratios, "runs": samples}
+            "repeats": args.repeats, "cpus": sorted(os.sched_getaffinity(0)),
+            "medians": medians, "ratios": ratios, "runs": samples, "repeats_by_start": each_start}
     write_results(args.out, data, lambda png: plot(data, png))
     return 0
 

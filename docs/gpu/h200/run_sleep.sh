@@ -56,6 +56,6 @@ meta = Path(sys.argv[1]) / 'pdcluster_plugins-0.dist-info'; meta.mkdir(parents=T
 (meta / 'entry_points.txt').write_text(''.join(f'[{group}]\n' + ''.join(f'{k} = {v}\n' for k, v in names.items()) for group, names in points.items()))" /tmp/pdc-meta
           export PYTHONPATH=$PYTHONPATH:/tmp/pdc-meta
           python3 -m loadtest.engine_extras --model /tmp/models/llama1b-tied --no-eager --variants plain logits_processor kv_events \
-            --runs "${RUNS:-3}" --batch "${BATCH:-32}" --tokens 256 --out "${OUT:-/tmp}/engine_extras-m1b.json" ;;
+            --runs "${RUNS:-3}" --repeats "${REPEATS:-1}" --batch "${BATCH:-32}" --tokens 256 --out "${OUT:-/tmp}/engine_extras-m1b.json" ;;
   *) echo "usage: $0 test|cold1b|cold8b|fresh1b|fresh8b|swap1b|swap8b|graphs8b|extras1b" >&2; exit 2 ;;
 esac
