@@ -19,6 +19,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
+from engine.environment import is_cpu_build
+from engine.quantization import QUANTIZATION_CONFIG, online_refusal
 from engine.role_spec import Role
 
 _ROUTER_AGREES = "the router and the store hash prompts as the engines do: "
@@ -164,6 +166,10 @@ def _refusal(parser: argparse.ArgumentParser, defaults: dict, model: str, args: 
     owned = sorted(changed & OWNED_FLAGS.keys())
     if owned:
         return f"{shlex.join(args)}: --{owned[0]} is the cluster's to set ({OWNED_FLAGS[owned[0]]})"
+    online = ([parsed.quantization] if "quantization" in changed else []) + \
+        ([QUANTIZATION_CONFIG] if QUANTIZATION_CONFIG.removeprefix("--") in changed else [])
+    if refusal := online_refusal(online, is_cpu_build()):
+        return f"{shlex.join(args)}: {refusal}"
     return None
 
 

@@ -154,7 +154,7 @@ def build_tiny_tied(target: Path, seed: int = 0) -> None:
     _random_llama(target, seed, layers=4, hidden=256, intermediate=512, heads=4, kv_heads=2, tied=True)
 
 
-def _compressed_tensors_config(kind: str, fmt: str) -> dict:
+def _compressed_tensors_config(kind: str, checkpoint_format: str) -> dict:
     """What llm-compressor writes for its `W8A8` (kind "int") and `FP8_DYNAMIC` (kind "float")
     presets: symmetric per-output-channel weights with one scale each, activations quantized per
     token at run time; the output head and the embeddings stay bf16."""
@@ -165,7 +165,7 @@ def _compressed_tensors_config(kind: str, fmt: str) -> dict:
 
     return {
         "quant_method": "compressed-tensors",
-        "format": fmt,
+        "format": checkpoint_format,
         "quantization_status": "compressed",
         "config_groups": {"group_0": {"targets": ["Linear"], "weights": scheme("channel", False, "minmax"),
                                       "input_activations": scheme("token", True, None),
@@ -178,20 +178,20 @@ def _compressed_tensors_config(kind: str, fmt: str) -> dict:
 W8A8_QUANTIZATION_CONFIG = _compressed_tensors_config("int", "int-quantized")
 FP8_DYNAMIC_QUANTIZATION_CONFIG = _compressed_tensors_config("float", "float-quantized")
 _LINEAR_SUFFIXES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-_FP8_E4M3_MAX = 448.0
 
 
 def _quantize_linears(target: Path, fp8: bool) -> None:
     """Quantize every linear layer's weight of the checkpoint in `target` in place, written by hand
     (no quantizer): rounded to int8, or cast to FP8 E4M3, with one bf16 scale per output row
     (`weight_scale`, [rows, 1], max |w| over the format's largest value); the compressed-tensors
-    configuration that says so goes into config.json."""
+    configuration that says so goes into config.json, a sharded checkpoint's index names the scales."""
     import torch
     from safetensors.torch import load_file, save_file
 
-    largest = _FP8_E4M3_MAX if fp8 else 127.0
+    largest = torch.finfo(torch.float8_e4m3fn).max if fp8 else 127.0
     index_path = target / "model.safetensors.index.json"
     index = json.loads(index_path.read_text()) if index_path.exists() else None
+    total_bytes = 0
     for weights_file in sorted(target.glob("*.safetensors")):
         quantized = {}
         for name, tensor in load_file(weights_file).items():
@@ -203,10 +203,16 @@ def _quantize_linears(target: Path, fp8: bool) -> None:
             scaled = (weight / scale.float()).clamp(-largest, largest)
             quantized[name] = scaled.to(torch.float8_e4m3fn) if fp8 else scaled.round().to(torch.int8)
             quantized[name.removesuffix("weight") + "weight_scale"] = scale
-            if index is not None:
-                index["weight_map"][name.removesuffix("weight") + "weight_scale"] = weights_file.name
-        save_file(quantized, weights_file, metadata={"format": "pt"})
+        total_bytes += sum(t.numel() * t.element_size() for t in quantized.values())
+        if index is not None:
+            index["weight_map"].update(dict.fromkeys(quantized, weights_file.name))
+        # Written beside and renamed over: the tensors read are mapped from the file being replaced.
+        written = weights_file.with_suffix(".partial")
+        save_file(quantized, written, metadata={"format": "pt"})
+        del quantized
+        os.replace(written, weights_file)
     if index is not None:
+        index["metadata"] = {**index.get("metadata", {}), "total_size": total_bytes}
         index_path.write_text(json.dumps(index, indent=2) + "\n")
     config = json.loads((target / "config.json").read_text())
     config["quantization_config"] = FP8_DYNAMIC_QUANTIZATION_CONFIG if fp8 else W8A8_QUANTIZATION_CONFIG

@@ -3,8 +3,10 @@ them needs.
 
 Engines start with dummy weights and are given theirs by vLLM's in-place reload, which quantizes
 and repacks each layer again: a format is served only where that was checked against plain vLLM
-on the same checkpoint (`RELOAD_VERIFIED`, tests/conformance/test_conformance_quantized.py);
-any other is refused when the engine's configuration is made, never served unchecked.
+on the same checkpoint (`RELOAD_VERIFIED`, tests/conformance/test_conformance_quantized.py), and
+vLLM's online quantization of an unquantized checkpoint (`--quantization`) only by the methods
+checked so (`ONLINE_VERIFIED`); any other is refused when the engine's configuration is made (and
+again on vLLM's parsed arguments, engine/engine_args.py), never served unchecked.
 
 An int8 W8A8 layer (compressed-tensors W8A8, served by vLLM's `CPUInt8ScaledMMLinearKernel`) is
 processed, where the CPU has no AMX, into a oneDNN handle that keeps a copy of the packed weight
@@ -78,26 +80,48 @@ def checkpoint_format(model: Path) -> str | None:
     return f"{method}/{config['format']}" if config.get("format") else method
 
 
+QUANTIZATION_CONFIG = "--quantization-config"
+"""vLLM's per-layer online quantization (newer vLLMs): named as a method of its own, verified nowhere."""
+
+
 def online_methods(engine_args: tuple[str, ...]) -> list[str]:
-    """The methods that `--quantization`/`-q` name in `engine_args` (either spelling of the value)."""
+    """The online quantization `engine_args` ask for: each method `--quantization` / `-q` names
+    ("--quantization fp8", "--quantization=fp8", "-q fp8", "-q=fp8", "-qfp8"), and
+    QUANTIZATION_CONFIG for `--quantization-config` in any form. Abbreviations ("--quant fp8")
+    are judged on vLLM's parsed values instead (engine/engine_args.py)."""
     methods = []
     for k, arg in enumerate(engine_args):
         flag, equals, value = arg.partition("=")
-        if flag in ("--quantization", "-q"):
+        flag = flag.replace("_", "-")
+        if flag.startswith(QUANTIZATION_CONFIG):
+            methods.append(QUANTIZATION_CONFIG)
+        elif flag in ("--quantization", "-q"):
             methods.append(value if equals else (engine_args[k + 1] if k + 1 < len(engine_args) else ""))
+        elif flag.startswith("-q") and not flag.startswith("--"):
+            methods.append(arg[2:])
     return methods
+
+
+def online_refusal(methods: list[str], cpu_build: bool) -> str | None:
+    """Why the first of `methods` (online quantization) may not be served on this build, or None."""
+    unchecked = [method for method in methods if method not in ONLINE_VERIFIED[cpu_build]]
+    if not unchecked:
+        return None
+    where = "the CPU build" if cpu_build else "CUDA"
+    checked, formats = (", ".join(sorted(v[cpu_build])) for v in (ONLINE_VERIFIED, RELOAD_VERIFIED))
+    offline = f"quantize the checkpoint offline (verified formats there: {formats})" if formats else \
+        "serve an unquantized checkpoint (no quantized format is verified there yet)"
+    shown = unchecked[0] if unchecked[0] == QUANTIZATION_CONFIG else f"--quantization={unchecked[0]}"
+    return (f"online quantization {shown} is not verified to reload in place on {where} "
+            f"(verified there: {checked or 'none'}); {offline}")
 
 
 def check_served_right(model: Path, engine_args: tuple[str, ...], cpu_build: bool) -> None:
     """Raise ValueError, naming what is verified, for a quantized checkpoint of a format, or an
     online quantization (`--quantization`), whose in-place reload was not checked on this build."""
+    if refusal := online_refusal(online_methods(engine_args), cpu_build):
+        raise ValueError(refusal)
     where = "the CPU build" if cpu_build else "CUDA"
-    unchecked = [method for method in online_methods(engine_args) if method not in ONLINE_VERIFIED[cpu_build]]
-    if unchecked:
-        checked = ", ".join(sorted(ONLINE_VERIFIED[cpu_build])) or "none"
-        raise ValueError(f"online quantization --quantization={unchecked[0]} is not verified to reload in place "
-                         f"on {where} (verified there: {checked}); quantize the checkpoint offline (verified "
-                         f"formats: {', '.join(sorted(RELOAD_VERIFIED[cpu_build])) or 'none yet'})")
     found = checkpoint_format(model)
     verified = RELOAD_VERIFIED[cpu_build]
     if found is not None and found not in verified:

@@ -2,11 +2,12 @@
 logits processor (engine/grammar_continuation.py, for migrated structured streams) and our KV
 event publisher (engine/kv_event_publisher.py), against vLLM's own engine on the same checkpoint.
 
-    python -m loadtest.engine_extras [--model tiny] [--runs 5] [--batch 32] [--tokens 128]
+    python -m loadtest.engine_extras [--model tiny] [--runs 5] [--repeats 1] [--batch 32] [--tokens 128]
 
 Each run builds vLLM's offline engine (`LLM`) in a process of its own, once per variant (plain,
 logits processor, KV events, both), variants alternated within a run so drift hits them alike,
-and times greedy decoding of `--batch` prompts of `--tokens` output tokens each after a warm-up:
+and times greedy decoding of `--batch` prompts of `--tokens` output tokens each after a warm-up
+(`--repeats` times, the median kept):
 decode throughput (output tokens per second of wall time), and output tokens per CPU second of
 the engine's processes (its own and vLLM's engine core, user and system time). On the CPU build
 the second tracks the first (vLLM's OpenMP threads spin while they wait), so neither resolves a
@@ -59,7 +60,7 @@ def cpu_seconds_between(before: dict[int, float], after: dict[int, float]) -> fl
 
 
 def one_variant(model: str, logits_processor: bool, kv_events: bool | str, batch: int, tokens: int,
-                eager: bool, repeats: int) -> dict[str, float]:
+                eager: bool, repeats: int) -> dict[str, float | list[float]]:
     """Output tokens per second and per CPU second of one engine, medians of `repeats` timed
     batches (run in a child process: `python -m ... --child`)."""
     import time
@@ -99,7 +100,7 @@ def one_variant(model: str, logits_processor: bool, kv_events: bool | str, batch
             "tokens_per_s_each": measured["tokens_per_s"]}
 
 
-def run_child(variant: str, args: argparse.Namespace) -> dict[str, float]:
+def run_child(variant: str, args: argparse.Namespace) -> dict[str, float | list[float]]:
     command = [sys.executable, "-m", "loadtest.engine_extras", "--child", variant, "--model", args.model,
                "--batch", str(args.batch), "--tokens", str(args.tokens), "--repeats", str(args.repeats),
                *(["--no-eager"] if args.no_eager else [])]
@@ -136,8 +137,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         processor, events = VARIANTS[args.child]
         print(json.dumps(one_variant(args.model, processor, events, args.batch, args.tokens, not args.no_eager,
-                                            args.repeats)))
+                                     args.repeats)))
         return 0
+    if args.repeats < 1:
+        parser.error("--repeats is at least 1")
     if args.variants[0] != "plain":
         parser.error("--variants begins with plain (the ratios are to it)")
     samples: dict[str, dict[str, list[float]]] = {m: {v: [] for v in args.variants} for m in METRICS}

@@ -37,11 +37,12 @@ from loadtest.workloads import RandomLengths
 def topologies(input_tokens: int) -> dict[str, list[str]]:
     """Two engines in each. The last one prefills on the decode instance whenever the prefill
     instance already has more than one average prompt queued."""
-    store = ["--prefill", "1", "--decode", "1", "--kv-transfer", "store"]
+    every_prompt_remote = ["--prefill", "1", "--decode", "1", "--remote-prefill-min-tokens", "0"]
+    store = [*every_prompt_remote, "--kv-transfer", "store"]
     return {
         "colocated x2": ["--instances", "2"],
         "P/D 1+1, KV via store": store,
-        "P/D 1+1, KV direct (NIXL)": ["--prefill", "1", "--decode", "1", "--kv-transfer", "direct"],
+        "P/D 1+1, KV direct (NIXL)": [*every_prompt_remote, "--kv-transfer", "direct"],
         "P/D 1+1, store, local when busy": [*store, "--remote-prefill-max-queued-tokens", str(input_tokens)],
     }
 

@@ -51,6 +51,9 @@ from router.metrics import percentile
 from security.credentials import SECRET_ENV, ClusterCredentials
 
 HOST = "127.0.0.1"
+REMOTE_PREFILL_MIN_TOKENS = 0
+"""The router's threshold in these runs: every prompt through the prefill engine, the P/D path
+measured whole (loadtest.pd_predict simulates with the same)."""
 TOPOLOGIES: dict[str, tuple[RoleSpec, RoleSpec]] = {
     "colocated": (COLOCATED, COLOCATED), "pd-direct": (PREFILL, DECODE), "pd-store": (PREFILL, DECODE),
     "pd-adaptive": (PREFILL, DECODE),
@@ -142,7 +145,7 @@ class Fleet:
         await asyncio.gather(*(host.start(standby=True) for host in self.hosts))
         port = free_port(HOST)
         config = {"port": port, "models": [{"name": "model", "max_model_len": args.max_model_len, "tokenizer": args.model}],
-                  "cluster_secret": self.credentials.secret.hex(), "remote_prefill_min_tokens": 0,
+                  "cluster_secret": self.credentials.secret.hex(), "remote_prefill_min_tokens": REMOTE_PREFILL_MIN_TOKENS,
                   "queue_timeout_s": 0}
         if self.topology == "pd-adaptive":  # the decode engine prefills while one prompt waits at the prefill's
             config["remote_prefill_max_queued_tokens"] = args.input_tokens

@@ -101,7 +101,7 @@ def print_comparison(pairs: list[dict], console: Console) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from loadtest.pd_goodput import print_table
+    from loadtest.pd_goodput import REMOTE_PREFILL_MIN_TOKENS, print_table
 
     console = Console(width=200)
     model, pd_model, handover = models_and_handover(args, args.network)
@@ -111,7 +111,8 @@ def run(args: argparse.Namespace) -> int:
     for name in args.topologies.split(","):
         topology = Topology.parse(name, mean_input)
         for seed, rate in enumerate(args.rates):
-            rows.append(simulate_rate(topology, model, handover, workload, rate, args.duration, seed, pd_model))
+            rows.append(simulate_rate(topology, model, handover, workload, rate, args.duration, seed, pd_model,
+                                      remote_prefill_min_tokens=REMOTE_PREFILL_MIN_TOKENS))
     print_table(rows, console)
     pairs = comparison(rows, measured_rows(args.compare))
     if pairs:

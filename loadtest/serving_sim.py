@@ -204,7 +204,8 @@ class Simulation:
     """A clock, its events, the engines of one topology and the router's placement."""
 
     def __init__(self, topology: Topology, model: StepModel, handover: Handover, pd_model: StepModel | None = None,
-                 policy: str = "kv_aware", hop_s: float = 0.002, remote_prefill_min_tokens: int = DEFAULT_REMOTE_PREFILL_MIN_TOKENS) -> None:
+                 policy: str = "kv_aware", hop_s: float = 0.002,
+                 remote_prefill_min_tokens: int = DEFAULT_REMOTE_PREFILL_MIN_TOKENS) -> None:
         """`model` steps colocated engines, `pd_model` (default: `model`) prefill and decode ones
         (ours run P/D engines with other vLLM settings: engine/role_spec.py)."""
         self.now, self.events, self.counter = 0.0, [], itertools.count()
@@ -355,9 +356,11 @@ class Workload:
 
 
 def simulate_rate(topology: Topology, model: StepModel, handover: Handover, workload: Workload, rate: float,
-                  duration_s: float, seed: int = 0, pd_model: StepModel | None = None) -> dict:
+                  duration_s: float, seed: int = 0, pd_model: StepModel | None = None,
+                  remote_prefill_min_tokens: int = DEFAULT_REMOTE_PREFILL_MIN_TOKENS) -> dict:
     """One topology at one offered rate: loadtest.pd_goodput's summary of the simulated requests."""
     from loadtest.pd_goodput import summarize
 
-    results = Simulation(topology, model, handover, pd_model).run(workload.arrivals(rate, duration_s, seed))
+    simulation = Simulation(topology, model, handover, pd_model, remote_prefill_min_tokens=remote_prefill_min_tokens)
+    results = simulation.run(workload.arrivals(rate, duration_s, seed))
     return {"topology": topology.name, **summarize(results, served_span(results), rate)}

@@ -3,7 +3,7 @@ index.
 
     pdcluster simulate --trace ../shared/traces/mooncake_conversation_trace.jsonl \
         [--policy kv_aware ...] [--instances 8 --cache-blocks 1000 --prefill-rate 20000 --speed 1
-         --store-blocks 0 --fetch-cost 0.05 --request-cost-tokens 512] [--prefill-instances 0 --remote-prefill-min-tokens 256
+         --store-blocks 0 --fetch-cost 0.05 --request-cost-tokens 512] [--prefill-instances 0 --remote-prefill-min-tokens 1024
          --remote-prefill-max-queued-tokens N]
 
 A Mooncake record is (timestamp ms, input_length, output_length, hash_ids), each hash id naming

@@ -2,7 +2,8 @@
 loader, by a standby over CUDA IPC from that peer, and by a standby that slept (vLLM's sleep
 mode, level 2) until activated, answers as plain vLLM does on the same checkpoint (issue #18,
 item 4; issue #23; docs/gpu-notes.md). FP8 (issue #35): `PDC_CUDA_MODEL=llama1b-tied-fp8` for the
-same model quantized offline, `PDC_CUDA_ENGINE_ARGS=--quantization=fp8` for vLLM's online FP8.
+same model quantized offline, `PDC_CUDA_ENGINE_ARGS="--quantization=fp8 --no-enable-prefix-caching"`
+for vLLM's online FP8 (docs/gpu/h200/run_fp8.sh; prefix caching off on both sides: docs/conformance.md).
 
 With two GPUs or more, the same at tensor-parallel size 2 (issue #34): a TP=2 engine from disk and
 a TP=2 standby given its weights rank by rank over CUDA IPC, against plain vLLM at TP=2.
@@ -29,6 +30,7 @@ pytest.importorskip("vllm")
 
 from oracle import Answer, ask_all, assert_conforms, differences, oracle_answers_both_ways  # noqa: E402
 
+from engine import quantization  # noqa: E402
 from engine.config import EngineConfig, TensorParallel  # noqa: E402
 from engine.engine_args import EngineArgs  # noqa: E402
 from engine.host import EngineHost, EngineStartError  # noqa: E402
@@ -45,7 +47,7 @@ MODEL = os.environ.get("PDC_CUDA_MODEL", "llama1b-tied")
 
 
 @pytest.fixture(scope="module")
-def tied_1b(tmp_path_factory) -> Path:
+def checkpoint(tmp_path_factory) -> Path:
     """Built in its own process: torch work before vLLM starts can hang an engine."""
     path = Path(os.environ.get("PDC_CUDA_MODEL_DIR", tmp_path_factory.mktemp("models"))) / MODEL
     code = ("import sys; from pathlib import Path; from engine.models import ensure_model; "
@@ -55,12 +57,17 @@ def tied_1b(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def config(tied_1b, artifacts) -> EngineConfig:
-    config = EngineConfig(model=tied_1b, served_model_name=MODEL, gpu_memory_utilization=0.25,
-                          enforce_eager=os.environ.get("PDC_CUDA_EAGER", "1") == "1", max_model_len=2048,
-                          log_dir=artifacts / "conformance-gpu")
-    # PDC_CUDA_ENGINE_ARGS: vLLM flags for our engines and plain vLLM alike, unvalidated: FP8's check
-    # needs prefix caching off on both sides (docs/conformance.md), which the configuration refuses
+def config(checkpoint, artifacts) -> EngineConfig:
+    # This test is how a quantized format earns its place in engine/quantization.py's lists: the
+    # checkpoint's own format is let through while the configuration is made, no other.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(quantization, "RELOAD_VERIFIED", {False: {quantization.checkpoint_format(checkpoint)}})
+        config = EngineConfig(model=checkpoint, served_model_name=MODEL, gpu_memory_utilization=0.25,
+                              enforce_eager=os.environ.get("PDC_CUDA_EAGER", "1") == "1", max_model_len=2048,
+                              log_dir=artifacts / "conformance-gpu")
+    # PDC_CUDA_ENGINE_ARGS: vLLM flags for our engines and plain vLLM alike, unvalidated: online FP8
+    # is checked here before ONLINE_VERIFIED takes it, and needs prefix caching off on both sides
+    # (docs/conformance.md), which the configuration refuses
     extra = tuple(os.environ.get("PDC_CUDA_ENGINE_ARGS", "").split())
     return config.model_copy(update={"engine_args": EngineArgs.model_construct(every_pool=extra)}) if extra else config
 

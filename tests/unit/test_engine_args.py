@@ -52,6 +52,8 @@ def test_vllms_parser_refuses_each_bad_set_with_its_own_message_and_takes_good_o
         "--enable-auto-tool-choice": "--enable-auto-tool-choice requires --tool-call-parser",
         "--max-model=8": "--max-model-len is the cluster's to set",
         "-tp 2": "--tensor-parallel-size is the cluster's to set",
+        # judged on the parsed values too, where an abbreviation would pass our own reading
+        "--quantization-config.linear fp8_per_token": "online quantization --quantization-config is not verified",
     }
     taken = ["--enable-auto-tool-choice --tool-call-parser hermes", "--max-num-seqs=4"]
     found = refusals(tiny_model, [shlex.split(s) for s in [*refused, *taken]])

@@ -72,7 +72,7 @@ def model() -> StepModel:
 
 def one_run(topology: Topology, model: StepModel, arrivals: list[float], handover: str = "direct",
             prompt: int = 1024, output: int = 64):
-    sim = Simulation(topology, model, model.handovers[handover])
+    sim = Simulation(topology, model, model.handovers[handover], remote_prefill_min_tokens=0)  # P/D: every prompt remote
     results = sorted(sim.run(random_prompts(arrivals, prompt, output)), key=lambda r: r.started_at)
     return sim, results
 
