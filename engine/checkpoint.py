@@ -21,6 +21,7 @@ READ_CHUNK_BYTES = 16 * 1024**2
 _DTYPES = {
     "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
     "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
 }
 
 
@@ -42,6 +43,9 @@ def _safetensors_layout(model_dir: Path) -> tuple[list[TensorEntry], list[tuple[
         data_bytes = max((t["data_offsets"][1] for t in header.values()), default=0)
         for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
             begin, end = info["data_offsets"]
+            if info["dtype"] not in _DTYPES:
+                raise ValueError(f"{path.name}: {name} is {info['dtype']}, a safetensors dtype the weight "
+                                 f"loader does not read (it reads {', '.join(_DTYPES)})")
             entries.append(TensorEntry(name, _DTYPES[info["dtype"]], tuple(info["shape"]),
                                        cursor + begin, end - begin))
         files.append((path, data_start, data_bytes, cursor))

@@ -62,3 +62,28 @@ def test_a_quantized_checkpoint_holds_the_weights_within_one_step_of_its_format(
     config = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
     assert config["format"] == ("float-quantized" if fp8 else "int-quantized")
     assert config["config_groups"]["group_0"]["weights"]["type"] == ("float" if fp8 else "int")
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["int8", "fp8"])
+def test_our_disk_loader_reads_every_tensor_of_a_quantized_checkpoint_as_safetensors_does(tmp_path, fp8):
+    """The weight plane's reader (engine/checkpoint.py), not safetensors, gives engines their
+    weights from disk: FP8 tensors were once a KeyError there (the H200, session 24)."""
+    from engine.checkpoint import read_from_disk
+
+    build_tiny(tmp_path)
+    _quantize_linears(tmp_path, fp8=fp8)
+    want = _read(tmp_path)
+    got = dict(read_from_disk(tmp_path).tensors())
+    assert set(got) == set(want)
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape, name
+        assert torch.equal(got[name].view(torch.uint8), tensor.view(torch.uint8)), name
+
+
+def test_a_tensor_of_a_dtype_the_loader_does_not_read_is_refused_by_name(tmp_path):
+    header = json.dumps({"model.norm.weight": {"dtype": "F4", "shape": [2], "data_offsets": [0, 1]}}).encode()
+    (tmp_path / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + b"\0")
+    from engine.checkpoint import read_from_disk
+
+    with pytest.raises(ValueError, match="model.norm.weight is F4, a safetensors dtype the weight loader does not read"):
+        read_from_disk(tmp_path)
