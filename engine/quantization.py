@@ -64,7 +64,7 @@ reload was checked to answer as plain vLLM does."""
 
 ONLINE_VERIFIED: dict[bool, frozenset[str]] = {
     True: frozenset(),
-    False: frozenset(),  # CUDA: fp8 passed from disk and sleeping, not yet as an awake standby
+    False: frozenset({"fp8"}),  # CUDA: the H200, vLLM 0.26, every load path (docs/conformance.md)
 }
 """Per build, vLLM's online quantization methods (`--quantization METHOD` on an unquantized
 checkpoint) whose in-place reload was checked against plain vLLM."""
