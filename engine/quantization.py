@@ -57,7 +57,7 @@ def keep_int8_handle_scales() -> bool:
 
 RELOAD_VERIFIED: dict[bool, frozenset[str]] = {
     True: frozenset({"compressed-tensors/int-quantized"}),  # the CPU build: int8 W8A8
-    False: frozenset(),  # CUDA: FP8 (tests/conformance/test_conformance_gpu.py) not yet run on every path
+    False: frozenset({"compressed-tensors/float-quantized"}),  # CUDA: FP8 W8A8 (llm-compressor's FP8_DYNAMIC), the H200
 }
 """Per build (CPU build or not), the checkpoint formats ("quant_method/format") whose in-place
 reload was checked to answer as plain vLLM does."""
