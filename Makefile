@@ -45,10 +45,10 @@ test: install system-packages
 	$(VENV)/bin/pytest -ra --durations=25
 
 # Unit tests only, but for the slow ones (fuzzers, process starts): no engine, no Ray head,
-# under a minute.
+# under a minute: two workers (each imports vLLM and torch to collect; ~70 s on one, ~50 on two).
 test-fast: install
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/pytest -ra -m "not slow" tests/unit
+	$(VENV)/bin/pytest -ra -n 2 -m "not slow" tests/unit
 
 lint: install
 	$(VENV)/bin/ruff check .
