@@ -355,6 +355,8 @@ def ensure_model(name: str, target: Path | None = None) -> Path:
     try:
         BUILDERS[name](staging)
         (staging / COMPLETE_MARKER).write_text(json.dumps({"builder": name, "revision": MODELS_REVISION}))
+        if is_complete(target):  # built meanwhile by another process (test workers): keep theirs
+            return target
         if target.exists():
             shutil.rmtree(target)
         staging.rename(target)
