@@ -102,17 +102,20 @@ def online_methods(engine_args: tuple[str, ...]) -> list[str]:
     return methods
 
 
+def _build_name(cpu_build: bool) -> str:
+    return "the CPU build" if cpu_build else "CUDA"
+
+
 def online_refusal(methods: list[str], cpu_build: bool) -> str | None:
     """Why the first of `methods` (online quantization) may not be served on this build, or None."""
     unchecked = [method for method in methods if method not in ONLINE_VERIFIED[cpu_build]]
     if not unchecked:
         return None
-    where = "the CPU build" if cpu_build else "CUDA"
     checked, formats = (", ".join(sorted(v[cpu_build])) for v in (ONLINE_VERIFIED, RELOAD_VERIFIED))
     offline = f"quantize the checkpoint offline (verified formats there: {formats})" if formats else \
         "serve an unquantized checkpoint (no quantized format is verified there yet)"
     shown = unchecked[0] if unchecked[0] == QUANTIZATION_CONFIG else f"--quantization={unchecked[0]}"
-    return (f"online quantization {shown} is not verified to reload in place on {where} "
+    return (f"online quantization {shown} is not verified to reload in place on {_build_name(cpu_build)} "
             f"(verified there: {checked or 'none'}); {offline}")
 
 
@@ -121,10 +124,9 @@ def check_served_right(model: Path, engine_args: tuple[str, ...], cpu_build: boo
     online quantization (`--quantization`), whose in-place reload was not checked on this build."""
     if refusal := online_refusal(online_methods(engine_args), cpu_build):
         raise ValueError(refusal)
-    where = "the CPU build" if cpu_build else "CUDA"
     found = checkpoint_format(model)
     verified = RELOAD_VERIFIED[cpu_build]
     if found is not None and found not in verified:
         raise ValueError(f"{model.name} is quantized as {found}, whose in-place reload (how engines get their "
-                         f"weights) is not verified on {where} against plain vLLM; verified: "
+                         f"weights) is not verified on {_build_name(cpu_build)} against plain vLLM; verified: "
                          f"{', '.join(sorted(verified)) or 'none yet'} (docs/conformance.md, quantized checkpoints)")
