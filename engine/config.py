@@ -108,10 +108,11 @@ class EngineConfig(BaseModel):
     """Publish KV events (blocks stored and removed) on the engine's address, for every router of
     the cluster to subscribe to (engine/kv_event_publisher.py)."""
     kv_store_endpoints: tuple[str, ...] = ()
-    """The KV store's shards (their control sockets, tcp://host:port; one per node): prefill and
-    decode instances then hand KV over through the LMCache-backed store (kvstore/), each chunk
-    on the shard its key hashes to. Empty hands KV directly from prefill to decode with vLLM's
-    NixlConnector."""
+    """The KV store's shards (their control sockets, tcp://host:port; one per node): every
+    instance then saves the prompts it computes to the LMCache-backed store (kvstore/) and loads
+    what it holds, each chunk on the shard its key hashes to: prefill and decode instances hand KV
+    over that way, colocated ones share prefixes. Empty: P/D hands KV directly from prefill to
+    decode with vLLM's NixlConnector; colocated instances share nothing."""
     kv_store_timeout_s: float = Field(5.0, gt=0)
     """Longest one store call (lookup, read, write) may take before it counts as a miss."""
     start_timeout_s: float = Field(300.0, gt=0)
@@ -140,6 +141,11 @@ class EngineConfig(BaseModel):
     engine_args: EngineArgs = EngineArgs()
     """vLLM serve flags the user gave the engine's pool (`pdcluster serve --engine-arg`), after ours:
     none the cluster owns (engine/engine_args.py)."""
+
+    @property
+    def runs_kv_connector(self) -> bool:
+        """P/D roles always; a colocated engine when it shares a store (serve --shared-store)."""
+        return self.role.kv_transfer or bool(self.kv_store_endpoints)
 
     @property
     def block_size(self) -> int:

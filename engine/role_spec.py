@@ -25,12 +25,9 @@ class RoleSpec:
     ray_resource: str | None
     """The Ray node resource the role's pool is placed by (cluster YAMLs give nodes a role);
     None: any node."""
-    vllm_args: tuple[str, ...] = ()
-    """vLLM server flags of the role, beyond every engine's."""
-    env: tuple[tuple[str, str], ...] = ()
-    """Environment of the role's vLLM server, beyond every engine's."""
     kv_transfer: bool = False
-    """Runs a KV connector: hands prompts' KV over through the store, or directly (NIXL)."""
+    """Hands prompts' KV over between the pools, through the store or directly (NIXL): runs a KV
+    connector always (a colocated engine runs one only with a shared store)."""
     direct_kv_role: str = "kv_both"
     """vLLM's `kv_role` when KV goes directly from prefill to decode (NixlConnector): the prefill
     pool produces, the decode pool consumes. Through the store every role is both (see
@@ -51,7 +48,7 @@ class RoleSpec:
 
 COLOCATED = RoleSpec(Role.COLOCATED, ray_resource=None)
 
-# Both P/D roles: vLLM's synchronous scheduling and its V1 model runner, where a recompute after
-# a failed KV load starts from the right offset (vllm#49250, open; the CUDA test saw it).
-PD_VLLM_ARGS = ("--no-async-scheduling",)
-PD_ENV = (("VLLM_USE_V2_MODEL_RUNNER", "0"),)
+# Every engine with a KV connector: vLLM's synchronous scheduling and its V1 model runner, where a
+# recompute after a failed KV load starts from the right offset (vllm#49250, open; the CUDA test saw it).
+KV_CONNECTOR_VLLM_ARGS = ("--no-async-scheduling",)
+KV_CONNECTOR_ENV = (("VLLM_USE_V2_MODEL_RUNNER", "0"),)

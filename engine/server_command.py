@@ -18,6 +18,7 @@ from engine.environment import (
     free_port,
     is_cpu_build,
 )
+from engine.role_spec import KV_CONNECTOR_ENV, KV_CONNECTOR_VLLM_ARGS
 from engine.worker_extension import WEIGHTS_DIR_ENV, WEIGHTS_FILE_ENV
 from security.credentials import EngineKeys
 
@@ -85,11 +86,11 @@ def server_command(config: EngineConfig, host: str, port: int, instance_id: str)
             "replay_endpoint": f"tcp://{_zmq_host(host)}:0",
         }
         command += ["--kv-events-config", json.dumps(events)]
-    if c.role.kv_transfer:
-        command += ["--kv-transfer-config", json.dumps(kv_transfer_config(c))]
+    if c.runs_kv_connector:
+        command += ["--kv-transfer-config", json.dumps(kv_transfer_config(c)), *KV_CONNECTOR_VLLM_ARGS]
     if c.otlp_traces_endpoint:
         command += ["--otlp-traces-endpoint", c.otlp_traces_endpoint]
-    return command + list(c.role.vllm_args) + list(c.engine_args.for_role(c.role.kind))
+    return command + list(c.engine_args.for_role(c.role.kind))
 
 
 def _zmq_host(host: str) -> str:
@@ -140,10 +141,11 @@ def server_env(config: EngineConfig, host: str, instance_id: str, keys: EngineKe
     env[WEIGHTS_DIR_ENV] = str(config.weights_dir)
     if weights_file is not None:
         env[WEIGHTS_FILE_ENV] = str(weights_file)
-    env.update(config.role.env)
+    if config.runs_kv_connector:
+        env.update(KV_CONNECTOR_ENV)
     if config.otlp_traces_endpoint:  # vLLM's spans name their engine; gRPC, as the router's
         env.update(OTEL_SERVICE_NAME="pdcluster-engine", OTEL_EXPORTER_OTLP_TRACES_PROTOCOL="grpc",
                    OTEL_RESOURCE_ATTRIBUTES=f"pdcluster.instance_id={instance_id},pdcluster.role={config.role.name}")
-    if config.role.kv_transfer:
+    if config.runs_kv_connector and not config.kv_store_endpoints:
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port(host))
     return env
