@@ -86,6 +86,7 @@ def serve(args: argparse.Namespace) -> int:
             sleep_when_idle=args.sleep_when_idle, models=tuple(name for _, name in models), max_awake=args.max_awake,
             preimported=args.preimported)
         _check_gpu_sharing(args, topology)
+        store_bytes = _store_bytes(args, topology)
         if args.router_only and args.address is None:
             raise ValueError("--router-only serves the engines of a running cluster: give its --address")
         # One machine makes its own secret; a cluster's head must be given one (README, cluster steps).
@@ -100,8 +101,6 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     # Loopback: else Ray swaps a loopback address for the machine's routable one.
     use_ray(credentials.ray_auth_env(), loopback=args.address is None or is_loopback(args.address.rpartition(":")[0]))
-    pd = topology.prefill or topology.decode
-    store_bytes = int(args.store_gib * 1024**3) if pd and args.kv_transfer == "store" else 0
     if args.router_only:
         return asyncio.run(_serve_beside(engine_configs, router_config, args.address))
     return asyncio.run(_serve(engine_configs, router_config, topology, args.address, args.placement_timeout,
@@ -122,6 +121,23 @@ def _check_gpu_sharing(args: argparse.Namespace, topology: Topology) -> None:
     if gpu_only and args.address is None and is_cpu_build():
         raise ValueError("--sleeping-standbys, --sleep-when-idle and --engines-per-gpu need CUDA engines: "
                          "vLLM's CPU build has no sleep mode and no GPU to share")
+
+
+def _store_bytes(args: argparse.Namespace, topology: Topology) -> int:
+    """Each node's KV store shard's host memory; 0: no store (P/D directly, colocated sharing nothing)."""
+    pd = topology.prefill or topology.decode
+    if not args.shared_store:
+        return int(args.store_gib * 1024**3) if pd and args.kv_transfer == "store" else 0
+    if pd:
+        raise ValueError("--shared-store is for colocated instances: P/D through the store (--kv-transfer store) "
+                         "always shares it")
+    if len(topology.models) > 1:
+        # The router's index of the store does not tell models apart (router/kv_event_listener.py).
+        raise ValueError("--shared-store serves one model")
+    if topology.sleeping_standbys or topology.sleep_when_idle:
+        raise ValueError("--shared-store and sleeping engines exclude each other: the store's KV connector "
+                         "registers the KV cache's memory, which sleep unmaps")
+    return int(args.store_gib * 1024**3)
 
 
 def _engine_args(args: argparse.Namespace, topology: Topology) -> EngineArgs:

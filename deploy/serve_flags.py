@@ -218,6 +218,13 @@ def _add_routing_flags(parser: argparse.ArgumentParser) -> None:
         "--store-gib", type=float, default=2.0, help="host memory of each node's KV store shard"
     )
     parser.add_argument(
+        "--shared-store",
+        action="store_true",
+        help="colocated instances too save the prompts they compute to the store shards and load what "
+        "the store holds (a prefix one instance computed is fetched, not recomputed, by another; "
+        "P/D through the store always does)",
+    )
+    parser.add_argument(
         "--max-migrations",
         type=int,
         default=1,
