@@ -2,10 +2,10 @@
 prefix-cache counters.
 
     python -m loadtest.routing_live [--workload agents|shared_prefix] [--policies round_robin kv_aware]
-                                    [--topology colocated|pd] [--seeds 5] [--serve-tree DIR]
+                                    [--topology colocated|pd] [--model tiny|smollm2] [--seeds 5] [--serve-tree DIR]
                                     [--serve-arg=--structured-migration ...]
 
-For each policy it starts `pdcluster serve --model tiny` (two colocated instances, or P/D 1+1)
+For each policy it starts `pdcluster serve --model M` (tiny by default; two colocated instances, or P/D 1+1)
 with `--policy P` and sends one workload per seed, each seed new prompts, at a fixed concurrency:
 by default the multi-tenant agent workload (loadtest/workloads.py AgentSessions: tenants with
 long system prompts, sessions whose prompts grow turn by turn with tool results). Each seed's
@@ -46,14 +46,14 @@ def workload(name: str, seed: int) -> AgentSessions | SharedPrefix:
 
 def measure(policy: str, args: argparse.Namespace) -> list[dict]:
     """One server with `policy`; a run per seed (after an untimed warm-up run)."""
-    serve = ["--model", "tiny", *TOPOLOGIES[args.topology], "--policy", policy, *args.serve_arg]
+    serve = ["--model", args.model, *TOPOLOGIES[args.topology], "--policy", policy, *args.serve_arg]
     log = args.out.parent / f"routing_live-{args.topology}-{policy}.log"
     runs = []
     with LocalServer(serve, log, tree=args.serve_tree) as server:
         for seed in (-1, *range(args.seeds)):  # -1: the warm-up (vLLM's first requests pay lazy set-up)
             jobs = workload(args.workload, seed)
             requests = _requests(jobs)
-            load = asyncio.run(run_load(server.url, jobs.jobs("tiny"), FixedConcurrency(args.concurrency),
+            load = asyncio.run(run_load(server.url, jobs.jobs(args.model), FixedConcurrency(args.concurrency),
                                         Limits(max_requests=requests)))
             summary = summarize(load, slo_ttft_s=1.0, slo_tpot_s=0.2, label=policy)
             if seed < 0:
@@ -83,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workload", choices=("agents", "shared_prefix"), default="agents")
     parser.add_argument("--policies", nargs="+", default=["round_robin", "kv_aware"])
     parser.add_argument("--topology", choices=tuple(TOPOLOGIES), default="colocated")
+    parser.add_argument("--model", default="tiny",
+                        help="a model of `pdcluster model` (smollm2: a prefill that costs what a cache hit saves)")
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--serve-tree", type=Path, help="serve from this checkout of the repository")
@@ -93,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {policy: measure(policy, args) for policy in args.policies}
     summary = {policy: medians(runs) for policy, runs in results.items()}
     base = summary[args.policies[0]]
-    table = Table(title=f"{args.workload}, {args.topology}, concurrency {args.concurrency}: medians of "
+    table = Table(title=f"{args.workload}, {args.model}, {args.topology}, concurrency {args.concurrency}: medians of "
                         f"{args.seeds} seeds (ratios to {args.policies[0]})")
     for column in ("policy", "TTFT p50 s", "ratio", "TTFT p90 s", "ratio", "TTFT p99 s", "ratio", "wall s",
                    "cached share", "busiest share",
@@ -107,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
                       *(f"{row[m]:.3f}" if row[m] is not None else "-"
                         for m in ("busiest_share", "engine_ttft_mean_s", "router_added_s")))
     Console(width=140).print(table)
-    data = {"workload": args.workload, "topology": args.topology, "seeds": args.seeds, "concurrency": args.concurrency,
+    data = {"workload": args.workload, "model": args.model, "topology": args.topology, "seeds": args.seeds, "concurrency": args.concurrency,
             "serve_tree": str(args.serve_tree) if args.serve_tree else None, "medians": summary, "runs": results}
     write_results(args.out, data, lambda png: plot(summary, png, table.title))
     return 0
