@@ -129,8 +129,8 @@ def _store_bytes(args: argparse.Namespace, topology: Topology) -> int:
     if not args.shared_store:
         return int(args.store_gib * 1024**3) if pd and args.kv_transfer == "store" else 0
     if pd:
-        raise ValueError("--shared-store is for colocated instances: P/D through the store (--kv-transfer store) "
-                         "always shares it")
+        raise ValueError("--shared-store is for colocated instances: a P/D topology hands KV over through "
+                         "the store already (--kv-transfer store) or directly")
     if len(topology.models) > 1:
         # The router's index of the store does not tell models apart (router/kv_event_listener.py).
         raise ValueError("--shared-store serves one model")

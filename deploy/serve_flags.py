@@ -221,8 +221,8 @@ def _add_routing_flags(parser: argparse.ArgumentParser) -> None:
         "--shared-store",
         action="store_true",
         help="colocated instances too save the prompts they compute to the store shards and load what "
-        "the store holds (a prefix one instance computed is fetched, not recomputed, by another; "
-        "P/D through the store always does)",
+        "the store holds (a prefix one instance computed is fetched, not recomputed, by another); "
+        "like P/D engines they then run vLLM's synchronous scheduler (no async scheduling)",
     )
     parser.add_argument(
         "--max-migrations",

@@ -39,7 +39,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from engine.environment import UCX_LOOPBACK_ENV
-from engine.role_spec import PD_ENV, PD_VLLM_ARGS
+from engine.role_spec import KV_CONNECTOR_ENV, KV_CONNECTOR_VLLM_ARGS
 
 
 @dataclasses.dataclass
@@ -189,7 +189,7 @@ def engine_args(args: argparse.Namespace):
     from vllm.engine.arg_utils import EngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    extra = list(args.engine_arg) + (list(PD_VLLM_ARGS) if args.role == "pd" else [])
+    extra = list(args.engine_arg) + (list(KV_CONNECTOR_VLLM_ARGS) if args.role == "pd" else [])
     parsed = EngineArgs.add_cli_args(FlexibleArgumentParser()).parse_args(
         ["--model", str(args.model), "--load-format", "dummy", "--max-model-len", str(args.max_model_len),
          "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--enable-prefix-caching",
@@ -202,7 +202,7 @@ def profile_engine(args: argparse.Namespace, grid: Grid) -> dict:
     from vllm.usage.usage_lib import UsageContext
 
     if args.role == "pd":
-        os.environ.update(dict(PD_ENV))
+        os.environ.update(dict(KV_CONNECTOR_ENV))
     engine = LLMEngine.from_engine_args(engine_args(args), usage_context=UsageContext.OPENAI_API_SERVER)
     config = engine.vllm_config
     scheduler, cache = config.scheduler_config, config.cache_config

@@ -55,7 +55,7 @@ def test_a_colocated_engine_runs_the_stores_connector_only_when_it_shares_the_st
     endpoints = ("tcp://127.0.0.1:7001",) if shares else ()
     config = EngineConfig(model=tmp_path, served_model_name="m", role=COLOCATED, kv_store_endpoints=endpoints)
     command = server_command(config, "127.0.0.1", 8000, "colocated-0")
-    env = server_env(config, "127.0.0.1", "colocated-0", ClusterCredentials.generate().engine_host_keys("colocated-0").new_process("127.0.0.1"), None)
+    env = server_env(config, "127.0.0.1", "colocated-0", keys("colocated-0"), None)
     assert config.runs_kv_connector == shares
     assert ("--kv-transfer-config" in command) == shares
     assert all((arg in command) == shares for arg in KV_CONNECTOR_VLLM_ARGS)
@@ -72,5 +72,13 @@ def test_a_pd_engine_runs_a_connector_with_its_settings_through_the_store_or_dir
     for endpoints, connector in ((("tcp://127.0.0.1:7001",), "StoreConnector"), ((), "NixlConnector")):
         config = EngineConfig(model=tmp_path, served_model_name="m", role=DECODE, kv_store_endpoints=endpoints)
         command = server_command(config, "127.0.0.1", 8000, "decode-0")
+        env = server_env(config, "127.0.0.1", "decode-0", keys("decode-0"), None)
         assert json.loads(command[command.index("--kv-transfer-config") + 1])["kv_connector"] == connector
         assert all(arg in command for arg in KV_CONNECTOR_VLLM_ARGS)
+        assert all(env.get(name) == value for name, value in KV_CONNECTOR_ENV)
+        # vLLM's NixlConnector meets its peer on a side channel; the store's connector has none
+        assert ("VLLM_NIXL_SIDE_CHANNEL_PORT" in env) == (connector == "NixlConnector")
+
+
+def keys(instance_id: str):
+    return ClusterCredentials.generate().engine_host_keys(instance_id).new_process("127.0.0.1")
