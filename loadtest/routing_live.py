@@ -35,7 +35,7 @@ from loadtest.workloads import AgentSessions, SharedPrefix
 
 TOPOLOGIES = {"colocated": ["--instances", "2"], "pd": ["--prefill", "1", "--decode", "1"]}
 METRICS = ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "wall_s", "cached_share", "busiest_share",
-           "engine_ttft_mean_s", "router_added_s")
+           "engine_ttft_mean_s", "router_added_s", "first_turn_ttft_p50_s", "later_turns_ttft_p50_s")
 
 
 def workload(name: str, seed: int) -> AgentSessions | SharedPrefix:
@@ -53,7 +53,7 @@ def measure(policy: str, args: argparse.Namespace) -> list[dict]:
         for seed in (-1, *range(args.seeds)):  # -1: the warm-up (vLLM's first requests pay lazy set-up)
             jobs = workload(args.workload, seed)
             requests = _requests(jobs)
-            load = asyncio.run(run_load(server.url, jobs.jobs(args.model), FixedConcurrency(args.concurrency),
+            load = asyncio.run(run_load(server.url, jobs.jobs(Path(args.model).name), FixedConcurrency(args.concurrency),
                                         Limits(max_requests=requests)))
             summary = summarize(load, slo_ttft_s=1.0, slo_tpot_s=0.2, label=policy)
             if seed < 0:
@@ -62,9 +62,19 @@ def measure(policy: str, args: argparse.Namespace) -> list[dict]:
                          "ttft_p50_s": summary["ttft"]["p50_ms"] / 1e3, "ttft_p90_s": summary["ttft"]["p90_ms"] / 1e3,
                          "ttft_p99_s": summary["ttft"]["p99_ms"] / 1e3, "wall_s": load.duration_s,
                          "cached_share": summary["prefix_hit_rate"],
-                         **{m: summary[m] for m in ("busiest_share", "engine_ttft_mean_s", "router_added_s")}})
+                         **{m: summary[m] for m in ("busiest_share", "engine_ttft_mean_s", "router_added_s")},
+                         **ttft_p50_by_turn(load.results)})
             print(f"{policy} seed {seed}: " + " ".join(f"{m}={runs[-1][m]:.3f}" for m in METRICS if runs[-1][m] is not None), flush=True)
     return runs
+
+
+def ttft_p50_by_turn(results) -> dict[str, float | None]:
+    """The median TTFT of sessions' first turns (a tenant's system prompt and a task: where a
+    placement that pins tenants to instances makes new sessions wait) and of their later ones."""
+    def p50(turns) -> float | None:
+        ttfts = [r.ttft_s for r in results if r.ok and r.ttft_s is not None and r.turn is not None and turns(r.turn)]
+        return statistics.median(ttfts) if ttfts else None
+    return {"first_turn_ttft_p50_s": p50(lambda t: t == 0), "later_turns_ttft_p50_s": p50(lambda t: t > 0)}
 
 
 def _requests(jobs) -> int:
@@ -99,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"{args.seeds} seeds (ratios to {args.policies[0]})")
     for column in ("policy", "TTFT p50 s", "ratio", "TTFT p90 s", "ratio", "TTFT p99 s", "ratio", "wall s",
                    "cached share", "busiest share",
-                   "engine TTFT mean s", "router adds s"):
+                   "engine TTFT mean s", "router adds s", "p50 first turns s", "p50 later turns s"):
         table.add_column(column, justify="right")
     for policy, row in summary.items():
         row.update({f"{m}_ratio": row[m] / base[m] for m in METRICS if base[m] and row[m] is not None})
@@ -107,8 +117,9 @@ def main(argv: list[str] | None = None) -> int:
                       f"{row['ttft_p90_s']:.3f}", f"{row['ttft_p90_s_ratio']:.2f}", f"{row['ttft_p99_s']:.3f}",
                       f"{row['ttft_p99_s_ratio']:.2f}", f"{row['wall_s']:.1f}", f"{row['cached_share']:.3f}",
                       *(f"{row[m]:.3f}" if row[m] is not None else "-"
-                        for m in ("busiest_share", "engine_ttft_mean_s", "router_added_s")))
-    Console(width=140).print(table)
+                        for m in ("busiest_share", "engine_ttft_mean_s", "router_added_s", "first_turn_ttft_p50_s",
+                                  "later_turns_ttft_p50_s")))
+    Console(width=170).print(table)
     data = {"workload": args.workload, "model": args.model, "topology": args.topology, "seeds": args.seeds, "concurrency": args.concurrency,
             "serve_tree": str(args.serve_tree) if args.serve_tree else None, "medians": summary, "runs": results}
     write_results(args.out, data, lambda png: plot(summary, png, table.title))

@@ -114,10 +114,11 @@ async def run_job(client: aiohttp.ClientSession, url: str, job: Job, timeout_s: 
     if not job.turns:
         return [await _bounded(client, f"{url}{job.endpoint}", job.body, timeout_s, headers)]
     results, messages = [], list(job.body.get("messages", []))
-    for question in job.turns:
+    for turn, question in enumerate(job.turns):
         messages = [*messages, {"role": "user", "content": question}]
         result = await _bounded(client, f"{url}{job.endpoint}", {**job.body, "messages": messages}, timeout_s,
                                 headers)
+        result.turn = turn
         results.append(result)
         if not result.ok:
             break

@@ -34,6 +34,8 @@ class RequestResult:
     response_id: str | None = None
     """The id on the stream's events (the router's GET /admin/instances lists the streams each
     instance serves by it)."""
+    turn: int | None = None
+    """Its place in a session's turns (0: the first); None: a request of no session."""
 
     @property
     def ok(self) -> bool:
