@@ -126,8 +126,13 @@ def _check_gpu_sharing(args: argparse.Namespace, topology: Topology) -> None:
 def _store_bytes(args: argparse.Namespace, topology: Topology) -> int:
     """Each node's KV store shard's host memory; 0: no store (P/D directly, colocated sharing nothing)."""
     pd = topology.prefill or topology.decode
-    if not args.shared_store:
-        return int(args.store_gib * 1024**3) if pd and args.kv_transfer == "store" else 0
+    if args.shared_store:
+        _check_shared_store(topology, pd)
+    runs_store = args.shared_store or (pd and args.kv_transfer == "store")
+    return int(args.store_gib * 1024**3) if runs_store else 0
+
+
+def _check_shared_store(topology: Topology, pd: bool) -> None:
     if pd:
         raise ValueError("--shared-store is for colocated instances: a P/D topology hands KV over through "
                          "the store already (--kv-transfer store) or directly")
@@ -137,7 +142,6 @@ def _store_bytes(args: argparse.Namespace, topology: Topology) -> int:
     if topology.sleeping_standbys or topology.sleep_when_idle:
         raise ValueError("--shared-store and sleeping engines exclude each other: the store's KV connector "
                          "registers the KV cache's memory, which sleep unmaps")
-    return int(args.store_gib * 1024**3)
 
 
 def _engine_args(args: argparse.Namespace, topology: Topology) -> EngineArgs:

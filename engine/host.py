@@ -177,7 +177,8 @@ class EngineHost:
             raise EngineStartError(f"{self.instance_id} is {self.state.value}; cannot start")
         if self.config.sleep_mode and (is_cpu_build() or self.config.runs_kv_connector):
             # A KV connector registers the KV cache's memory, which sleep unmaps.
-            raise EngineStartError("sleep mode needs a CUDA GPU and no KV connector (a colocated role without a shared store)")
+            raise EngineStartError("sleep mode needs a CUDA GPU and no KV connector "
+                                   "(a colocated role without a shared store)")
         if self.config.kv_events and not kv_events_plugin_installed():
             raise EngineStartError(f"vLLM's plugin {KV_EVENTS_PLUGIN} is not installed (reinstall pdcluster): "
                                    "vLLM's own KV event publisher would serve the engine's prompts to anyone")
