@@ -106,8 +106,9 @@ class Launcher:
         engines of the models of `configs` are registered as they are (weights, KV cache and all); its
         store shards are kept if `keep_store` (StoreShards.reconcile then keeps those that answer,
         where engines run). Any other engine of ours there (another model or tensor-parallel size, a
-        start cut short, one that does not answer) is stopped. Only actors that prove they hold the cluster's secret
-        are ours: a named actor anyone else put in the namespace is neither adopted nor used."""
+        start cut short, one that does not answer, one whose use of the store differs) is stopped.
+        Only actors that prove they hold the cluster's secret are ours: a named actor anyone else put
+        in the namespace is neither adopted nor used."""
         started = time.monotonic()
         handles = {name: ray.get_actor(name) for name in ray.util.list_named_actors() if name != LEDGER_NAME}
         if not handles:
@@ -126,7 +127,10 @@ class Launcher:
             if not (isinstance(described, EngineDescription) and described.serves(served)
                     and (described.state == InstanceState.READY or described.state.is_standby)
                     # an engine of another size would share no KV chunk or weight shard with the new ones
-                    and described.tensor_parallel_size == sizes[described.served_model_name].for_role(described.role)):
+                    and described.tensor_parallel_size == sizes[described.served_model_name].for_role(described.role)
+                    # its KV connector is fixed at its start: one without the store in a fleet with one would
+                    # never load what the others saved (nor save for them), and one with it needs the shards
+                    and described.kv_store == keep_store):
                 ended.append(actor)
                 continue
             try:

@@ -105,7 +105,7 @@ class EngineHost:
             exited=self._process is not None and self._process.poll() is not None,
             last_stage=self.timeline.marks[-1][0] if self.timeline.marks else "",
             elapsed_s=time.time() - self.timeline.started_at,
-            tensor_parallel_size=self.config.tensor_parallel_size,
+            tensor_parallel_size=self.config.tensor_parallel_size, kv_store=bool(self.config.kv_store_endpoints),
         )
 
     async def preimport(self) -> dict:

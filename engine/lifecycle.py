@@ -67,6 +67,9 @@ class EngineDescription:
     """Seconds since its current start (or activation) began."""
     tensor_parallel_size: int = 1
     """Devices (ranks) the engine spans."""
+    kv_store: bool = False
+    """It saves and loads KV through the cluster's store shards (P/D through the store, or
+    `--shared-store`): fixed at its start, so only a fleet with a store may adopt it."""
 
     def serves(self, served: set[tuple[str, str]]) -> bool:
         """Whether it is an engine of one of `served`'s (checkpoint, served name) pairs."""

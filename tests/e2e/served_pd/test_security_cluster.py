@@ -101,11 +101,11 @@ def config(tmp_path) -> EngineConfig:
     return EngineConfig(model=tmp_path, served_model_name="tiny")
 
 
-def ready_engine(instance_id: str, config: EngineConfig) -> EngineDescription:
+def ready_engine(instance_id: str, config: EngineConfig, kv_store: bool = True) -> EngineDescription:
     """What a ready colocated engine of `config`'s model describes itself as (its endpoint sealed
-    under the cluster's key of that instance)."""
-    return StandInIdentity(instance_id, 9, CREDENTIALS).description(model=str(config.model),
-                                                                    served_model_name=config.served_model_name)
+    under the cluster's key of that instance), one of a fleet with a KV store unless `kv_store` is false."""
+    return StandInIdentity(instance_id, 9, CREDENTIALS).description(
+        model=str(config.model), served_model_name=config.served_model_name, kv_store=kv_store)
 
 
 def calls(actor) -> list[str]:
@@ -143,6 +143,18 @@ async def test_a_launcher_adopts_only_actors_that_prove_the_cluster_secret(fake_
     assert launcher.store.shards == {}
     assert calls(ours) == ["prove", "describe"]
     assert calls(engine) == calls(shard) == calls(posing) == ["prove"]
+
+
+async def test_a_launcher_stops_engines_whose_use_of_the_store_differs(fake_actor, config):
+    """A restart that turns the store on or off (`--shared-store`, `--kv-transfer`) cannot reuse an
+    engine started the other way: its KV connector was fixed at its start. It is stopped, not adopted."""
+    with_store = fake_actor("tiny-colocated-0", CREDENTIALS, description=ready_engine("tiny-colocated-0", config))
+    without = fake_actor("tiny-colocated-1", CREDENTIALS,
+                         description=ready_engine("tiny-colocated-1", config, kv_store=False))
+    assert await Launcher(InstanceRegistry(), CREDENTIALS).adopt([config], keep_store=False) == ("tiny-colocated-1",)
+    assert ended(with_store)
+    assert await Launcher(InstanceRegistry(), CREDENTIALS).adopt([config], keep_store=True) == ()
+    assert ended(without)
 
 
 async def test_a_failed_router_restart_leaves_the_adopted_fleet_serving(fake_actor, config):
