@@ -38,6 +38,10 @@ METRICS = ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "wall_s", "cached_share", "
            "engine_ttft_mean_s", "router_added_s", "first_turn_ttft_p50_s", "later_turns_ttft_p50_s")
 
 
+WARM_UP_SEED = 1_000_000
+"""Prompts no measured seed shares (not -1: `random.Random` seeds with |n|, so -1 would warm seed 1's)."""
+
+
 def workload(name: str, seed: int) -> AgentSessions | SharedPrefix:
     if name == "agents":
         return AgentSessions(seed=seed)
@@ -50,13 +54,13 @@ def measure(policy: str, args: argparse.Namespace) -> list[dict]:
     log = args.out.parent / f"routing_live-{args.topology}-{policy}.log"
     runs = []
     with LocalServer(serve, log, tree=args.serve_tree) as server:
-        for seed in (-1, *range(args.seeds)):  # -1: the warm-up (vLLM's first requests pay lazy set-up)
-            jobs = workload(args.workload, seed)
+        for seed in (None, *range(args.seeds)):  # None: the warm-up (vLLM's first requests pay lazy set-up)
+            jobs = workload(args.workload, WARM_UP_SEED if seed is None else seed)
             requests = _requests(jobs)
             load = asyncio.run(run_load(server.url, jobs.jobs(Path(args.model).name), FixedConcurrency(args.concurrency),
                                         Limits(max_requests=requests)))
             summary = summarize(load, slo_ttft_s=1.0, slo_tpot_s=0.2, label=policy)
-            if seed < 0:
+            if seed is None:
                 continue
             runs.append({"seed": seed, "requests": summary["requests"], "errors": sum(summary["errors"].values()),
                          "ttft_p50_s": summary["ttft"]["p50_ms"] / 1e3, "ttft_p90_s": summary["ttft"]["p90_ms"] / 1e3,
