@@ -100,12 +100,22 @@ def one_variant(model: str, logits_processor: bool, kv_events: bool | str, batch
             "tokens_per_s_each": measured["tokens_per_s"]}
 
 
+def cpu_list(text: str) -> set[int]:
+    """`0-3,8` -> {0, 1, 2, 3, 8}."""
+    cores = set()
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        cores.update(range(int(first), int(last or first) + 1))
+    return cores
+
+
 def run_child(variant: str, args: argparse.Namespace) -> dict[str, float | list[float]]:
     command = [sys.executable, "-m", "loadtest.engine_extras", "--child", variant, "--model", args.model,
                "--batch", str(args.batch), "--tokens", str(args.tokens), "--repeats", str(args.repeats),
                *(["--no-eager"] if args.no_eager else [])]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
-    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=1200)
+    pin = (lambda: os.sched_setaffinity(0, args.cpus)) if args.cpus else None
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=1200, preexec_fn=pin)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:
         log = args.out.with_suffix(f".{variant}.log")  # vLLM logs the engine core's cause to stdout
@@ -127,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-eager", action="store_true", help="compile and capture graphs (GPUs)")
     parser.add_argument("--variants", nargs="+", choices=tuple(VARIANTS), default=list(VARIANTS),
                         help="which to run (plain first: the ratios are to it)")
+    parser.add_argument("--cpus", type=cpu_list, default=None,
+                        help="cores every engine runs on, e.g. 0-7 (the same for every variant: on the H200's "
+                             "host, where the engine core lands moves throughput between two modes)")
     parser.add_argument("--child", choices=tuple(VARIANTS))
     parser.add_argument("--out", type=Path, default=Path("results/engine_extras.json"))
     args = parser.parse_args(argv)
@@ -165,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
                       " ".join(f"{s:.0f}" for s in samples["tokens_per_cpu_s"][variant]))
     Console(width=140).print(table)
     data = {"model": args.model, "batch": args.batch, "tokens": args.tokens, "eager": not args.no_eager,
-            "repeats": args.repeats, "cpus": sorted(os.sched_getaffinity(0)),
+            "repeats": args.repeats, "cpus": sorted(args.cpus or os.sched_getaffinity(0)),
             "medians": medians, "ratios": ratios, "runs": samples, "repeats_by_start": each_start}
     write_results(args.out, data, lambda png: plot(data, png))
     return 0

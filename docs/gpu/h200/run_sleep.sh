@@ -19,7 +19,8 @@
 #   extras1b: loadtest.engine_extras, decode throughput of vLLM's engine with our logits processor
 #           and with our KV event publisher against plain, the ~1B Llama, CUDA graphs (the
 #           publisher's vLLM plugin entry point is declared by a dist-info folder written from
-#           pyproject.toml onto PYTHONPATH: the repository is not pip-installed here)
+#           pyproject.toml onto PYTHONPATH: the repository is not pip-installed here); VARIANTS, CPUS
+#           (cores every engine is pinned to), RUNS, REPEATS, BATCH, TOKENS from this shell
 set -eo pipefail
 [ -d /tmp/site ] || bash /tmp/vparts/install.sh > /tmp/install.log 2>&1
 source /tmp/vparts/env.sh
@@ -55,7 +56,7 @@ meta = Path(sys.argv[1]) / 'pdcluster_plugins-0.dist-info'; meta.mkdir(parents=T
 (meta / 'METADATA').write_text('Metadata-Version: 2.1\nName: pdcluster-plugins\nVersion: 0\n')
 (meta / 'entry_points.txt').write_text(''.join(f'[{group}]\n' + ''.join(f'{k} = {v}\n' for k, v in names.items()) for group, names in points.items()))" /tmp/pdc-meta
           export PYTHONPATH=$PYTHONPATH:/tmp/pdc-meta
-          python3 -m loadtest.engine_extras --model /tmp/models/llama1b-tied --no-eager --variants plain logits_processor kv_events \
-            --runs "${RUNS:-3}" --repeats "${REPEATS:-1}" --batch "${BATCH:-32}" --tokens 256 --out "${OUT:-/tmp}/engine_extras-m1b.json" ;;
+          python3 -m loadtest.engine_extras --model /tmp/models/llama1b-tied --no-eager --variants ${VARIANTS:-plain logits_processor kv_events} \
+            ${CPUS:+--cpus "$CPUS"} --runs "${RUNS:-3}" --repeats "${REPEATS:-1}" --batch "${BATCH:-32}" --tokens "${TOKENS:-256}" --out "${OUT:-/tmp}/engine_extras-m1b.json" ;;
   *) echo "usage: $0 test|cold1b|cold8b|fresh1b|fresh8b|swap1b|swap8b|graphs8b|extras1b" >&2; exit 2 ;;
 esac
