@@ -9,8 +9,10 @@ For each policy it starts `pdcluster serve --model M` (tiny by default; two colo
 with `--policy P` and sends one workload per seed, each seed new prompts, at a fixed concurrency:
 by default the multi-tenant agent workload (loadtest/workloads.py AgentSessions: tenants with
 long system prompts, sessions whose prompts grow turn by turn with tool results). Each seed's
-TTFT percentiles, wall time and the share of prompt blocks the engines found cached (their
-`vllm:prefix_cache_hits/queries` counters, before and after) are recorded; the table shows the
+TTFT percentiles, wall time, the share of prompt blocks the engines found cached (their
+`vllm:prefix_cache_hits/queries` counters, before and after) and the median and p90 of the prompt
+tokens each request's instance had to compute (the router's placement records,
+loadtest/placement_trace.py) are recorded; the table shows the
 medians over seeds and each policy's ratio to the first. `--serve-tree` serves from another
 checkout of this repository with this load generator (loadtest.compare_revisions uses it to
 compare revisions on the same workload). Writes JSON and a PNG.
@@ -29,13 +31,15 @@ from rich.table import Table
 from loadtest.arrivals import FixedConcurrency
 from loadtest.local_cluster import LocalServer
 from loadtest.output import write_results
+from loadtest.placement_trace import PlacementTrace
 from loadtest.report import summarize
 from loadtest.runner import Limits, run_load
 from loadtest.workloads import AgentSessions, SharedPrefix
 
 TOPOLOGIES = {"colocated": ["--instances", "2"], "pd": ["--prefill", "1", "--decode", "1"]}
 METRICS = ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "wall_s", "cached_share", "busiest_share",
-           "engine_ttft_mean_s", "router_added_s", "first_turn_ttft_p50_s", "later_turns_ttft_p50_s")
+           "engine_ttft_mean_s", "router_added_s", "first_turn_ttft_p50_s", "later_turns_ttft_p50_s",
+           "computed_tokens_p50", "computed_tokens_p90")
 
 
 WARM_UP_SEED = 1_000_000
@@ -57,8 +61,9 @@ def measure(policy: str, args: argparse.Namespace) -> list[dict]:
         for seed in (None, *range(args.seeds)):  # None: the warm-up (vLLM's first requests pay lazy set-up)
             jobs = workload(args.workload, WARM_UP_SEED if seed is None else seed)
             requests = _requests(jobs)
-            load = asyncio.run(run_load(server.url, jobs.jobs(Path(args.model).name), FixedConcurrency(args.concurrency),
-                                        Limits(max_requests=requests)))
+            with PlacementTrace(server) as trace:
+                load = asyncio.run(run_load(server.url, jobs.jobs(Path(args.model).name),
+                                            FixedConcurrency(args.concurrency), Limits(max_requests=requests)))
             summary = summarize(load, slo_ttft_s=1.0, slo_tpot_s=0.2, label=policy)
             if seed is None:
                 continue
@@ -67,7 +72,7 @@ def measure(policy: str, args: argparse.Namespace) -> list[dict]:
                          "ttft_p99_s": summary["ttft"]["p99_ms"] / 1e3, "wall_s": load.duration_s,
                          "cached_share": summary["prefix_hit_rate"],
                          **{m: summary[m] for m in ("busiest_share", "engine_ttft_mean_s", "router_added_s")},
-                         **ttft_p50_by_turn(load.results)})
+                         **ttft_p50_by_turn(load.results), **trace.summary()})
             print(f"{policy} seed {seed}: " + " ".join(f"{m}={runs[-1][m]:.3f}" for m in METRICS if runs[-1][m] is not None), flush=True)
     return runs
 
@@ -113,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
                         f"{args.seeds} seeds (ratios to {args.policies[0]})")
     for column in ("policy", "TTFT p50 s", "ratio", "TTFT p90 s", "ratio", "TTFT p99 s", "ratio", "wall s",
                    "cached share", "busiest share",
-                   "engine TTFT mean s", "router adds s", "p50 first turns s", "p50 later turns s"):
+                   "engine TTFT mean s", "router adds s", "p50 first turns s", "p50 later turns s",
+                   "computed tokens p50", "p90"):
         table.add_column(column, justify="right")
     for policy, row in summary.items():
         row.update({f"{m}_ratio": row[m] / base[m] for m in METRICS if base[m] and row[m] is not None})
@@ -122,8 +128,9 @@ def main(argv: list[str] | None = None) -> int:
                       f"{row['ttft_p99_s_ratio']:.2f}", f"{row['wall_s']:.1f}", f"{row['cached_share']:.3f}",
                       *(f"{row[m]:.3f}" if row[m] is not None else "-"
                         for m in ("busiest_share", "engine_ttft_mean_s", "router_added_s", "first_turn_ttft_p50_s",
-                                  "later_turns_ttft_p50_s")))
-    Console(width=170).print(table)
+                                  "later_turns_ttft_p50_s")),
+                      *(f"{row[m]:.0f}" if row[m] is not None else "-" for m in ("computed_tokens_p50", "computed_tokens_p90")))
+    Console(width=190).print(table)
     data = {"workload": args.workload, "model": args.model, "topology": args.topology, "seeds": args.seeds, "concurrency": args.concurrency,
             "serve_tree": str(args.serve_tree) if args.serve_tree else None, "medians": summary, "runs": results}
     write_results(args.out, data, lambda png: plot(summary, png, table.title))
