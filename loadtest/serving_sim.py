@@ -331,7 +331,10 @@ class Workload:
         if "/" in text and not text.endswith(".jsonl"):
             prompt, output = text.split("/")
             return cls(text, int(prompt), int(output))
-        return cls(Path(text).stem, trace=tuple(load_trace(Path(text))))
+        trace = tuple(load_trace(Path(text)))
+        if any(r.block_size != TRACE_BLOCK_TOKENS for r in trace):  # its caches are sized in such blocks
+            raise ValueError(f"{text}: the serving simulator replays {TRACE_BLOCK_TOKENS}-token blocks only")
+        return cls(Path(text).stem, trace=trace)
 
     def mean_lengths(self) -> tuple[float, float]:
         if not self.trace:

@@ -7,7 +7,8 @@ index.
          --remote-prefill-max-queued-tokens N]
 
 A Mooncake record is (timestamp ms, input_length, output_length, hash_ids), each hash id naming
-one 512-token block of the prompt, chained: equal ids mean equal prefixes. Each simulated
+one 512-token block of the prompt (or "block_tokens", where a record says: loadtest.agents_trace),
+chained: equal ids mean equal prefixes. Each simulated
 instance has an LRU prefix cache of `cache-blocks` blocks and a FIFO prefill queue; an optional
 store tier is an LRU of `store-blocks` blocks that every instance can read, a fetched block
 costing `fetch-cost` of computing it. TTFT = queue wait + (computed tokens + fetch-cost x
@@ -58,12 +59,14 @@ class TraceRecord:
     input_length: int
     output_length: int
     hash_ids: tuple[int, ...]
+    block_size: int = TRACE_BLOCK_TOKENS
+    """Tokens a hash id names (a record's optional "block_tokens"; Mooncake's traces: 512)."""
 
     def block_tokens(self) -> list[int]:
         """Tokens in each block: full blocks, then what is left in the last one."""
-        sizes = [TRACE_BLOCK_TOKENS] * len(self.hash_ids)
+        sizes = [self.block_size] * len(self.hash_ids)
         if sizes:
-            sizes[-1] = self.input_length - TRACE_BLOCK_TOKENS * (len(sizes) - 1)
+            sizes[-1] = self.input_length - self.block_size * (len(sizes) - 1)
         return sizes
 
     def text(self) -> str:
@@ -76,8 +79,8 @@ def load_trace(path: Path, speed: float = 1.0) -> list[TraceRecord]:
     with path.open() as lines:
         for line in lines:
             row = json.loads(line)
-            records.append(TraceRecord(row["timestamp"] / 1000 / speed, row["input_length"],
-                                       row["output_length"], tuple(row["hash_ids"])))
+            records.append(TraceRecord(row["timestamp"] / 1000 / speed, row["input_length"], row["output_length"],
+                                       tuple(row["hash_ids"]), row.get("block_tokens", TRACE_BLOCK_TOKENS)))
     records.sort(key=lambda r: r.arrival_s)
     return records
 
@@ -170,7 +173,7 @@ def simulate(
         now = record.arrival_s
         for sim in sims.values():
             sim.observe(registry, now, config.prefill_rate)
-        request = RoutingRequest(record.hash_ids, record.input_length, TRACE_BLOCK_TOKENS, record.text())
+        request = RoutingRequest(record.hash_ids, record.input_length, record.block_size, record.text())
         placement = placer.place(request, servers, prefillers)
         served = sims[placement.serve.instance.instance_id]
         # What really happens there, whatever the policy believed.

@@ -90,3 +90,28 @@ def test_pd_prefills_locally_while_the_prefill_instance_is_busy():
     # The second prompt waits for the handed-over first one on the decode instance (2.1 s), then
     # computes its 2048 tokens there (2 s).
     assert result["ttfts_s"] == pytest.approx([2.0 + 0.05 * 2048 / 1024, 2.1 + 2.0])
+
+
+def test_the_agent_workload_as_a_trace_keeps_its_prefixes_and_block_size(tmp_path):
+    """loadtest.agents_trace: a tenant's sessions share its system prompt's blocks and no other
+    tenant's; each turn's prompt extends the one before; the simulator reads the block size each
+    record names, and kv_aware finds more of the prompts cached than round robin, as live."""
+    from loadtest.agents_trace import main as agents_trace
+    from loadtest.workloads import AgentSessions
+
+    path = tmp_path / "agents.jsonl"
+    agents_trace(["--block-tokens", "32", "--out", str(path)])
+    trace = load_trace(path)
+    workload = AgentSessions()
+    assert len(trace) == workload.tenants * workload.sessions * workload.turns
+    assert {r.block_size for r in trace} == {32}
+    system_blocks = int(workload.system_words * 2.55) // 32
+    by_system = {r.hash_ids[:system_blocks] for r in trace}
+    assert len(by_system) == workload.tenants
+    first_turns = [r for r in trace if r.input_length == trace[0].input_length]
+    full = trace[0].input_length // 32  # a first turn's full blocks: what its session's later turns start with
+    last_turn = max(trace, key=lambda r: r.input_length)
+    assert sum(r.hash_ids[:full] == last_turn.hash_ids[:full] for r in first_turns) == 1
+    config = SimConfig(instances=2, cache_blocks=4000, prefill_rate=5000.0)
+    hit_rates = {name: simulate(trace, name, config, progress=False)["hit_rate"] for name in ("round_robin", "kv_aware")}
+    assert hit_rates["kv_aware"] > hit_rates["round_robin"]
