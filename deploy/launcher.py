@@ -21,7 +21,7 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,7 +40,7 @@ from engine.config import EngineConfig
 from engine.environment import is_cpu_build
 from engine.host import EngineHost, SleepRefused
 from engine.lifecycle import EngineDescription, InstanceState
-from engine.role_spec import RoleSpec
+from engine.role_spec import Role, RoleSpec
 from engine.weights import PeerWeights
 from fleet.instances import InstanceRegistry, described_instance
 from router.status_model import StartRecord
@@ -101,12 +101,14 @@ class Launcher:
                                          for a in self._actors.values()), return_exceptions=True)
         return {node for node in answers if isinstance(node, str)}
 
-    async def adopt(self, configs: list[EngineConfig], keep_store: bool, timeout_s: float = 10.0) -> tuple[str, ...]:
+    async def adopt(self, configs: list[EngineConfig], roles: Collection[Role], keep_store: bool,
+                    timeout_s: float = 10.0) -> tuple[str, ...]:
         """Take over what a launcher that died left on this Ray cluster: its ready and standby
-        engines of the models of `configs` are registered as they are (weights, KV cache and all); its
-        store shards are kept if `keep_store` (StoreShards.reconcile then keeps those that answer,
-        where engines run). Any other engine of ours there (another model or tensor-parallel size, a
-        start cut short, one that does not answer, one whose use of the store differs) is stopped.
+        engines of the models of `configs` in the topology's `roles` are registered as they are
+        (weights, KV cache and all); its store shards are kept if `keep_store`, the new fleet's own
+        (StoreShards.reconcile then keeps those that answer, where engines run). Any other engine of
+        ours there (another model, role or tensor-parallel size, a start cut short, one that does not
+        answer, one whose use of the store differs) is stopped.
         Only actors that prove they hold the cluster's secret are ours: a named actor anyone else put
         in the namespace is neither adopted nor used."""
         started = time.monotonic()
@@ -126,6 +128,7 @@ class Launcher:
             described = answers[name]
             if not (isinstance(described, EngineDescription) and described.serves(served)
                     and (described.state == InstanceState.READY or described.state.is_standby)
+                    and described.role in roles  # a P/D engine's connector in a colocated fleet, or back
                     # an engine of another size would share no KV chunk or weight shard with the new ones
                     and described.tensor_parallel_size == sizes[described.served_model_name].for_role(described.role)
                     # its KV connector is fixed at its start: one without the store in a fleet with one would

@@ -21,6 +21,7 @@ from deploy.ray_head import RAY_NAMESPACE
 from deploy.store_shards import STORE_SHARD_PREFIX
 from engine.config import EngineConfig
 from engine.lifecycle import EngineDescription
+from engine.role_spec import Role
 from fleet.instances import InstanceRegistry
 from loadtest.engine_standin import StandInIdentity
 from loadtest.local_cluster import RayHead
@@ -137,7 +138,7 @@ async def test_a_launcher_adopts_only_actors_that_prove_the_cluster_secret(fake_
     posing = fake_actor(f"{STORE_SHARD_PREFIX}posing", CREDENTIALS, kind="engine")  # an engine's proof, as a shard
     registry = InstanceRegistry()
     launcher = Launcher(registry, CREDENTIALS)
-    adopted = await launcher.adopt([config], keep_store=True)
+    adopted = await launcher.adopt([config], {Role.COLOCATED}, keep_store=True)
     assert adopted == ("tiny-colocated-0",)
     assert [i.instance_id for i in registry.all()] == ["tiny-colocated-0"]
     assert launcher.store.shards == {}
@@ -145,15 +146,19 @@ async def test_a_launcher_adopts_only_actors_that_prove_the_cluster_secret(fake_
     assert calls(engine) == calls(shard) == calls(posing) == ["prove"]
 
 
-async def test_a_launcher_stops_engines_whose_use_of_the_store_differs(fake_actor, config):
-    """A restart that turns the store on or off (`--shared-store`, `--kv-transfer`) cannot reuse an
-    engine started the other way: its KV connector was fixed at its start. It is stopped, not adopted."""
+async def test_a_launcher_stops_engines_that_no_longer_fit_the_fleet(fake_actor, config):
+    """A restart that turns the store on or off (`--shared-store`, `--kv-transfer`) or changes the
+    topology cannot reuse an engine started the other way: its KV connector was fixed at its start.
+    It is stopped, not adopted."""
     with_store = fake_actor("tiny-colocated-0", CREDENTIALS, description=ready_engine("tiny-colocated-0", config))
     without = fake_actor("tiny-colocated-1", CREDENTIALS,
                          description=ready_engine("tiny-colocated-1", config, kv_store=False))
-    assert await Launcher(InstanceRegistry(), CREDENTIALS).adopt([config], keep_store=False) == ("tiny-colocated-1",)
+    colocated = {Role.COLOCATED}
+    assert await Launcher(InstanceRegistry(), CREDENTIALS).adopt([config], colocated, keep_store=False) == (
+        "tiny-colocated-1",)
     assert ended(with_store)
-    assert await Launcher(InstanceRegistry(), CREDENTIALS).adopt([config], keep_store=True) == ()
+    assert await Launcher(InstanceRegistry(), CREDENTIALS).adopt([config], {Role.PREFILL, Role.DECODE},
+                                                                 keep_store=False) == ()
     assert ended(without)
 
 
@@ -163,11 +168,11 @@ async def test_a_failed_router_restart_leaves_the_adopted_fleet_serving(fake_act
     engine = fake_actor("tiny-colocated-0", CREDENTIALS, description=ready_engine("tiny-colocated-0", config))
     shard = fake_actor(f"{STORE_SHARD_PREFIX}node", CREDENTIALS, kind="store-shard")
     failed = Launcher(InstanceRegistry(), CREDENTIALS)
-    await failed.adopt([config], keep_store=True)
+    await failed.adopt([config], {Role.COLOCATED}, keep_store=True)
     await failed.shutdown(keep_adopted=True)
     assert calls(engine) == ["prove", "describe"] and calls(shard) == ["prove"]  # still there, untouched
     again = Launcher(InstanceRegistry(), CREDENTIALS)
-    assert await again.adopt([config], keep_store=True) == ("tiny-colocated-0",)
+    assert await again.adopt([config], {Role.COLOCATED}, keep_store=True) == ("tiny-colocated-0",)
     assert list(again.store.shards) == [f"{STORE_SHARD_PREFIX}node"]
     await again.shutdown()
     assert ended(engine) and ended(shard)
