@@ -1,15 +1,15 @@
 """The multi-tenant agent workload (loadtest/workloads.py `AgentSessions`) as a Mooncake-format
 trace, for `pdcluster simulate` to replay what `loadtest.routing_live` runs live.
 
-    python -m loadtest.agents_trace [--tokens-per-word 2.55] [--turn-s 0.5] [--seed 0] [--block-tokens 512]
-                                   [--out results/agents.jsonl]
-    pdcluster simulate --trace results/agents.jsonl --instances 2 --policy round_robin kv_aware
+    python -m loadtest.agents_trace [--tokens-per-word 2.55] [--turn-s 0.5] [--concurrency 4] [--seed 0]
+                                   [--block-tokens 32] [--out results/agents.jsonl]
+    pdcluster simulate --trace results/agents.jsonl --instances 2 --cache-blocks 4000 --policy round_robin kv_aware
 
 Each request's prompt is its session's history in the order the live client sends it: the
 tenant's system prompt, the task, then per earlier turn the answer (`output_tokens`) and the next
 tool result; word counts become tokens at `--tokens-per-word` (the tiny model's tokenizer: ~2.55).
-Equal prefixes get equal hash ids block by block (`--block-tokens`, 512 as Mooncake's traces, or
-the engines' 32, written in each record), so the replay's KV index sees what the engines' would.
+Equal prefixes get equal hash ids block by block (`--block-tokens`: the engines' 32, or 512 as
+Mooncake's traces; written in each record), so the replay's KV index sees what the engines' would.
 The live client is a closed loop (`--concurrency` sessions at a time, each turn sent when the
 last one answers); the trace is its open-loop image: each turn about `--turn-s` after the one before (the live run's wall time x
 concurrency / requests), and a session starts when a slot frees, in the live order. The live
@@ -25,8 +25,10 @@ import json
 import random
 from pathlib import Path
 
-from loadtest.simulate import TRACE_BLOCK_TOKENS
+from engine.config import KVHashing
 from loadtest.workloads import AgentSessions
+
+ENGINE_BLOCK_TOKENS = KVHashing().block_size
 
 
 def prompt_units(workload: AgentSessions, tenant: int, session: int, turn: int,
@@ -52,7 +54,7 @@ def hash_ids(units: list[tuple], block_tokens: int) -> list[int]:
 
 
 def records(workload: AgentSessions, tokens_per_word: float, turn_s: float, concurrency: int,
-            seed: int = 0, block_tokens: int = TRACE_BLOCK_TOKENS) -> list[dict]:
+            seed: int = 0, block_tokens: int = ENGINE_BLOCK_TOKENS) -> list[dict]:
     """Mooncake records (timestamp ms, input_length, output_length, hash_ids), sorted by arrival.
     Each turn lasts `turn_s` x uniform(0.5, 1.5): in lockstep the sessions would meet round robin's
     turn in the same order every round, and it would keep each session on one instance."""
@@ -78,8 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--turn-s", type=float, default=0.5)
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0, help="of the turns' durations")
-    parser.add_argument("--block-tokens", type=int, default=TRACE_BLOCK_TOKENS,
-                        help="tokens a hash id names (the engines' block size, 32, for prompts of a few blocks)")
+    parser.add_argument("--block-tokens", type=int, default=ENGINE_BLOCK_TOKENS,
+                        help="tokens a hash id names: the engines' block size by default (Mooncake's 512 hides "
+                             "what prompts of a few hundred tokens share)")
     parser.add_argument("--out", type=Path, default=Path("results/agents.jsonl"))
     args = parser.parse_args(argv)
     rows = records(AgentSessions(), args.tokens_per_word, args.turn_s, args.concurrency, args.seed,

@@ -154,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.repeats < 1:
         parser.error("--repeats is at least 1")
+    if args.cpus and not args.cpus <= os.sched_getaffinity(0):
+        parser.error(f"--cpus: this process may run on {sorted(os.sched_getaffinity(0))} only")
     if args.variants[0] != "plain":
         parser.error("--variants begins with plain (the ratios are to it)")
     samples: dict[str, dict[str, list[float]]] = {m: {v: [] for v in args.variants} for m in METRICS}

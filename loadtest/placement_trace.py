@@ -1,6 +1,7 @@
 """The router's placement records, gathered while a load runs: how many prompt tokens each request's
-serving instance had to compute, those the router's index did not say it held. Where two policies'
-medians of these are equal, no placement can make the median request's first token come sooner."""
+serving instance had to compute, those the router's index said neither it nor the store held
+(requests prefilled remotely, in P/D, left out). Where two policies' medians of these are equal,
+no placement can make the median request's first token come sooner."""
 
 from __future__ import annotations
 
@@ -50,13 +51,17 @@ class PlacementTrace:
             return
         for record in status.get("recent_placements", ()):
             chosen = [c for c in record.get("candidates", ()) if c.get("instance_id") == record.get("chosen")]
-            if chosen and record.get("at", 0) >= self._since and not record.get("migrated"):
+            # A remote prefill (P/D) is computed where the record does not say what was cached.
+            if (chosen and record.get("at", 0) >= self._since and not record.get("migrated")
+                    and record.get("prefill") is None):
+                held = chosen[0]["cached_blocks"] + chosen[0]["store_blocks"]
                 self._records[(record["at"], record["chosen"])] = {"prompt_tokens": record["prompt_tokens"],
-                                                                  "cached_blocks": chosen[0]["cached_blocks"]}
+                                                                  "held_blocks": held}
 
     def computed_tokens(self) -> list[int]:
-        """Each placed request's prompt tokens not held by the instance that served it."""
-        return [max(r["prompt_tokens"] - r["cached_blocks"] * self.block_size, 0) for r in self._records.values()]
+        """Each request's prompt tokens that the instance serving it held neither in its own cache
+        nor could fetch from the store; requests prefilled remotely (P/D) are left out."""
+        return [max(r["prompt_tokens"] - r["held_blocks"] * self.block_size, 0) for r in self._records.values()]
 
     def summary(self) -> dict[str, float | None]:
         computed = sorted(self.computed_tokens())

@@ -288,7 +288,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", type=Path, required=True, help="Mooncake-format JSONL")
     parser.add_argument("--policy", nargs="+", default=list(POLICIES), help="policies to compare")
     parser.add_argument("--instances", type=int, default=8)
-    parser.add_argument("--cache-blocks", type=int, default=1000)
+    parser.add_argument("--cache-blocks", type=int, default=1000,
+                        help="each instance's prefix cache, in the trace's blocks (512 tokens, or its records' own)")
     parser.add_argument("--prefill-rate", type=float, default=20_000.0, help="tokens/s per instance")
     parser.add_argument("--speed", type=float, default=1.0, help="replay speed-up of the arrival times")
     parser.add_argument("--store-blocks", type=int, default=0)

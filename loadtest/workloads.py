@@ -177,7 +177,10 @@ class MooncakeReplay:
 
     def records(self) -> list[dict]:
         with self.trace.open() as lines:
-            return sorted((json.loads(line) for line in lines if line.strip()), key=lambda r: r["timestamp"])
+            records = sorted((json.loads(line) for line in lines if line.strip()), key=lambda r: r["timestamp"])
+        if any(r.get("block_tokens", 512) != 512 for r in records):  # loadtest.agents_trace's, for the simulator
+            raise ValueError(f"{self.trace}: its hash ids name blocks of another size than Mooncake's 512 tokens")
+        return records
 
     def prompt(self, record: dict) -> list[int]:
         scale = self.block_tokens / 512
