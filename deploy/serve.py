@@ -297,8 +297,7 @@ async def _start_fleet(launcher, registry, engine_configs, router_config, topolo
     launcher.on_start.append(starts.record)
 
     # A router restarted on a running cluster takes over the engines its predecessor left.
-    roles = {spec.kind for config in engine_configs for _, spec in topology.roles(config.served_model_name)}
-    await launcher.adopt(engine_configs, roles, keep_store=store_bytes > 0)
+    await launcher.adopt(engine_configs, topology.role_kinds(), keep_store=store_bytes > 0)
     shards: tuple[str, ...] = ()
     if store_bytes:
         fault_injection = os.environ.get(STORE_FAULT_INJECTION_ENV) == "1"
