@@ -11,8 +11,8 @@ tool result; word counts become tokens at `--tokens-per-word` (the tiny model's 
 Equal prefixes get equal hash ids block by block (`--block-tokens`: the engines' 32, or 512 as
 Mooncake's traces; written in each record), so the replay's KV index sees what the engines' would.
 The live client is a closed loop (`--concurrency` sessions at a time, each turn sent when the
-last one answers); the trace is its open-loop image: each turn about `--turn-s` after the one before (the live run's wall time x
-concurrency / requests), and a session starts when a slot frees, in the live order. The live
+last one answers); the trace is its open-loop image: each turn about `--turn-s` after the one
+before (the live run's wall time x concurrency / requests), and a session starts when a slot frees, in the live order. The live
 seeds change the prompts' words, not their structure; `--seed` here draws the turns' durations.
 """
 
@@ -44,12 +44,13 @@ def prompt_units(workload: AgentSessions, tenant: int, session: int, turn: int,
     return units
 
 
-def hash_ids(units: list[tuple], block_tokens: int) -> list[int]:
-    """Chained block ids: block b's id names every unit up to its end, as a prefix hash does."""
+def hash_ids(units: list[tuple], block_tokens: int, numbers: dict[bytes, int]) -> list[int]:
+    """Chained block ids: block b's id names every unit up to its end, as a prefix hash does;
+    `numbers` gives each distinct prefix the next integer (ids as small as a trace's, no collisions)."""
     ids, chain = [], hashlib.sha256()
     for start in range(0, len(units), block_tokens):
         chain.update(repr(units[start:start + block_tokens]).encode())
-        ids.append(int.from_bytes(chain.copy().digest()[:4], "big") % 10**7)
+        ids.append(numbers.setdefault(chain.copy().digest(), len(numbers)))
     return ids
 
 
@@ -60,14 +61,14 @@ def records(workload: AgentSessions, tokens_per_word: float, turn_s: float, conc
     turn in the same order every round, and it would keep each session on one instance."""
     rng = random.Random(seed)
     slots = [0.0] * concurrency  # when each of the client's slots frees
-    rows = []
+    rows, numbers = [], {}
     for session in range(workload.sessions):
         for tenant in range(workload.tenants):  # the live order: t0s0, t1s0, ..., t0s1, ...
             at = heapq.heappop(slots)
             for turn in range(workload.turns):
                 units = prompt_units(workload, tenant, session, turn, tokens_per_word)
                 rows.append({"timestamp": round(at * 1000), "input_length": len(units),
-                             "output_length": workload.output_tokens, "hash_ids": hash_ids(units, block_tokens),
+                             "output_length": workload.output_tokens, "hash_ids": hash_ids(units, block_tokens, numbers),
                              "block_tokens": block_tokens})
                 at += turn_s * rng.uniform(0.5, 1.5)
             heapq.heappush(slots, at)

@@ -5,13 +5,13 @@ no placement can make the median request's first token come sooner."""
 
 from __future__ import annotations
 
-import statistics
 import threading
 import time
 
 import httpx
 
 from loadtest.local_cluster import LocalServer
+from router.metrics import percentile
 
 
 class PlacementTrace:
@@ -64,8 +64,5 @@ class PlacementTrace:
         return [max(r["prompt_tokens"] - r["held_blocks"] * self.block_size, 0) for r in self._records.values()]
 
     def summary(self) -> dict[str, float | None]:
-        computed = sorted(self.computed_tokens())
-        if not computed:
-            return {"computed_tokens_p50": None, "computed_tokens_p90": None}
-        return {"computed_tokens_p50": statistics.median(computed),
-                "computed_tokens_p90": computed[min(int(0.9 * len(computed)), len(computed) - 1)]}
+        computed = self.computed_tokens()
+        return {f"computed_tokens_p{q}": percentile(computed, q) if computed else None for q in (50, 90)}
