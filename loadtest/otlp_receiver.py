@@ -1,6 +1,6 @@
 """A real OTLP/gRPC trace receiver on loopback (opentelemetry-proto's TraceService on grpcio), the
 far end of `--otlp-traces-endpoint`: it keeps the spans it is sent, for tests to read
-(tests/e2e/test_pd_tracing.py), or drops them, as the load test's sink (`loadtest.router_overhead
+(tests/e2e/served_pd/test_pd_tracing.py), or drops them, as the load test's sink (`loadtest.router_overhead
 --tracing`), so that what tracing costs is the exporters' work, not a collector's."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The router's spans without vLLM (router/tracing.py): a real router app, a real OTLP/gRPC
 receiver, and a stand-in engine (named so: an ASGI app that streams canned events and keeps the
 trace context it was sent), so the span tree and the `traceparent` an engine gets are checked in
-the unit tier. tests/e2e/test_pd_tracing.py checks the whole P/D chain with real engines."""
+the unit tier. tests/e2e/served_pd/test_pd_tracing.py checks the whole P/D chain with real engines."""
 
 from __future__ import annotations
 

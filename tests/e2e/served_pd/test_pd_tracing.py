@@ -1,12 +1,15 @@
 """One OpenTelemetry trace per request across the router and both vLLM engines of a P/D request
-(router/tracing.py): a real OTLP/gRPC receiver (loadtest/otlp_receiver.py) and a real
+(router/tracing.py): a real OTLP/gRPC receiver (loadtest/otlp_receiver.py) and this package's
 `pdcluster serve` of one prefill and one decode tiny engine started with
 `--otlp-traces-endpoint`, every request prefilled remotely. The engines' spans are vLLM's own
-(`llm_request`, from its output processor), joined through the `traceparent` the router sends."""
+(`llm_request`, from its output processor), joined through the `traceparent` the router sends.
+The receiver also holds the spans of this package's other tests: each test picks its own
+requests' traces by id, or by a start after its request was sent."""
 
 from __future__ import annotations
 
 import secrets
+import time
 
 import httpx
 import pytest
@@ -25,13 +28,9 @@ ENGINE_SPAN = "llm_request"
 MAX_TOKENS = 8
 
 
-@pytest.fixture(scope="module")
-def traced_pd(tiny_model, artifacts):
-    with OTLPReceiver() as receiver:
-        args = ["--model", "tiny", "--prefill", "1", "--decode", "1", "--remote-prefill-min-tokens", "0",
-                "--otlp-traces-endpoint", receiver.endpoint]
-        with LocalServer(args, artifacts / "serve-tracing.log") as server:
-            yield server, receiver
+@pytest.fixture
+def traced_pd(served_pd, otlp_receiver):
+    return served_pd, otlp_receiver
 
 
 def complete(server: LocalServer, headers: dict | None = None, stream: bool = True) -> httpx.Response:
@@ -105,13 +104,13 @@ def test_a_pd_request_is_one_trace_joined_to_the_clients(traced_pd):
 
 def test_a_request_without_traceparent_starts_its_own_trace(traced_pd):
     server, receiver = traced_pd
-    before = {s.trace_id for s in receiver.spans() if s.name == REQUEST_SPAN}
+    sent_ns = time.time_ns()  # spans of earlier tests' requests may still arrive: all began before
     complete(server, stream=False)
 
-    def new_root(spans: list[ReceivedSpan]) -> bool:
-        return any(s.name == REQUEST_SPAN and s.trace_id not in before for s in spans)
+    def new_roots(spans: list[ReceivedSpan]) -> list[ReceivedSpan]:
+        return [s for s in spans if s.name == REQUEST_SPAN and s.start_ns >= sent_ns]
 
-    (root,) = [s for s in receiver.wait_for(new_root, 30) if s.name == REQUEST_SPAN and s.trace_id not in before]
+    (root,) = new_roots(receiver.wait_for(new_roots, 30))
     assert root.parent_span_id == ""
     assert_pd_chain(whole_trace(receiver, root.trace_id))
 
