@@ -42,7 +42,7 @@ serve: install
 
 test: install system-packages
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/pytest -ra --durations=25
+	$(VENV)/bin/pytest -ra --durations=50
 
 # Unit tests only, but for the slow ones (fuzzers, process starts): no engine, no Ray head,
 # under a minute: two workers (each imports vLLM and torch to collect; ~70 s on one, ~50 on two).
