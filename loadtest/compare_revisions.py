@@ -63,8 +63,9 @@ SERVED_FROM_TREE = {"routing_live", "routing_live_pd"}
 
 
 def _routing(result: dict) -> dict[str, float]:
+    # None: what the tree's server cannot show (computed tokens need its placements view)
     return {f"{policy} {metric}": value for policy, row in result["medians"].items()
-            for metric, value in row.items() if not metric.endswith("_ratio")}
+            for metric, value in row.items() if not metric.endswith("_ratio") and value is not None}
 
 
 PLUGIN_GROUP = "vllm.general_plugins"
@@ -128,19 +129,28 @@ def main(argv: list[str] | None = None) -> int:
                         print(f"round {round_ + 1}/{args.rounds} {bench} {side}: {values}", flush=True)
         finally:
             subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(before)], check=False)
-    rows = []
-    print(f"\n{'bench':7s} {'metric':44s} {'before':>9s} {'after':>9s} {'after/before':>13s}")
-    for bench in benches:
-        for name, values in samples[bench]["before"].items():
-            b, a = statistics.median(values), statistics.median(samples[bench]["after"][name])
-            rows.append({"bench": bench, "metric": name, "before": b, "after": a, "ratio": a / b,
-                         "before_runs": values, "after_runs": samples[bench]["after"][name]})
-            print(f"{bench:7s} {name:44s} {b:9.3f} {a:9.3f} {a / b:13.3f}")
+    rows = summarize(samples)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"before": args.before, "rounds": args.rounds, "rows": rows}, indent=2))
     plot(rows, args.out.with_suffix(".png"))
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
     return 0
+
+
+def summarize(samples: dict[str, dict[str, dict[str, list[float]]]]) -> list[dict]:
+    """Per benchmark and metric (those both trees gave), the medians over rounds and after/before;
+    printed as a table."""
+    rows = []
+    print(f"\n{'bench':7s} {'metric':44s} {'before':>9s} {'after':>9s} {'after/before':>13s}")
+    for bench, sides in samples.items():
+        for name, values in sides["before"].items():
+            if name not in sides["after"]:
+                continue
+            b, a = statistics.median(values), statistics.median(sides["after"][name])
+            rows.append({"bench": bench, "metric": name, "before": b, "after": a, "ratio": a / b if b else None,
+                         "before_runs": values, "after_runs": sides["after"][name]})
+            print(f"{bench:7s} {name:44s} {b:9.3f} {a:9.3f} {a / b if b else float('nan'):13.3f}")
+    return rows
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -150,11 +160,12 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     figure, axis = plt.subplots(figsize=(8, 4))
+    rows = [r for r in rows if r["ratio"] is not None]
     labels = [f"{r['bench']}: {r['metric']}" for r in rows]
     axis.barh(labels, [r["ratio"] for r in rows])
     axis.axvline(1.0, color="black", linewidth=0.8)
     axis.set_xlabel("after / before (medians; time: lower is better, GiB/s: higher is better)")
-    axis.set_title("The same benchmarks before and after the protection, one run")
+    axis.set_title("The same benchmarks from two revisions, alternated in one run")
     figure.tight_layout()
     figure.savefig(path, dpi=120)
 
