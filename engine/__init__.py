@@ -1,7 +1,7 @@
-"""What prefill and decode instances share: one vLLM engine per instance, built from a typed
-config (`config`, with the role's record from `roles`), hosted by a Ray actor (`host`: the
-server process, its start-up timeline, its health, the engine token on every route via
-`http_auth`, KV events on the cluster's keys via `kv_events`); the weight plane that fills an
-engine from disk (`checkpoint`) or from a warm peer (`weights`, `cuda_ipc`, `device_checksum`),
-inside the worker (`worker_extension`; `quantization`: which quantized formats are served, and
-what their reload needs); the local model builders (`models`)."""
+"""What prefill and decode instances share: one vLLM engine per instance, built from a typed config
+(`config`, with the role's record from `roles`), hosted by a Ray actor (`host`: the server
+process, what it prints (`server_output`), its start-up timeline, its health, the engine token on
+every route via `http_auth`, KV events on the cluster's keys via `kv_events`); the weight plane
+that fills an engine from disk (`checkpoint`) or from a warm peer (`weights`, `cuda_ipc`,
+`device_checksum`), inside the worker (`worker_extension`; `quantization`: which quantized
+formats are served, and what their reload needs); the local model builders (`models`)."""

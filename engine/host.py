@@ -17,27 +17,24 @@ weights) and `activate()` in well under a second when capacity is needed.
 from __future__ import annotations
 
 import asyncio
-import collections
-import contextlib
 import json
 import socket
 import subprocess
-import threading
 import time
 
 import httpx
 
 from engine.config import EngineConfig
-from engine.environment import KV_EVENTS_MARK, KV_EVENTS_PLUGIN, is_cpu_build, listening_socket
+from engine.environment import KV_EVENTS_PLUGIN, is_cpu_build, listening_socket
 from engine.lifecycle import EngineDescription, InstanceState, StartTimeline
 from engine.process import local_client, spawn_group, terminate_group
 from engine.server_command import LISTEN_FD_ENV, kv_events_plugin_installed, server_command, server_env
+from engine.server_output import ServerOutput
 from engine.weights import PeerWeights, new_weights_file
 from security.credentials import ClusterCredentials, EngineHostKeys
 from security.engine_access import EngineAccess, EngineEndpoint, open_endpoint
 from transport.address import node_address
 
-LOG_TAIL_LINES = 200
 START_ATTEMPTS = 3
 """Starts tried before one fails for a port in use: vLLM binds some ports itself (the NIXL side
 channel of `--kv-transfer direct`), which another process may hold; each try draws new ones."""
@@ -68,16 +65,13 @@ class EngineHost:
         """Where the current server process serves, and its certificate (sealed): what a router needs."""
         self.access: EngineAccess | None = None
         """This host's own way into that process."""
-        self.kv_events_endpoint: str | None = None
-        self.kv_events_replay_endpoint: str | None = None
-        """The KV event sockets, as the process reports them once bound (KV_EVENTS_MARK)."""
         self.weights_file = new_weights_file(config.weights_dir) if config.keep_host_weights else None
         """Where the engine keeps the host copy of its weights that its node's peers may map."""
         self.state = InstanceState.STOPPED
         self.timeline = StartTimeline()
         self.weights_record: dict = {}
         self._process: subprocess.Popen[str] | None = None
-        self._log_tail: collections.deque[str] = collections.deque(maxlen=LOG_TAIL_LINES)
+        self._output: ServerOutput | None = None
 
     @property
     def url(self) -> str:
@@ -99,8 +93,9 @@ class EngineHost:
         return EngineDescription(
             instance_id=self.instance_id, role=self.config.role.kind, model=str(self.config.model),
             served_model_name=self.config.served_model_name, max_model_len=self.config.max_model_len,
-            state=self.state, url=self.url, endpoint=self.endpoint, kv_events_endpoint=self.kv_events_endpoint,
-            kv_events_replay_endpoint=self.kv_events_replay_endpoint,
+            state=self.state, url=self.url, endpoint=self.endpoint,
+            kv_events_endpoint=self._output.kv_events_endpoint if self._output else None,
+            kv_events_replay_endpoint=self._output.kv_events_replay_endpoint if self._output else None,
             pid=self._process.pid if self._process else None,
             exited=self._process is not None and self._process.poll() is not None,
             last_stage=self.timeline.marks[-1][0] if self.timeline.marks else "",
@@ -193,7 +188,6 @@ class EngineHost:
         keys = self.keys.new_process(self.host)
         self.endpoint = self.keys.endpoint(keys, self.url)
         self.access = open_endpoint(self.keys.engine_key, self.endpoint)
-        self.kv_events_endpoint = self.kv_events_replay_endpoint = None
         env = server_env(self.config, self.host, self.instance_id, keys, self.weights_file)
         env[LISTEN_FD_ENV] = str(listener.fileno())
         command = server_command(self.config, self.host, self.port, self.instance_id)
@@ -202,7 +196,8 @@ class EngineHost:
 
     def _popen(self, command: list[str], env: dict[str, str], listener_fd: int) -> None:
         self._process = spawn_group(command, env, (listener_fd,))
-        threading.Thread(target=self._follow_log, args=(self._process,), daemon=True).start()
+        log_path = self.config.log_dir / f"{self.instance_id}.log" if self.config.log_dir is not None else None
+        self._output = ServerOutput(self._process, log_path, lambda: self.timeline, self.config.kv_events)
 
     async def activate(self, peer: PeerWeights | None = None) -> dict:
         """Turn a standby (awake, asleep or only imported) into a READY instance: started if only
@@ -363,28 +358,8 @@ class EngineHost:
         return response.json()["results"]
 
     def log_tail(self) -> list[str]:
-        """The last LOG_TAIL_LINES lines the vLLM server printed."""
-        return list(self._log_tail)
-
-    def _follow_log(self, process: subprocess.Popen[str]) -> None:
-        assert process.stdout is not None
-        log_file = None
-        if self.config.log_dir is not None:
-            self.config.log_dir.mkdir(parents=True, exist_ok=True)
-            log_file = open(self.config.log_dir / f"{self.instance_id}.log", "a", buffering=1)  # noqa: SIM115
-        with log_file or contextlib.nullcontext():
-            for line in process.stdout:
-                self._follow_line(line, log_file)
-
-    def _follow_line(self, line: str, log_file) -> None:
-        if log_file is not None:
-            log_file.write(line)
-        self._log_tail.append(line.rstrip())
-        self.timeline.mark_from_log(line)
-        if KV_EVENTS_MARK in line and self.config.kv_events and self.kv_events_endpoint is None:
-            # the first such line of this process: our publisher's, written before any request
-            bound = json.loads(line.split(KV_EVENTS_MARK, 1)[1])
-            self.kv_events_endpoint, self.kv_events_replay_endpoint = bound["endpoint"], bound["replay_endpoint"]
+        """The last lines the current vLLM server process printed."""
+        return list(self._output.tail) if self._output else []
 
     async def _wait_until_healthy(self) -> None:
         async with self._client(5.0) as client:
