@@ -25,6 +25,7 @@ def add_serve_parser(subparsers, command, name: str = "serve", help: str = "serv
     _add_cold_start_flags(parser)
     _add_admission_flags(parser)
     _add_routing_flags(parser)
+    _add_kv_store_flags(parser)
     _add_observability_flags(parser)
     parser.set_defaults(func=command)
     return parser
@@ -186,7 +187,7 @@ def _add_admission_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_routing_flags(parser: argparse.ArgumentParser) -> None:
-    """Where requests run: the policy, remote or local prefill, the KV handoff, migrations."""
+    """Where requests run: the policy, remote or local prefill, migrations."""
     parser.add_argument("--policy", default="kv_aware", help="routing policy (router.policies.POLICIES)")
     parser.add_argument(
         "--request-cost-tokens",
@@ -209,22 +210,6 @@ def _add_routing_flags(parser: argparse.ArgumentParser) -> None:
         "(shorter TTFT while prefill is the bottleneck; decode steps wait behind those prefills)",
     )
     parser.add_argument(
-        "--kv-transfer",
-        choices=("store", "direct"),
-        default=env_default("KV_TRANSFER", "store"),
-        help="P/D: hand KV over through the LMCache-backed store shards, or directly prefill -> decode (NIXL)",
-    )
-    parser.add_argument(
-        "--store-gib", type=float, default=2.0, help="host memory of each node's KV store shard"
-    )
-    parser.add_argument(
-        "--shared-store",
-        action="store_true",
-        help="colocated instances too save the prompts they compute to the store shards and load what "
-        "the store holds (a prefix one instance computed is fetched, not recomputed, by another); "
-        "like P/D engines they then run vLLM's synchronous scheduler (no async scheduling)",
-    )
-    parser.add_argument(
         "--max-migrations",
         type=int,
         default=1,
@@ -245,6 +230,26 @@ def _add_routing_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--request-timeout", type=float, default=600.0,
                         help="longest wait for an engine's next bytes of an answer (s; raise it for very long "
                         "generations that stream nothing)")
+
+
+def _add_kv_store_flags(parser: argparse.ArgumentParser) -> None:
+    """How KV moves between instances: P/D's hand-over, the store shards, the shared store."""
+    parser.add_argument(
+        "--kv-transfer",
+        choices=("store", "direct"),
+        default=env_default("KV_TRANSFER", "store"),
+        help="P/D: hand KV over through the LMCache-backed store shards, or directly prefill -> decode (NIXL)",
+    )
+    parser.add_argument(
+        "--store-gib", type=float, default=2.0, help="host memory of each node's KV store shard"
+    )
+    parser.add_argument(
+        "--shared-store",
+        action="store_true",
+        help="colocated instances too save the prompts they compute to the store shards and load what "
+        "the store holds (a prefix one instance computed is fetched, not recomputed, by another); "
+        "like P/D engines they then run vLLM's synchronous scheduler (no async scheduling)",
+    )
     parser.add_argument("--store-timeout", type=float, default=5.0,
                         help="longest one KV store call (lookup, read, write) may take before it counts as a miss (s)")
 
