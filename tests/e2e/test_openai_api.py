@@ -6,7 +6,7 @@ import httpx
 import openai
 import pytest
 
-from loadtest.router_overhead import huge_prompt_attack
+from loadtest.ttft_under_attack import huge_prompt_attack
 
 pytestmark = pytest.mark.slow
 MODEL = "tiny"
