@@ -19,9 +19,9 @@ engine of a `pdcluster serve` started with the same endpoint, so vLLM exports it
 paths. The result adds the traced router's added time and its ratio to the untraced one's.
 
 `--attackers N` adds a second measurement through the router (loadtest/ttft_under_attack.py)
-while N clients send it the largest
-chat prompts a body may hold, in a loop (each is refused with a 400 after the router tokenized
-it; docs/security.md, attack 5): what such clients cost everyone else's time to first token.
+while N clients send it the largest chat prompts a body may hold, in a loop (each is refused
+with a 400 after the router tokenized it; docs/security.md, attack 5): what such clients cost
+everyone else's time to first token.
 The JSON's `attack` holds the quiet and attacked median, p90 and p99 (medians of runs), their
 ratios and `p99_within_2x` (issue #19's goal); `attack_per_run` each run's, with the attackers'
 answers by HTTP status (the attack ran, and was refused). The e2e test (tests/e2e/test_openai_api.py)
