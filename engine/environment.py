@@ -46,6 +46,11 @@ KV_EVENTS_MARK = "pdcluster: kv events bound "
 sockets on ports of the system's choosing (engine/kv_event_publisher.py); the engine's host reads them
 off the log. Ports picked ahead and named on the command line could be bound by another local
 user before the engine core binds them, failing the start."""
+KV_EVENTS_COST_ENV = "PDC_KV_EVENTS_COST_S"
+KV_EVENTS_COST_MARK = "pdcluster: kv events cost "
+"""With KV_EVENTS_COST_ENV set (seconds), our publisher prints this mark and JSON every that many
+seconds while it publishes: what publishing cost the engine core so far (engine/kv_event_publisher.py
+`PublisherCost`; read by loadtest/engine_extras.py)."""
 GRAMMAR_LOGITS_PROCESSOR = "engine.grammar_continuation:GrammarContinuation"
 """Loaded by every engine (`--logits-processors`): structured output continued from sent tokens."""
 GRAMMAR_ARG = "pdc_grammar"

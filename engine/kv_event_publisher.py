@@ -17,23 +17,33 @@ vLLM falls back to its plain publisher, silently, where the entry point is missi
 refuses to start an engine with KV events there (engine/server_command.py,
 `kv_events_plugin_installed`). A plugin that is installed but fails to import in the engine's
 processes vLLM only logs ("Failed to load plugin"): that case is not caught.
+
+With KV_EVENTS_COST_ENV set (seconds), the publisher prints what it cost the engine core so far,
+every that many seconds while it publishes (KV_EVENTS_COST_MARK, then JSON): the seconds spent in
+`publish` on the engine core's loop thread, the CPU seconds of vLLM's sending thread, and the
+loop thread's own CPU seconds, all since the first batch. loadtest/engine_extras.py reads it: a
+bound on the publisher's share of the loop that A/B throughput runs are too noisy to give.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
+import threading
+import time
 
 import msgspec
 import zmq
 from vllm.distributed.kv_events import BlockStored, EventPublisherFactory, ZmqEventPublisher
 
-from engine.environment import KV_EVENTS_MARK
+from engine.environment import KV_EVENTS_COST_ENV, KV_EVENTS_COST_MARK, KV_EVENTS_MARK
 from security.credentials import EngineKeys
 from transport.listener_warden import watched_listeners
 from transport.zmq_curve import Gate, serve_curve
 
 _gates: dict[int, Gate] = {}  # one ZAP handler per ZMQ context
+_COST_INTERVAL_S = float(os.environ[KV_EVENTS_COST_ENV]) if KV_EVENTS_COST_ENV in os.environ else None
 
 
 class ClusterEventPublisher(ZmqEventPublisher):
@@ -41,6 +51,10 @@ class ClusterEventPublisher(ZmqEventPublisher):
     """Messages taken off the replay socket so far (well-formed requests or not)."""
     REPLAYS_PER_TURN = 256
     """Replay requests served at one turn of vLLM's publishing loop (events are published between turns)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        self._cost: PublisherCost | None = None
+        super().__init__(*args, **kwargs)
 
     def _socket_setup(self) -> None:
         keys = EngineKeys.load().kv_events
@@ -76,7 +90,41 @@ class ClusterEventPublisher(ZmqEventPublisher):
                 return
 
     def publish(self, events) -> None:
+        started = time.perf_counter()
         super().publish(msgspec.structs.replace(events, events=[_blinded(e) for e in events.events]))
+        if _COST_INTERVAL_S is not None:
+            self._count_cost(started, _COST_INTERVAL_S)
+
+    def _count_cost(self, started: float, interval_s: float) -> None:
+        now = time.perf_counter()
+        if self._cost is None:
+            self._cost = PublisherCost(threading.get_ident(), self._thread.ident, started)
+        self._cost.add(now - started)
+        if now - self._cost.reported_at >= interval_s:
+            self._cost.reported_at = now
+            print(KV_EVENTS_COST_MARK + json.dumps(self._cost.so_far(now)), flush=True)
+
+
+class PublisherCost:
+    """What publishing has cost since the first batch: time in `publish` on the loop thread, and
+    CPU time of the sending thread and of the loop thread (their clocks, from the first batch on:
+    the loop's start-up work, compile and graph capture, is left out)."""
+
+    def __init__(self, loop_thread: int, sender_thread: int, first_at: float) -> None:
+        self._loop_clock = time.pthread_getcpuclockid(loop_thread)
+        self._sender_clock = time.pthread_getcpuclockid(sender_thread)
+        self._loop_cpu0, self._sender_cpu0 = time.clock_gettime(self._loop_clock), time.clock_gettime(self._sender_clock)
+        self.first_at = self.reported_at = first_at
+        self.batches, self.publish_s = 0, 0.0
+
+    def add(self, seconds: float) -> None:
+        self.batches += 1
+        self.publish_s += seconds
+
+    def so_far(self, now: float) -> dict[str, float]:
+        return {"batches": self.batches, "publish_s": self.publish_s, "wall_s": now - self.first_at,
+                "sender_cpu_s": time.clock_gettime(self._sender_clock) - self._sender_cpu0,
+                "loop_cpu_s": time.clock_gettime(self._loop_clock) - self._loop_cpu0}
 
 
 def _bound(socket: zmq.Socket, endpoint: str) -> str:

@@ -12,8 +12,12 @@ decode throughput (output tokens per second of wall time), and output tokens per
 the engine's processes (its own and vLLM's engine core, user and system time). On the CPU build
 the second tracks the first (vLLM's OpenMP threads spin while they wait), so neither resolves a
 2% cost against this machine's 20-30% noise from run to run; on a GPU the wall-time ratio is the
-one that counts. Prints medians over runs and each variant's ratios to
-plain; writes JSON and a PNG. Runs on the CPU build and on CUDA alike (`--no-eager` there).
+one that counts, and it moves by as much within one engine. So variants with our publisher also
+report its own share of the engine core: the seconds it spent publishing on vLLM's loop thread
+plus its sending thread's CPU seconds, over the loop thread's CPU seconds, from the first batch
+(the publisher's KV_EVENTS_COST_MARK reports): what the loop can lose to it, at most, besides
+vLLM's making of the events. Prints medians over runs and each variant's ratios to plain; writes
+JSON and a PNG. Runs on the CPU build and on CUDA alike (`--no-eager` there).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from engine.environment import KV_EVENTS_COST_MARK
 from loadtest.output import write_results
 
 VARIANTS = {"plain": (False, False), "logits_processor": (True, False), "kv_events": (False, True), "both": (True, True),
@@ -68,7 +73,7 @@ def one_variant(model: str, logits_processor: bool, kv_events: bool | str, batch
     from vllm import LLM, SamplingParams
     from vllm.config import KVEventsConfig
 
-    from engine.environment import GRAMMAR_LOGITS_PROCESSOR, KV_EVENTS_PLUGIN
+    from engine.environment import GRAMMAR_LOGITS_PROCESSOR, KV_EVENTS_COST_ENV, KV_EVENTS_PLUGIN
 
     options = {}
     if logits_processor:
@@ -80,6 +85,7 @@ def one_variant(model: str, logits_processor: bool, kv_events: bool | str, batch
 
         os.environ.update(ClusterCredentials.generate().engine_host_keys("bench").new_process("127.0.0.1").as_env())
         os.environ["VLLM_PLUGINS"] = KV_EVENTS_PLUGIN
+        os.environ[KV_EVENTS_COST_ENV] = "0.25"  # the engine core prints what publishing cost it
     if kv_events:
         options["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
                                                      endpoint="tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0")
@@ -122,7 +128,12 @@ def run_child(variant: str, args: argparse.Namespace) -> dict[str, float | list[
         log.parent.mkdir(parents=True, exist_ok=True)
         log.write_text(done.stdout + done.stderr)
         raise RuntimeError(f"{variant} failed (its whole output: {log}):\n{done.stderr[-3000:]}")
-    return json.loads(lines[-1])
+    measured = json.loads(lines[-1])
+    costs = [line.split(KV_EVENTS_COST_MARK, 1)[1] for line in done.stdout.splitlines() if KV_EVENTS_COST_MARK in line]
+    if costs:  # our publisher's last report, as of the end of the timed batches
+        cost = json.loads(costs[-1])
+        measured["publisher_share"] = (cost["publish_s"] + cost["sender_cpu_s"]) / cost["loop_cpu_s"]
+    return measured
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -160,30 +171,40 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--variants begins with plain (the ratios are to it)")
     samples: dict[str, dict[str, list[float]]] = {m: {v: [] for v in args.variants} for m in METRICS}
     each_start: dict[str, list[list[float]]] = {v: [] for v in args.variants}  # tokens/s of every repeat
+    shares: dict[str, list[float]] = {}  # our publisher's CPU over the engine core loop's, by start
     for run in range(args.runs):
         for variant in args.variants:
             measured = run_child(variant, args)
             for metric in METRICS:
                 samples[metric][variant].append(measured[metric])
             each_start[variant].append(measured["tokens_per_s_each"])
+            if "publisher_share" in measured:
+                shares.setdefault(variant, []).append(measured["publisher_share"])
             print(f"run {run + 1}/{args.runs} {variant}: {measured['tokens_per_s']:.1f} tokens/s, "
                   f"{measured['tokens_per_cpu_s']:.1f} tokens/CPU s", flush=True)
     medians = {m: {v: statistics.median(s) for v, s in by_variant.items()} for m, by_variant in samples.items()}
     ratios = {m: {v: value / by_variant["plain"] for v, value in by_variant.items()} for m, by_variant in medians.items()}
+    print_table(args, medians, ratios, samples, shares)
+    data = {"model": args.model, "batch": args.batch, "tokens": args.tokens, "eager": not args.no_eager,
+            "repeats": args.repeats, "cpus": sorted(args.cpus or os.sched_getaffinity(0)),
+            "medians": medians, "ratios": ratios, "runs": samples, "repeats_by_start": each_start,
+            "publisher_share": {v: {"median": statistics.median(s), "runs": s} for v, s in shares.items()}}
+    write_results(args.out, data, lambda png: plot(data, png))
+    return 0
+
+
+def print_table(args: argparse.Namespace, medians: dict, ratios: dict, samples: dict, shares: dict) -> None:
     table = Table(title=f"decode, {Path(args.model).name}, batch {args.batch} x {args.tokens} tokens, "
                         f"medians of {args.runs} runs")
-    for column in ("variant", "tokens/s", "ratio", "tokens/CPU s", "ratio", "runs, tokens/CPU s"):
+    for column in ("variant", "tokens/s", "ratio", "tokens/CPU s", "ratio", "runs, tokens/CPU s",
+                   "publisher / loop CPU"):
         table.add_column(column, justify="right")
     for variant in args.variants:
         table.add_row(variant, *(f"{value:.{digits}f}" for metric in METRICS
                                  for value, digits in ((medians[metric][variant], 1), (ratios[metric][variant], 3))),
-                      " ".join(f"{s:.0f}" for s in samples["tokens_per_cpu_s"][variant]))
-    Console(width=140).print(table)
-    data = {"model": args.model, "batch": args.batch, "tokens": args.tokens, "eager": not args.no_eager,
-            "repeats": args.repeats, "cpus": sorted(args.cpus or os.sched_getaffinity(0)),
-            "medians": medians, "ratios": ratios, "runs": samples, "repeats_by_start": each_start}
-    write_results(args.out, data, lambda png: plot(data, png))
-    return 0
+                      " ".join(f"{s:.0f}" for s in samples["tokens_per_cpu_s"][variant]),
+                      f"{statistics.median(shares[variant]):.2%}" if variant in shares else "-")
+    Console(width=160).print(table)
 
 
 def plot(data: dict, path: Path) -> None:

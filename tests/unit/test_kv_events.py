@@ -547,3 +547,32 @@ def test_blinding_leaves_only_routing_fields_on_any_vllms_event():
     assert (blinded.block_hashes, blinded.block_size, blinded.medium) == ([1, 2], 32, "GPU")
     decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(blinded), type=BlockStored)  # as a router reads it
     assert decoded.block_hashes == [1, 2] and decoded.token_ids == []
+
+
+def test_the_publisher_reports_what_publishing_cost_the_loop(endpoints, monkeypatch, capsys):
+    """With KV_EVENTS_COST_ENV set, our publisher prints its cost (loadtest/engine_extras.py reads
+    it on the H200, where A/B throughput is too noisy for a 2% bound): the batches, the time in
+    `publish`, and the CPU time of its sending thread and of the thread that publishes, from the
+    first batch on."""
+    import json
+
+    from engine import kv_event_publisher
+    from engine.environment import KV_EVENTS_COST_MARK
+
+    monkeypatch.setattr(kv_event_publisher, "_COST_INTERVAL_S", 0.0)  # as the variable would set it: every batch
+    engine = publisher(*endpoints, topic="cost")
+    try:
+        engine.publish(stored(1))
+        busy_until = time.thread_time() + 0.2  # the loop's own work between batches
+        while time.thread_time() < busy_until:
+            pass
+        for k in range(2, 6):
+            engine.publish(stored(k))
+    finally:
+        engine.shutdown()
+    reports = [json.loads(line.split(KV_EVENTS_COST_MARK, 1)[1])
+               for line in capsys.readouterr().out.splitlines() if KV_EVENTS_COST_MARK in line]
+    last = reports[-1]
+    assert len(reports) == 5 and last["batches"] == 5
+    assert 0.18 <= last["loop_cpu_s"] <= last["wall_s"] + 0.05
+    assert 0 < last["publish_s"] < last["wall_s"] and last["sender_cpu_s"] >= 0
