@@ -21,8 +21,10 @@ processes vLLM only logs ("Failed to load plugin"): that case is not caught.
 With KV_EVENTS_COST_ENV set (seconds), the publisher prints what it cost the engine core so far,
 every that many seconds while it publishes (KV_EVENTS_COST_MARK, then JSON): the seconds spent in
 `publish` on the engine core's loop thread, the CPU seconds of vLLM's sending thread, and the
-loop thread's own CPU seconds, all since the first batch. loadtest/engine_extras.py reads it: a
-bound on the publisher's share of the loop that A/B throughput runs are too noisy to give.
+loop thread's own CPU seconds, all since the first batch. loadtest/engine_extras.py reads it: an
+estimate of the publisher's share of the loop where A/B throughput runs are too noisy to give
+one (not in it: vLLM's making of the events, and ZMQ's own I/O thread, which encrypts and sends
+off the GIL).
 """
 
 from __future__ import annotations
@@ -43,7 +45,19 @@ from transport.listener_warden import watched_listeners
 from transport.zmq_curve import Gate, serve_curve
 
 _gates: dict[int, Gate] = {}  # one ZAP handler per ZMQ context
-_COST_INTERVAL_S = float(os.environ[KV_EVENTS_COST_ENV]) if KV_EVENTS_COST_ENV in os.environ else None
+
+
+def cost_interval_s() -> float | None:
+    """KV_EVENTS_COST_ENV's seconds; None when unset or not a positive number (never an error:
+    a plugin that fails to import leaves vLLM's own publisher, which serves token ids, in place)."""
+    try:
+        seconds = float(os.environ.get(KV_EVENTS_COST_ENV, ""))
+    except ValueError:
+        return None
+    return seconds if seconds >= 0 else None
+
+
+_COST_INTERVAL_S = cost_interval_s()
 
 
 class ClusterEventPublisher(ZmqEventPublisher):

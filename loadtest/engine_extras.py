@@ -15,8 +15,9 @@ the second tracks the first (vLLM's OpenMP threads spin while they wait), so nei
 one that counts, and it moves by as much within one engine. So variants with our publisher also
 report its own share of the engine core: the seconds it spent publishing on vLLM's loop thread
 plus its sending thread's CPU seconds, over the loop thread's CPU seconds, from the first batch
-(the publisher's KV_EVENTS_COST_MARK reports): what the loop can lose to it, at most, besides
-vLLM's making of the events. Prints medians over runs and each variant's ratios to plain; writes
+(the publisher's KV_EVENTS_COST_MARK reports): an estimate of what the loop loses to it, without
+vLLM's making of the events, and with no router subscribed (ZMQ's I/O thread, which would
+encrypt and send off the GIL, idles here). Prints medians over runs and each variant's ratios to plain; writes
 JSON and a PNG. Runs on the CPU build and on CUDA alike (`--no-eager` there).
 """
 

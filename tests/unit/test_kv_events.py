@@ -576,3 +576,18 @@ def test_the_publisher_reports_what_publishing_cost_the_loop(endpoints, monkeypa
     assert len(reports) == 5 and last["batches"] == 5
     assert 0.18 <= last["loop_cpu_s"] <= last["wall_s"] + 0.05
     assert 0 < last["publish_s"] < last["wall_s"] and last["sender_cpu_s"] >= 0
+
+
+@pytest.mark.parametrize(("value", "seconds"), [("0.5", 0.5), ("0", 0.0), ("", None), ("half a second", None),
+                                                ("-1", None), (None, None)])
+def test_a_bad_cost_interval_is_ignored_not_raised(monkeypatch, value, seconds):
+    """The variable is read when vLLM imports our plugin in the engine core: raising there would
+    leave vLLM's own publisher, which serves token ids, in our place."""
+    from engine.environment import KV_EVENTS_COST_ENV
+    from engine.kv_event_publisher import cost_interval_s
+
+    if value is None:
+        monkeypatch.delenv(KV_EVENTS_COST_ENV, raising=False)
+    else:
+        monkeypatch.setenv(KV_EVENTS_COST_ENV, value)
+    assert cost_interval_s() == seconds
