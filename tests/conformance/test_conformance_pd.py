@@ -1,7 +1,7 @@
 """Prefill/decode disaggregation answers as plain vLLM does, with the KV really handed over, both
 ways: through the LMCache-backed store, and directly prefill -> decode with vLLM's
 NixlConnector; SmolLM2 both ways, the tiny model directly (through the store:
-tests/e2e/test_pd.py, beside the store's faults). tiny-tied is left out: it differs from tiny
+tests/e2e/served_pd/test_pd.py, beside the store's faults). tiny-tied is left out: it differs from tiny
 only in its weights (a tied output head), and P/D moves KV, whose layout is tiny's."""
 
 from __future__ import annotations

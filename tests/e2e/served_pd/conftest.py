@@ -35,3 +35,11 @@ def served_pd(tiny_model, artifacts, otlp_receiver):
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="package", autouse=True)
+def first_engine_tokens(served_pd) -> list[str]:
+    """The engine tokens of the cluster as it started (a later test kills its prefill engine, whose
+    replacement has a token of its own): what no exported span may carry, with the current ones."""
+    return [served_pd.engine_access(i["instance_id"]).token for i in served_pd.instances()]
+
