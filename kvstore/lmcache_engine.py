@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
+import time
 import uuid
 from collections.abc import Callable
 
@@ -22,6 +24,7 @@ import torch
 from lmcache.v1.cache_engine import LMCacheEngine, LMCacheEngineBuilder
 from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.metadata import LMCacheMetadata
+from lmcache.v1.storage_backend.remote_backend import RemoteBackend
 
 from kvstore.lmcache_plugin import PLUGIN_NAME
 from kvstore.settings import StoreSettings
@@ -93,3 +96,34 @@ def build_engine(
     )
     engine.post_init()
     return engine
+
+
+_reconnecting: set[int] = set()  # remote backends a thread is reconnecting now (by id)
+_reconnecting_lock = threading.Lock()
+
+
+def reconnect_if_lost(engine: LMCacheEngine) -> None:
+    """Reconnect, on a thread of its own, each of `engine`'s store backends whose connection is
+    lost. LMCache retries a failed connection only from its health monitor, which an engine built
+    here (no LMCacheManager) does not run: a shard slow to answer the first hello (two loaded
+    cores at an engine's first request) left that engine without the store for good, every
+    lookup a miss. Called on every lookup, load and save: cheap while connected; never blocks
+    (a hello may take the store's timeout twice); LMCache's own 10 s between tries are kept."""
+    for backend in engine.storage_manager.storage_backends.values():
+        if not isinstance(backend, RemoteBackend) or backend.connection is not None:
+            continue
+        with _reconnecting_lock:
+            if id(backend) in _reconnecting:
+                continue
+            _reconnecting.add(id(backend))
+        threading.Thread(target=_reconnect, args=(backend,), daemon=True, name="pdc-store-reconnect").start()
+
+
+def _reconnect(backend: RemoteBackend) -> None:
+    try:
+        time.sleep(max(0.0, backend.failure_time + backend.min_reconnect_interval - time.time()))
+        backend.init_connection()  # a failure is logged by LMCache and retried at the next call
+    finally:
+        with _reconnecting_lock:
+            _reconnecting.discard(id(backend))
+

@@ -17,7 +17,7 @@ from kvstore.connector_types import (
     salted,
     usable_tokens,
 )
-from kvstore.lmcache_engine import build_engine
+from kvstore.lmcache_engine import build_engine, reconnect_if_lost
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -41,6 +41,7 @@ class StoreScheduler:
         if self._engine is None:
             self._engine = build_engine(self.spec.settings, self.spec.layout, self.spec.model, None,
                                         self.spec.hash_algorithm)
+        reconnect_if_lost(self._engine)
         return self._engine
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:

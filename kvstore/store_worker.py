@@ -12,7 +12,7 @@ import torch
 from vllm.distributed import get_tensor_model_parallel_rank
 
 from kvstore.connector_types import ConnectorSpec, SaveResults, StorePlan
-from kvstore.lmcache_engine import build_engine
+from kvstore.lmcache_engine import build_engine, reconnect_if_lost
 from kvstore.lmcache_plugin import flush_all, unlanded_puts
 from kvstore.paged_blocks import PagedBlockConnector
 
@@ -52,6 +52,8 @@ class StoreWorker:
                  self.spec.settings.endpoints)
 
     def start_load(self, plan: StorePlan) -> None:
+        if plan.loads or plan.saves:
+            reconnect_if_lost(self._engine)
         for load in plan.loads:
             slots = self._slots(load.block_ids, len(load.token_ids))
             got = int(self._engine.retrieve(load.token_ids, slot_mapping=slots, kvcaches=self._kv_caches,

@@ -301,3 +301,45 @@ def test_a_save_that_did_not_land_is_never_announced_and_clients_get_no_transfer
     scheduler.update_connector_output(types.SimpleNamespace(kv_connector_worker_meta=SaveResults({"r2": False})))
     assert scheduler.request_finished(finished("r2", prompt, asked=False), [1, 2, 3]) == (False, None)
     assert scheduler.take_events() == []
+
+
+@pytest.mark.slow  # a shard and an engine of its own: ~5 s
+def test_an_engine_whose_shard_did_not_answer_at_first_finds_the_store_once_it_does(monkeypatch):
+    """A shard too slow for the first hello (two loaded cores, an engine's first request) left the
+    engine's store connection lost for good, every lookup a miss (a CI run of
+    tests/e2e/test_pd_migration.py, session 27): LMCache retries only from a health monitor our
+    engines do not run. Each lookup now has it reconnect, on a thread, at LMCache's pace."""
+    from engine.environment import free_port
+    from kvstore.lmcache_engine import reconnect_if_lost
+
+    monkeypatch.setenv(*CREDENTIALS.engine_host_keys("colocated-0").new_process("127.0.0.1").as_env().popitem())
+    port = free_port("127.0.0.1")
+    settings = StoreSettings(endpoints=(f"tcp://127.0.0.1:{port}",), timeout_s=0.5)  # nothing answers yet
+    layout = KVLayout(LAYERS, KV_HEADS, HEAD_DIM, torch.bfloat16, (KV_HEADS, BLOCK, 2 * HEAD_DIM))
+    lookup = build_engine(settings, layout, "tiny", None, VLLM_HASH)
+    shard = None
+    try:
+        (backend,) = [b for b in lookup.storage_manager.storage_backends.values() if hasattr(b, "connection")]
+        assert backend.connection is None
+        backend.min_reconnect_interval = 0.5  # LMCache's 10 s, shortened for the test
+        shard = ShardServer(64 * 1024**2, KEYS, page_bytes=64 * 1024, port=port)
+        tokens = list(range(3000, 3000 + 8 * BLOCK + 1))
+        deadline = time.monotonic() + 30
+        while backend.connection is None:
+            assert time.monotonic() < deadline, "never reconnected"
+            reconnect_if_lost(lookup)
+            time.sleep(0.1)
+        writer_blocks = PagedBlockConnector(LAYERS, BLOCK, KV_HEADS * HEAD_DIM)
+        writer_blocks.bind(caches(4))
+        writer = build_engine(settings, layout, "tiny", lambda config, metadata: writer_blocks, VLLM_HASH)
+        usable = usable_tokens(len(tokens), BLOCK)
+        writer.store(tokens[:usable], slot_mapping=slots(list(range(8)), usable))
+        from kvstore.lmcache_plugin import flush_all
+
+        assert flush_all(10.0)
+        assert lookup.lookup(tokens[:usable]) == usable  # the store, found through the new connection
+        writer.close()
+    finally:
+        lookup.close()
+        if shard is not None:
+            shard.close()
