@@ -21,8 +21,8 @@ from collections.abc import Callable
 
 import ray
 
+from deploy.actor_proof import proven_actors
 from deploy.admission_ledger import LEDGER_NAME
-from deploy.launcher import proven_actors
 from deploy.periodic import every
 from deploy.store_shards import STORE_SHARD_PREFIX
 from deploy.topology import ROLES

@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
-import secrets
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
@@ -32,6 +30,7 @@ from rich.live import Live
 from rich.table import Table
 
 from deploy.actor_placement import placement_options
+from deploy.actor_proof import proven_actors
 from deploy.admission_ledger import LEDGER_NAME
 from deploy.draining import drained, end_engines, undrained
 from deploy.store_shards import STORE_SHARD_PREFIX, StoreShards
@@ -383,21 +382,3 @@ class Launcher:
         if kept:
             log.warning("left %d adopted engine(s) and the store's shards serving: %s", len(kept), sorted(kept))
         await self.store.stop(keep_serving=bool(kept))
-
-
-async def proven_actors(credentials: ClusterCredentials, handles: dict[str, ray.actor.ActorHandle],
-                        timeout_s: float) -> dict[str, ray.actor.ActorHandle]:
-    """The actors among `handles` (by name) that answer a fresh challenge with the cluster's proof."""
-    nonce = secrets.token_hex(16)
-    kinds = {name: "store-shard" if name.startswith(STORE_SHARD_PREFIX) else "engine" for name in handles}
-    answers = await asyncio.gather(*(asyncio.wait_for(h.prove.remote(nonce), timeout_s) for h in handles.values()),
-                                   return_exceptions=True)
-    proven = {}
-    for (name, handle), answer in zip(handles.items(), answers, strict=True):
-        expected = credentials.prove(kinds[name], nonce)
-        if isinstance(answer, str) and hmac.compare_digest(answer, expected):
-            proven[name] = handle
-        else:
-            log.warning("named actor %s does not hold the cluster's secret: not adopted, left alone", name)
-    return proven
-
