@@ -22,7 +22,7 @@ import time
 import httpx
 import pytest
 
-from loadtest.faults import engine_running, kill_engine
+from loadtest.fault_probes import engine_running, kill_engine
 from loadtest.scrape import scrape, scrape_engine
 
 pytestmark = pytest.mark.slow

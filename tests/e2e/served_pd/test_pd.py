@@ -25,7 +25,7 @@ from fleet.instances import Instance, InstanceRegistry
 from kvstore import messages
 from kvstore.shard_control import request_once
 from loadtest.arrivals import FixedConcurrency
-from loadtest.faults import kill_engine
+from loadtest.fault_probes import kill_engine
 from loadtest.report import summarize
 from loadtest.runner import Limits, run_load
 from loadtest.scrape import scrape, scrape_engine
