@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -32,9 +33,10 @@ def artifacts() -> Path:
     return ARTIFACTS
 
 
+@functools.cache
 def built_model(name: str) -> Path:
     """A model of engine.models.BUILDERS, built once (in a child process, as torch must not load
-    here) into the test model root."""
+    here) into the test model root; checked once a session (a child costs a second of import)."""
     import subprocess
     import sys
 

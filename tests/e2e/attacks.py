@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -32,6 +33,13 @@ def _zmq_answer(kind: int, endpoint: str, frames: list[bytes], curve_keys=None, 
     finally:
         socket.close(0)
         context.term()
+
+
+def _zmq_answers(asks: list[tuple]) -> list:
+    """`_zmq_answer(*ask)` for each ask, all at once: a listener that holds out its silence costs
+    one wait, not one per probe."""
+    with ThreadPoolExecutor(max_workers=max(1, len(asks))) as pool:
+        return list(pool.map(lambda ask: _zmq_answer(*ask), asks))
 
 
 def client_routes(client: httpx.Client, router_url: str) -> dict[str, dict[str, int]]:
@@ -70,14 +78,14 @@ def store_shards(endpoints: list[str]) -> dict[str, list]:
     hello, reserve = msgpack.packb({"op": "hello"}), msgpack.packb(
         {"op": "reserve", "keys": ["x"], "nbytes": [10**12], "checksums": [0]})
     return {
-        "plain": [_zmq_answer(zmq.REQ, e, [m]) for e in endpoints for m in (hello, reserve)],
-        "own_curve_key": [_zmq_answer(zmq.REQ, e, [hello], curve_keys=zmq.curve_keypair()[0]) for e in endpoints],
+        "plain": _zmq_answers([(zmq.REQ, e, [m]) for e in endpoints for m in (hello, reserve)]),
+        "own_curve_key": _zmq_answers([(zmq.REQ, e, [hello], zmq.curve_keypair()[0]) for e in endpoints]),
     }
 
 
 def kv_event_replay(replay_endpoints: list[str]) -> list:
     """Engines' replay sockets, asked for every buffered batch (with token ids, before)."""
-    return [_zmq_answer(zmq.DEALER, e, [b"", (0).to_bytes(8, "big")]) for e in replay_endpoints]
+    return _zmq_answers([(zmq.DEALER, e, [b"", (0).to_bytes(8, "big")]) for e in replay_endpoints])
 
 
 def kv_event_subscriptions(pub_endpoints: list[str], listen_s: float) -> dict[str, list]:

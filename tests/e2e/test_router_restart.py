@@ -1,8 +1,10 @@
-"""The router killed and started again on a running Ray cluster (as on a `ray up` head): the new
-router adopts the engines the dead one left (one per model: SmolLM2, tiny, tiny-tied), rebuilds
-its KV index from the engines' event buffers before any new request, and the same warm engines
-answer with their prefix caches, as plain vLLM would. (The fault suite, `python -m
-loadtest.faults --scenario router-restarted`, does it under load.)"""
+"""Several models behind one router on a running Ray cluster (as on a `ray up` head): /v1/models
+lists them, an unknown one is refused, the operator's view shows a pool per model; then the
+router killed and started again: the new router adopts the engines the dead one left (one per
+model: tiny, tiny-tied), rebuilds its KV index from the engines' event buffers before any new
+request, and the same warm engines answer with their prefix caches, each model as plain vLLM
+does on its own checkpoint. (The fault suite, `python -m loadtest.faults --scenario
+router-restarted`, does it under load.)"""
 
 from __future__ import annotations
 
@@ -14,10 +16,11 @@ from oracle import assert_conforms
 
 from loadtest.local_cluster import LocalServer, RayHead
 from loadtest.scrape import scrape_engine
+from router.status_model import ClusterStatus
 
 pytestmark = pytest.mark.slow
 HITS = "vllm:prefix_cache_hits_total"
-MODELS = ("tiny", "tiny-tied", "smollm2")  # three engines: every model adopted, each checked
+MODELS = ("tiny", "tiny-tied")  # two random models: a request that reached the other answers wrong
 PROMPT = " ".join(
     f"Item {k}: the router must survive its own restart without a cold engine." for k in range(30)
 )
@@ -28,6 +31,20 @@ def complete(url: str) -> str:
     response = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
     assert response.status_code == 200, response.text
     return response.json()["choices"][0]["text"]
+
+
+def check_the_models_are_served_apart(server: LocalServer) -> None:
+    """Each model listed and in a pool of its own; a model not served refused by name."""
+    listed = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"]
+    assert sorted(card["id"] for card in listed) == sorted(MODELS)
+    missing = httpx.post(f"{server.url}/v1/completions", json={"model": "tiny-other", "prompt": "x"}, timeout=10)
+    assert missing.status_code == 404 and missing.json()["error"]["param"] == "model"
+    status = ClusterStatus.model_validate(httpx.get(
+        f"{server.url}/admin/status", headers=server.credentials.admin_headers(), timeout=10).json())
+    assert sorted(status.models) == sorted(MODELS)
+    assert sorted((p.model, p.role, p.states) for p in status.pools) == [
+        (m, "colocated", {"ready": 1}) for m in sorted(MODELS)]
+    assert sorted(i.instance_id for i in status.instances) == [f"{m}-colocated-0" for m in sorted(MODELS)]
 
 
 def wait_for(read, done, timeout_s: float):
@@ -49,6 +66,7 @@ def test_a_restarted_router_adopts_the_engines_and_rebuilds_its_index(artifacts,
         server = LocalServer(["--address", head.address, *args], artifacts / "serve-restart-1.log")
         try:
             server.start()
+            check_the_models_are_served_apart(server)
             first = complete(server.url)
             before = {i["instance_id"]: i for i in server.instances()}
             tiny = before["tiny-colocated-0"]
