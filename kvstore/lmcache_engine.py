@@ -90,12 +90,25 @@ def build_engine(
                                          layout.head_dim),
         role="worker", chunk_size=CHUNK_TOKENS,
     )
+    name = f"pdc-{uuid.uuid4().hex[:8]}"
     engine = LMCacheEngineBuilder.get_or_create(
-        f"pdc-{uuid.uuid4().hex[:8]}", config, metadata, gpu_connector(config, metadata) if gpu_connector else None,
+        name, config, metadata, gpu_connector(config, metadata) if gpu_connector else None,
         lambda tensor, src: tensor, lambda obj, src: obj,
     )
     engine.post_init()
+    _built_names[id(engine)] = name
     return engine
+
+
+_built_names: dict[int, str] = {}  # LMCacheEngineBuilder's name of each engine built here, by id
+
+
+def close_engine(engine: LMCacheEngine) -> None:
+    """Close `engine` and stop the stats-logger thread LMCache's builder started for it, which
+    `engine.close()` leaves running (every 10 s it adds the engine's hit counts into tensors, and
+    once did so while a test process was finalizing: the process aborted). Through the builder's
+    `destroy`, which closes the engine once (closing it again may wait on its store connection)."""
+    LMCacheEngineBuilder.destroy(_built_names.pop(id(engine)))
 
 
 _reconnecting: set[int] = set()  # remote backends a thread is reconnecting now (by id)

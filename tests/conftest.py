@@ -21,6 +21,7 @@ os.environ.setdefault("PDCLUSTER_MODEL_ROOT", str(REPO / ".cache" / "models"))
 # Any Ray this test process starts stays on loopback (read when ray is first imported).
 os.environ.update(RAY_LOOPBACK_ENV)
 os.environ.update(UCX_LOOPBACK_ENV)  # NIXL agents of the tests themselves
+os.environ.update(DO_NOT_TRACK="1", VLLM_NO_USAGE_STATS="1")  # no usage reports, as engines send none
 # One cluster secret for the session: every `pdcluster serve` the tests start uses it, and the
 # tests present the credentials derived from it (never the user's own secret file).
 os.environ.setdefault(SECRET_ENV, ClusterCredentials.generate().secret.hex())
@@ -118,24 +119,3 @@ def served(tiny_model):
                          ARTIFACTS / "serve-colocated.log")
     with server:
         yield server
-
-
-def pytest_sessionfinish(session, exitstatus):
-    session.config.stash[_EXIT_STATUS] = int(exitstatus)
-
-
-def pytest_unconfigure(config):
-    """End the test process (not an xdist worker) with the session's status once pytest is done,
-    without the interpreter's finalization: a daemon thread of a library still running Python
-    code then (a torch in-place add, session 27's CI: after "534 passed") took the GIL while the
-    interpreter was ending and aborted the process, which turned a passed run red. Every
-    fixture has already stopped what it started."""
-    if _EXIT_STATUS in config.stash and not hasattr(config, "workerinput"):
-        import sys
-
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(config.stash[_EXIT_STATUS])
-
-
-_EXIT_STATUS = pytest.StashKey[int]()

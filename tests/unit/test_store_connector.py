@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 import time
 import types
 
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from kvstore.connector_types import SaveResults, salted, usable_tokens
-from kvstore.lmcache_engine import KVLayout, build_engine
+from kvstore.lmcache_engine import KVLayout, build_engine, close_engine
 from kvstore.paged_blocks import PagedBlockConnector
 from kvstore.settings import StoreSettings
 from kvstore.shard import ShardServer
@@ -25,6 +26,14 @@ KEYS = CREDENTIALS.curve(STORE_PLANE)
 VLLM_HASH = "sha256"  # vLLM's default prefix_caching_hash_algo, as an engine passes it
 
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK, BLOCKS = 4, 2, 64, 32, 48
+
+
+@pytest.fixture(autouse=True)
+def no_engine_thread_outlives_its_test():
+    """Each LMCache engine a test builds is closed with the stats-logger thread LMCache's builder
+    started for it: one left running aborted a whole test run at its end (session 27's CI)."""
+    yield
+    assert not [t for t in threading.enumerate() if t.name == "stats-logger-thread"]
 
 
 def caches(seed: int | None) -> list[torch.Tensor]:
@@ -91,7 +100,7 @@ def test_a_prompt_stored_by_one_engine_is_loaded_bit_identical_by_another(monkey
         assert engines[-1].lookup(tokens[:usable]) == 0  # keys carry the model and layout
     finally:
         for engine in engines:
-            engine.close()
+            close_engine(engine)
         shard.close()
 
 
@@ -138,7 +147,7 @@ def test_lmcache_buffers_a_stranded_read_may_still_fill_go_back_only_once_it_end
             assert time.monotonic() < deadline, (allocator.num_active_allocations, idle)
             time.sleep(0.05)
     finally:
-        engine.close()
+        close_engine(engine)
         shard.close()
 
 
@@ -182,7 +191,7 @@ def test_a_read_lmcache_stopped_waiting_for_gives_its_buffers_back_once_it_ends(
         assert connector.misses_from_errors == 0 and reading.cancelled()
     finally:
         for engine in engines:
-            engine.close()
+            close_engine(engine)
         shard.close()
 
 
@@ -210,7 +219,7 @@ def test_a_tensor_parallel_ranks_chunks_are_found_by_that_rank_of_that_size_alon
             assert engines[-1].lookup(tokens[:usable]) == found, (size, rank)
     finally:
         for engine in engines:
-            engine.close()
+            close_engine(engine)
         shard.close()
 
 
@@ -235,7 +244,7 @@ def test_building_an_lmcache_engine_keeps_vllms_prefix_hash_root():
     try:
         assert kv_cache_utils.NONE_HASH == root
     finally:
-        engine.close()
+        close_engine(engine)
         shard.close()
 
 
@@ -338,8 +347,8 @@ def test_an_engine_whose_shard_did_not_answer_at_first_finds_the_store_once_it_d
 
         assert flush_all(10.0)
         assert lookup.lookup(tokens[:usable]) == usable  # the store, found through the new connection
-        writer.close()
+        close_engine(writer)
     finally:
-        lookup.close()
+        close_engine(lookup)
         if shard is not None:
             shard.close()
