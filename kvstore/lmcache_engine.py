@@ -107,7 +107,9 @@ def close_engine(engine: LMCacheEngine) -> None:
     """Close `engine` and stop the stats-logger thread LMCache's builder started for it, which
     `engine.close()` leaves running (every 10 s it adds the engine's hit counts into tensors, and
     once did so while a test process was finalizing: the process aborted). Through the builder's
-    `destroy`, which closes the engine once (closing it again may wait on its store connection)."""
+    `destroy`, which closes the engine once (closing it again may wait on its store connection),
+    logs rather than raises what closing it raised, and resets LMCache's stats monitor, which every
+    engine of the process shares: for an engine's end, not while others still serve."""
     LMCacheEngineBuilder.destroy(_built_names.pop(id(engine)))
 
 

@@ -1,7 +1,7 @@
 """Several models behind one router on a running Ray cluster (as on a `ray up` head): /v1/models
 lists them, an unknown one is refused, the operator's view shows a pool per model; then the
 router killed and started again: the new router adopts the engines the dead one left (one per
-model: tiny, tiny-tied), rebuilds its KV index from the engines' event buffers before any new
+model: tiny, tiny-tied, SmolLM2), rebuilds its KV index from the engines' event buffers before any new
 request, and the same warm engines answer with their prefix caches, each model as plain vLLM
 does on its own checkpoint. (The fault suite, `python -m loadtest.faults --scenario
 router-restarted`, does it under load.)"""
@@ -20,7 +20,7 @@ from router.status_model import ClusterStatus
 
 pytestmark = pytest.mark.slow
 HITS = "vllm:prefix_cache_hits_total"
-MODELS = ("tiny", "tiny-tied")  # two random models: a request that reached the other answers wrong
+MODELS = ("tiny", "tiny-tied", "smollm2")  # a request that reached another model answers wrong; two tokenizers
 PROMPT = " ".join(
     f"Item {k}: the router must survive its own restart without a cold engine." for k in range(30)
 )
@@ -57,7 +57,7 @@ def wait_for(read, done, timeout_s: float):
 
 
 @pytest.mark.timeout(900)
-def test_a_restarted_router_adopts_the_engines_and_rebuilds_its_index(artifacts, model_dir, oracle):
+def test_models_served_apart_then_a_restarted_router_adopts_their_engines_and_rebuilds_its_index(artifacts, model_dir, oracle):
     wanted = {model: oracle(model) for model in MODELS}
     for model in MODELS:
         model_dir(model)

@@ -27,6 +27,7 @@ from transport.zmq_curve import KV_EVENTS_PLANE, connect_curve
 
 @pytest.fixture(autouse=True)
 def engine_keys(monkeypatch):
+    """This process stands in for an engine: its publishers find the keys an engine's host gives."""
     monkeypatch.setenv(*engine_key_variable())
 
 
@@ -35,6 +36,7 @@ def endpoints() -> tuple[str, str]:
     return fresh_endpoints()
 
 
+@pytest.mark.slow  # a fuzzer: seconds
 async def test_a_stranger_can_neither_subscribe_nor_replay(endpoints):
     """An engine's PUB and replay sockets answer no one without the cluster's keys (no CURVE, or
     another cluster's); what members hear carries block hashes, not token ids."""

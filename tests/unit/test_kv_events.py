@@ -25,6 +25,7 @@ from router.kv_index import KVIndex
 
 @pytest.fixture(autouse=True)
 def engine_keys(monkeypatch):
+    """This process stands in for an engine: its publishers find the keys an engine's host gives."""
     monkeypatch.setenv(*engine_key_variable())
 
 
@@ -116,7 +117,6 @@ async def test_blocks_an_engine_saved_to_the_store_are_indexed_as_the_stores(end
     assert index.match([1, 2]) == {STORE_HOLDER: 2}
 
 
-@pytest.mark.slow  # a fuzzer: seconds
 async def test_an_instance_that_leaves_while_its_history_is_replayed_leaves_no_entries():
     """The replay's answer arrives after the instance left (the registry removed it, the index
     forgot it): applying it would bring back entries of an instance the router no longer has."""

@@ -80,10 +80,11 @@ def test_a_prompt_stored_by_one_engine_is_loaded_bit_identical_by_another(monkey
         writer_blocks.bind(writer_caches)
         reader_blocks = PagedBlockConnector(LAYERS, BLOCK, KV_HEADS * HEAD_DIM)
         reader_blocks.bind(reader_caches)
-        writer = build_engine(settings, layout, "tiny", lambda config, metadata: writer_blocks, VLLM_HASH)
-        reader = build_engine(settings, layout, "tiny", lambda config, metadata: reader_blocks, VLLM_HASH)
-        lookup = build_engine(settings, layout, "tiny", None, VLLM_HASH)
-        engines += [writer, reader, lookup]
+        engines.append(writer := build_engine(settings, layout, "tiny", lambda config, metadata: writer_blocks,
+                                              VLLM_HASH))
+        engines.append(reader := build_engine(settings, layout, "tiny", lambda config, metadata: reader_blocks,
+                                              VLLM_HASH))
+        engines.append(lookup := build_engine(settings, layout, "tiny", None, VLLM_HASH))
         tokens = list(range(1000, 1000 + 13 * BLOCK + 5))  # a full 256-token chunk and a partial one
         usable = usable_tokens(len(tokens), BLOCK)
         writer.store(tokens[:usable], slot_mapping=slots(list(range(10, 23)), usable))
@@ -325,7 +326,7 @@ def test_an_engine_whose_shard_did_not_answer_at_first_finds_the_store_once_it_d
     port = free_port("127.0.0.1")
     settings = StoreSettings(endpoints=(f"tcp://127.0.0.1:{port}",), timeout_s=0.5)  # nothing answers yet
     layout = KVLayout(LAYERS, KV_HEADS, HEAD_DIM, torch.bfloat16, (KV_HEADS, BLOCK, 2 * HEAD_DIM))
-    lookup = build_engine(settings, layout, "tiny", None, VLLM_HASH)
+    engines = [lookup := build_engine(settings, layout, "tiny", None, VLLM_HASH)]
     shard = None
     try:
         (backend,) = [b for b in lookup.storage_manager.storage_backends.values() if hasattr(b, "connection")]
@@ -340,15 +341,16 @@ def test_an_engine_whose_shard_did_not_answer_at_first_finds_the_store_once_it_d
             time.sleep(0.1)
         writer_blocks = PagedBlockConnector(LAYERS, BLOCK, KV_HEADS * HEAD_DIM)
         writer_blocks.bind(caches(4))
-        writer = build_engine(settings, layout, "tiny", lambda config, metadata: writer_blocks, VLLM_HASH)
+        engines.append(writer := build_engine(settings, layout, "tiny", lambda config, metadata: writer_blocks,
+                                              VLLM_HASH))
         usable = usable_tokens(len(tokens), BLOCK)
         writer.store(tokens[:usable], slot_mapping=slots(list(range(8)), usable))
         from kvstore.lmcache_plugin import flush_all
 
         assert flush_all(10.0)
         assert lookup.lookup(tokens[:usable]) == usable  # the store, found through the new connection
-        close_engine(writer)
     finally:
-        close_engine(lookup)
+        for engine in engines:
+            close_engine(engine)
         if shard is not None:
             shard.close()
