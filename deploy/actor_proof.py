@@ -32,4 +32,3 @@ async def proven_actors(credentials: ClusterCredentials, handles: dict[str, ray.
         else:
             log.warning("named actor %s does not hold the cluster's secret: not adopted, left alone", name)
     return proven
-
