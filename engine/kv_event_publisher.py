@@ -93,9 +93,9 @@ class ClusterEventPublisher(ZmqEventPublisher):
     def _service_replay(self) -> None:
         """Every replay request waiting, up to REPLAYS_PER_TURN. vLLM's loop serves one per turn
         and then waits up to 0.1 s for an event: 10 requests a second on an idle engine (measured
-        here), so a burst of 10,000 (a member's malformed ones, tests/unit/test_kv_events.py) would
-        take 17 minutes to get through. Publishing comes first: with an event queued it stops after
-        one, so a member's flood of replay requests (each may resend every buffered batch) never
+        here), so a burst of 10,000 (a member's malformed ones,
+        tests/unit/kv_events/test_kv_event_attacks.py) would take 17 minutes to get through.
+        Publishing comes first: with an event queued it stops after one, so a member's flood of replay requests (each may resend every buffered batch) never
         holds back the engine's events."""
         for _ in range(self.REPLAYS_PER_TURN):
             self.replay_requests += 1

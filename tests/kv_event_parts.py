@@ -1,6 +1,6 @@
-"""What the KV event tests share (tests/unit/test_kv_events.py, test_kv_event_attacks.py): the
-session's cluster keys, a publisher as an engine runs it, a router's listener, vLLM's event
-batches, and what stands this process in for an engine."""
+"""What the KV event tests share (tests/unit/kv_events/, and the floods of
+tests/unit/test_zmq_listener_floods.py): the session's cluster keys, a publisher as an engine
+runs it, a router's listener, vLLM's event batches, fresh endpoints."""
 
 from __future__ import annotations
 
@@ -14,12 +14,6 @@ from transport.zmq_curve import KV_EVENTS_PLANE
 
 CREDENTIALS = ClusterCredentials.load()  # the session's (tests/conftest.py)
 KEYS = CREDENTIALS.curve(KV_EVENTS_PLANE)
-
-
-def engine_key_variable() -> tuple[str, str]:
-    """The variable an engine's host gives its processes, by which our publishers find the keys:
-    set it (monkeypatch) and this process stands in for an engine."""
-    return CREDENTIALS.engine_host_keys("colocated-0").new_process("127.0.0.1").as_env().popitem()
 
 
 def publisher(endpoint: str, replay: str, topic: str, ours: bool = True):

@@ -15,8 +15,8 @@ from urllib.parse import urlparse
 
 import pytest
 from flood import connect_and_close, idle_connections, open_descriptors
+from kv_event_parts import listener_for, publisher, stored, until
 from stranger import needs_stranger
-from test_kv_events import listener_for, publisher, stored, until
 from test_store_attacks import KEYS, answered
 
 from kvstore import messages

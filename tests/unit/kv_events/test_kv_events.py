@@ -11,8 +11,6 @@ import time
 import pytest
 from kv_event_parts import (
     cleared,
-    engine_key_variable,
-    fresh_endpoints,
     listener_for,
     publisher,
     removed,
@@ -21,17 +19,6 @@ from kv_event_parts import (
 )
 
 from router.kv_index import KVIndex
-
-
-@pytest.fixture(autouse=True)
-def engine_keys(monkeypatch):
-    """This process stands in for an engine: its publishers find the keys an engine's host gives."""
-    monkeypatch.setenv(*engine_key_variable())
-
-
-@pytest.fixture
-def endpoints() -> tuple[str, str]:
-    return fresh_endpoints()
 
 
 async def test_events_missed_before_the_router_started_are_replayed(endpoints):

@@ -10,8 +10,6 @@ import time
 import pytest
 from kv_event_parts import (
     KEYS,
-    engine_key_variable,
-    fresh_endpoints,
     listener_for,
     publisher,
     stored,
@@ -23,17 +21,6 @@ from router.kv_event_listener import KVEventListener
 from router.kv_index import KVIndex
 from security.credentials import ClusterCredentials
 from transport.zmq_curve import KV_EVENTS_PLANE, connect_curve
-
-
-@pytest.fixture(autouse=True)
-def engine_keys(monkeypatch):
-    """This process stands in for an engine: its publishers find the keys an engine's host gives."""
-    monkeypatch.setenv(*engine_key_variable())
-
-
-@pytest.fixture
-def endpoints() -> tuple[str, str]:
-    return fresh_endpoints()
 
 
 @pytest.mark.slow  # a fuzzer: seconds
