@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import socket
 import subprocess
 import time
@@ -30,10 +31,12 @@ from engine.lifecycle import EngineDescription, InstanceState, StartTimeline
 from engine.process import local_client, spawn_group, terminate_group
 from engine.server_command import LISTEN_FD_ENV, kv_events_plugin_installed, server_command, server_env
 from engine.server_output import ServerOutput
-from engine.weights import PeerWeights, new_weights_file
+from engine.weights import PeerWeights, new_weights_file, remove_orphaned_weights
 from security.credentials import ClusterCredentials, EngineHostKeys
 from security.engine_access import EngineAccess, EngineEndpoint, open_endpoint
 from transport.address import node_address
+
+logger = logging.getLogger(__name__)
 
 START_ATTEMPTS = 3
 """Starts tried before one fails for a port in use: vLLM binds some ports itself (the NIXL side
@@ -67,6 +70,9 @@ class EngineHost:
         """This host's own way into that process."""
         self.weights_file = new_weights_file(config.weights_dir) if config.keep_host_weights else None
         """Where the engine keeps the host copy of its weights that its node's peers may map."""
+        if config.keep_host_weights and (freed := remove_orphaned_weights(config.weights_dir)):
+            logger.warning("removed %.2f GiB of weights files that engines killed on this node left behind",
+                           freed / 2**30)
         self.state = InstanceState.STOPPED
         self.timeline = StartTimeline()
         self.weights_record: dict = {}

@@ -21,6 +21,7 @@ from __future__ import annotations
 import base64
 import concurrent.futures
 import dataclasses
+import fcntl
 import hashlib
 import hmac
 import importlib.util
@@ -173,13 +174,45 @@ class WeightSet:
 
 def allocate(nbytes: int, shm_path: Path | None) -> np.ndarray:
     """A buffer of `nbytes`: private memory, or a new file at `shm_path` only its owner may read
-    (created, never reused: O_EXCL, no links followed)."""
+    (created, never reused: O_EXCL, no links followed). The file carries a shared lock for as long
+    as its mapping lives (the mapping holds a duplicate of the locked descriptor), which the kernel
+    drops when the process dies however it dies: what `remove_orphaned_weights` goes by."""
     if shm_path is None:
         return np.empty(nbytes, np.uint8)
     descriptor = os.open(shm_path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    fcntl.flock(descriptor, fcntl.LOCK_SH)
     with os.fdopen(descriptor, "w+b") as handle:
         handle.truncate(max(nbytes, 1))
         return np.frombuffer(mmap.mmap(handle.fileno(), max(nbytes, 1)), np.uint8)[:nbytes]
+
+
+def remove_orphaned_weights(weights_dir: Path, min_age_s: float = 10.0) -> int:
+    """Remove the weights files in `weights_dir` whose owner died without removing its own (a
+    killed engine process or actor; `ray stop`): files of this user's, of our naming, that no
+    process holds locked (`allocate`). Each is host memory (a tmpfs file) until removed. Files
+    younger than `min_age_s` are left: their owner may be between creating and locking. Returns the
+    bytes freed."""
+    freed = 0
+    for path in weights_dir.glob(f"{WEIGHTS_FILE_PREFIX}*"):
+        if not _WEIGHTS_FILE_NAME.fullmatch(path.name):
+            continue
+        try:
+            descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:  # a link, or gone meanwhile
+            continue
+        try:
+            status = os.fstat(descriptor)
+            if status.st_uid != os.getuid() or time.time() - status.st_ctime < min_age_s:
+                continue
+            try:
+                fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # its owner lives
+                continue
+            path.unlink(missing_ok=True)
+            freed += status.st_blocks * 512
+        finally:
+            os.close(descriptor)
+    return freed
 
 
 def _map_peer_file(weights_dir: Path, name: str, nbytes: int) -> np.ndarray:

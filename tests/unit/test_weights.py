@@ -1,9 +1,11 @@
 """The weight plane without engines: disk reads, peer transfers (shared memory and NIXL over UCX),
-digests, signatures, weights files no stranger can read or name, and a peer that dies mid-offer."""
+digests, signatures, weights files no stranger can read or name, a peer that dies mid-offer, and
+the files of killed engines removed."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -20,6 +22,7 @@ from engine.weights import (
     fetch_from_peer,
     model_id,
     new_weights_file,
+    remove_orphaned_weights,
     sign,
 )
 
@@ -153,3 +156,45 @@ def test_a_peer_that_died_costs_a_clean_error_not_a_hang(tiny_model, tmp_path):
     with pytest.raises(WeightTransferError):
         fetch_from_peer(descriptor, model_id(tiny_model), KEY, HOST, tmp_path, timeout_s=5)
     assert time.monotonic() - started < 30
+
+
+HOLDER_SCRIPT = """
+import sys, time
+from pathlib import Path
+from engine.weights import allocate
+buffer = allocate(1 << 20, Path(sys.argv[1]))
+buffer[:] = 1
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+def test_weights_files_of_killed_engines_are_removed_and_no_others(tmp_path):
+    """A killed engine (or `ray stop`) leaves its weights file behind, host memory in /dev/shm until
+    removed; the next engine on the node removes it. Kept: a file whose owner lives, one just made
+    (its owner may not have locked it yet), a link, another user's file, names not ours."""
+    dead, alive = new_weights_file(tmp_path), new_weights_file(tmp_path)
+    holders = [subprocess.Popen([sys.executable, "-c", HOLDER_SCRIPT, str(path)], stdout=subprocess.PIPE, text=True)
+               for path in (dead, alive)]
+    try:
+        assert [holder.stdout.readline() for holder in holders] == ["held\n", "held\n"]
+        holders[0].kill()
+        holders[0].wait()
+        strangers = new_weights_file(tmp_path)
+        strangers.write_bytes(b"x")
+        os.chown(strangers, 65534, 65534)
+        (tmp_path / "elsewhere").write_bytes(b"x")
+        link = new_weights_file(tmp_path)
+        link.symlink_to(tmp_path / "elsewhere")
+        not_ours = tmp_path / "pdcluster-weights-notours"
+        not_ours.write_bytes(b"x")
+        assert remove_orphaned_weights(tmp_path) == 0  # all made within the last seconds
+        assert dead.exists()
+        assert remove_orphaned_weights(tmp_path, min_age_s=0) >= 1 << 20
+        assert not dead.exists()
+        assert all(path.exists() or path.is_symlink() for path in (alive, strangers, link, not_ours))
+        assert (tmp_path / "elsewhere").exists()
+    finally:
+        for holder in holders:
+            holder.kill()
+            holder.wait()
