@@ -48,7 +48,7 @@ from security.engine_access import EngineAccess
 PROMPT = "The first token after a cold start"
 PATHS = ("plain", "plain-plan", "disk", "preimported", "standby", "sleeping")
 
-OUR_LEVERS = ("VLLM_ENABLE_STARTUP_PLAN", "VLLM_USE_MEGA_AOT_ARTIFACT")
+OUR_LEVERS = ("VLLM_ENABLE_STARTUP_PLAN", "VLLM_USE_MEGA_AOT_ARTIFACT", "VLLM_USE_BREAKABLE_CUDAGRAPH")
 """vLLM variables that our engines may run with (set in this shell) and plain vLLM does not."""
 
 CLUSTER = ClusterCredentials.generate()

@@ -12,7 +12,8 @@
 #           head re-drawn, every other file hard-linked), one awake at a time, CUDA graphs
 #   graphs8b: loadtest.graph_sizes, time per token at several batches with vLLM's default CUDA graph
 #           capture sizes against a short list, and each engine's start (issue #36 goal 2); the 8B
-#           shape with vLLM's dummy weights (time per token does not depend on their values)
+#           shape with vLLM's dummy weights (time per token does not depend on their values);
+#           GRAPH_VARIANTS: loadtest.graph_sizes VARIANTS besides vLLM's default (default: short)
 #   ENGINE_ARG: one `--engine-arg` value for our engines in cold*/fresh* (plain vLLM keeps its
 #           defaults), e.g. ENGINE_ARG="--cudagraph-capture-sizes 1 2 4 8 16 32"; our levers among
 #           vLLM's variables (loadtest.cold_start OUR_LEVERS) are taken from this shell
@@ -48,7 +49,7 @@ case "$1" in
           python3 -m loadtest.model_swap --models "$models" $([ -n "$EAGER" ] || echo --no-eager) --rounds "${ROUNDS:-8}" \
             --out "${OUT:-/tmp}/model_swap-m${1#swap}.json" ;;
   graphs8b) [ -f /tmp/m8b/config.json ] || python3 -c "from pathlib import Path; from engine.models import write_llama8b_shape; write_llama8b_shape(Path('/tmp/m8b'))"
-          python3 -m loadtest.graph_sizes --model /tmp/m8b --load-format dummy --runs "${RUNS:-2}" --out "${OUT:-/tmp}/graph_sizes-m8b.json" ;;
+          python3 -m loadtest.graph_sizes --model /tmp/m8b --load-format dummy --runs "${RUNS:-2}" --variants ${GRAPH_VARIANTS:-short} --out "${OUT:-/tmp}/graph_sizes-m8b.json" ;;
   extras1b) build llama1b-tied
           python3 -c "import sys, tomllib; from pathlib import Path
 points = tomllib.loads(Path('pyproject.toml').read_text())['project']['entry-points']
