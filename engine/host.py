@@ -22,13 +22,14 @@ import logging
 import socket
 import subprocess
 import time
+from pathlib import Path
 
 import httpx
 
 from engine.config import EngineConfig
 from engine.environment import KV_EVENTS_PLUGIN, is_cpu_build, listening_socket
 from engine.lifecycle import EngineDescription, InstanceState, StartTimeline
-from engine.process import local_client, spawn_group, terminate_group
+from engine.process import group_shared_memory, local_client, spawn_group, terminate_group
 from engine.server_command import LISTEN_FD_ENV, kv_events_plugin_installed, server_command, server_env
 from engine.server_output import ServerOutput
 from engine.weights import PeerWeights, new_weights_file, remove_orphaned_weights
@@ -77,6 +78,8 @@ class EngineHost:
         self.timeline = StartTimeline()
         self.weights_record: dict = {}
         self._process: subprocess.Popen[str] | None = None
+        self._shared_memory: set[Path] = set()
+        """vLLM's shared-memory files that the server's process group maps (engine/process.py)."""
         self._output: ServerOutput | None = None
 
     @property
@@ -154,6 +157,7 @@ class EngineHost:
             self._process.stdin.write("start\n")  # engine/preimport.py goes on from its imports
             self._process.stdin.flush()
             await self._wait_until_healthy()
+            self._shared_memory = group_shared_memory(self._process.pid)  # removed at stop, even if killed
             # every peer of the worker's distributed groups has connected: no one else may
             sealed = await self._worker_call("pdc_seal_listeners", {}, timeout_s=30)
             self.timeline.details["sealed_listeners"] = sum(len(rank["sealed_ports"]) for rank in sealed)
@@ -392,7 +396,8 @@ class EngineHost:
 
     def _terminate(self, grace_s: float) -> None:
         if self._process is not None:
-            terminate_group(self._process, grace_s)
+            terminate_group(self._process, grace_s, self._shared_memory)
+            self._shared_memory = set()
         if self.weights_file is not None:
             self.weights_file.unlink(missing_ok=True)
 

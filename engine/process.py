@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import signal
 import subprocess
+from collections.abc import Iterable
+from pathlib import Path
 
 import httpx
 
@@ -55,9 +58,34 @@ def spawn_group(command: list[str], env: dict[str, str], pass_fds: tuple[int, ..
     )
 
 
-def terminate_group(process: subprocess.Popen[str], grace_s: float) -> None:
+VLLM_SHARED_MEMORY = re.compile(r"psm_[0-9a-f]+|vllm_dist_[0-9a-f]+-.+-cpushm_\d+")
+"""Names of the /dev/shm files vLLM's processes make and leave behind when killed: Python's shared
+memory (vLLM's broadcast queues between engine core and workers) and the CPU build's
+tensor-parallel communicator's (which vLLM never removes)."""
+
+
+def group_shared_memory(pgid: int) -> set[Path]:
+    """The vLLM shared-memory files (VLLM_SHARED_MEMORY) that processes of group `pgid` map now."""
+    found = set()
+    for entry in os.scandir("/proc"):
+        try:
+            if not entry.name.isdigit() or os.getpgid(int(entry.name)) != pgid:
+                continue
+            with open(f"/proc/{entry.name}/maps") as maps:
+                paths = {fields[5].rstrip("\n") for fields in map(str.split, maps) if len(fields) == 6}
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        found |= {Path(path) for path in paths
+                  if path.startswith("/dev/shm/") and VLLM_SHARED_MEMORY.fullmatch(path.removeprefix("/dev/shm/"))}
+    return found
+
+
+def terminate_group(process: subprocess.Popen[str], grace_s: float, shared_memory: Iterable[Path] = ()) -> None:
     """SIGTERM to `process`'s group, SIGKILL after `grace_s`, and to what lingers (the server may be
-    gone while its engine core and workers live on in its group)."""
+    gone while its engine core and workers live on in its group); then remove the vLLM
+    shared-memory files the group mapped (`shared_memory`, seen earlier: the group may be gone
+    already, killed; and what it maps now), which are host memory until removed."""
+    shared_memory = set(shared_memory) | group_shared_memory(process.pid)
     if process.poll() is None:
         try:
             os.killpg(process.pid, signal.SIGTERM)
@@ -69,3 +97,5 @@ def terminate_group(process: subprocess.Popen[str], grace_s: float) -> None:
     except ProcessLookupError:
         pass
     process.wait()
+    for path in shared_memory:
+        path.unlink(missing_ok=True)
