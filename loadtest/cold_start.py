@@ -32,6 +32,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -41,6 +42,7 @@ from engine.config import EngineConfig, TensorParallel
 from engine.engine_args import EngineArgs
 from engine.environment import engine_process_env, free_port
 from engine.host import EngineHost
+from engine.lifecycle import StartTimeline
 from loadtest.output import write_results
 from security.credentials import ClusterCredentials
 from security.engine_access import EngineAccess
@@ -73,7 +75,9 @@ async def first_token(url: str, model: str, max_tokens: int = 1, prompt: str = P
 
 async def plain_start(config: EngineConfig, cores: str, startup_plan: bool = False) -> dict:
     """(a): vLLM's own server, the way its docs start it (with its startup plan on if
-    `startup_plan`); stages: healthy, first token."""
+    `startup_plan`); its stages read off its log as it prints it, as our engines' are
+    (engine/lifecycle.py), with the weights' load (vLLM's "Model loading took") its own stage,
+    then `healthy` (to /health answering) and the first token."""
     port = free_port("127.0.0.1")
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(config.model),
                "--served-model-name", config.served_model_name, "--host", "127.0.0.1", "--port", str(port),
@@ -89,8 +93,11 @@ async def plain_start(config: EngineConfig, cores: str, startup_plan: bool = Fal
     if startup_plan:
         env["VLLM_ENABLE_STARTUP_PLAN"] = "1"
     asked = time.perf_counter()
-    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    timeline = StartTimeline()
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                start_new_session=True)
+    # read to its end (a full pipe would stall the server); it ends when the server is killed
+    threading.Thread(target=lambda: [timeline.mark_from_log(line) for line in process.stdout], daemon=True).start()
     url = f"http://127.0.0.1:{port}"
     try:
         async with httpx.AsyncClient(timeout=2) as client:
@@ -104,10 +111,17 @@ async def plain_start(config: EngineConfig, cores: str, startup_plan: bool = Fal
                 except httpx.HTTPError:
                     pass
                 await asyncio.sleep(0.05)
+        timeline.mark("healthy")
         healthy = time.perf_counter() - asked
         await first_token(url, config.served_model_name)
         total = time.perf_counter() - asked
-        return {"stages_s": {"server_up": healthy, "first_token": total - healthy}, "first_token_s": total}
+        stages = timeline.stages()
+        weights = min(float(timeline.details.get("worker_and_model_reported_s", 0.0)), stages.get("worker_and_model", 0.0))
+        if weights:
+            stages["worker_and_model"] -= weights
+            stages["weights"] = weights
+        return {"stages_s": {**stages, "first_token": total - healthy}, "first_token_s": total,
+                "details": timeline.details}
     finally:
         os.killpg(process.pid, signal.SIGKILL)
         process.wait()

@@ -1,4 +1,4 @@
-"""Load-test pieces that need no server: prompts, arrivals, target checks."""
+"""Load-test pieces that need no server: prompts, arrivals, target checks, the stage ledger."""
 
 from __future__ import annotations
 
@@ -7,8 +7,10 @@ import json
 
 import pytest
 
+from engine.lifecycle import STAGE_PATTERNS
 from loadtest.arrivals import Bursts, Constant, Poisson
 from loadtest.runner import check_target
+from loadtest.stage_ledger import ledger_row
 from loadtest.workloads import MooncakeReplay, MultiTurn, RandomLengths, SharedPrefix
 
 
@@ -111,3 +113,15 @@ def test_goodput_counts_only_requests_that_met_every_part_of_the_slo():
     summary = summarize([smooth, stalls, slow_start, failed], duration_s=2.0, offered=2.0)
     assert summary["goodput_streaming_rps"] == 0.5 and summary["goodput_loose_rps"] == 1.5
     assert summary["attainment_loose"] == 0.75 and summary["errors"] == 1
+
+
+def test_the_stage_ledger_places_every_stage_of_a_start_and_refuses_one_it_does_not_know():
+    """A start's seconds all land in one group each (a stage the ledger does not know would drop
+    out of its bars unnoticed): every stage our engines' log marks after the pre-import, the
+    weights and their checksum, the warm-up request and the first token."""
+    stages = [name for name, _ in STAGE_PATTERNS if name != "preimport"]
+    stages += ["weights", "weights_checksum", "warmup_request", "first_token"]
+    row = ledger_row(dict.fromkeys(stages, 1.0))
+    assert sum(row.values()) == len(stages)
+    with pytest.raises(ValueError, match="model_swap"):
+        ledger_row({"weights": 1.0, "model_swap": 2.0})
