@@ -20,6 +20,7 @@ import httpx
 
 from engine.config import EngineConfig
 from engine.environment import engine_env, free_port
+from engine.process import terminate_group
 from security.credentials import SECRET_ENV
 from security.engine_access import EngineAccess
 
@@ -180,13 +181,8 @@ class PlainVLLM:
         raise TimeoutError(f"plain vLLM not up in {self.start_timeout_s} s; see {self.log_path}")
 
     def __exit__(self, *exc) -> None:
-        if self._process is not None and self._process.poll() is None:
-            os.killpg(self._process.pid, 15)
-            try:
-                self._process.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self._process.pid, 9)
-                self._process.wait()
+        if self._process is not None:  # its whole group, and the shared memory vLLM's processes leave
+            terminate_group(self._process, grace_s=30)
 
 
 def oracle_answers(config: EngineConfig, log_path: Path) -> dict[str, Answer]:
