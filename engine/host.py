@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import socket
 import subprocess
 import time
@@ -36,8 +35,6 @@ from engine.weights import PeerWeights, new_weights_file, remove_orphaned_weight
 from security.credentials import ClusterCredentials, EngineHostKeys
 from security.engine_access import EngineAccess, EngineEndpoint, open_endpoint
 from transport.address import node_address
-
-logger = logging.getLogger(__name__)
 
 START_ATTEMPTS = 3
 """Starts tried before one fails for a port in use: vLLM binds some ports itself (the NIXL side
@@ -71,9 +68,8 @@ class EngineHost:
         """This host's own way into that process."""
         self.weights_file = new_weights_file(config.weights_dir) if config.keep_host_weights else None
         """Where the engine keeps the host copy of its weights that its node's peers may map."""
-        if config.keep_host_weights and (freed := remove_orphaned_weights(config.weights_dir)):
-            logger.warning("removed %.2f GiB of weights files that engines killed on this node left behind",
-                           freed / 2**30)
+        if config.keep_host_weights:
+            remove_orphaned_weights(config.weights_dir)
         self.state = InstanceState.STOPPED
         self.timeline = StartTimeline()
         self.weights_record: dict = {}
@@ -395,11 +391,13 @@ class EngineHost:
         return self.describe()
 
     def _terminate(self, grace_s: float) -> None:
-        if self._process is not None:
-            terminate_group(self._process, grace_s, self._shared_memory)
-            self._shared_memory = set()
-        if self.weights_file is not None:
-            self.weights_file.unlink(missing_ok=True)
+        try:
+            if self._process is not None:
+                terminate_group(self._process, grace_s, self._shared_memory)
+                self._shared_memory = set()
+        finally:
+            if self.weights_file is not None:
+                self.weights_file.unlink(missing_ok=True)
 
     def _client(self, timeout_s: float) -> httpx.AsyncClient:
         """A client for this instance's engine server: its certificate pinned, its token."""

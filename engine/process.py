@@ -3,6 +3,7 @@ clients for the node's own engine servers."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import re
@@ -61,7 +62,8 @@ def spawn_group(command: list[str], env: dict[str, str], pass_fds: tuple[int, ..
 VLLM_SHARED_MEMORY = re.compile(r"psm_[0-9a-f]+|vllm_dist_[0-9a-f]+-.+-cpushm_\d+")
 """Names of the /dev/shm files vLLM's processes make and leave behind when killed: Python's shared
 memory (vLLM's broadcast queues between engine core and workers) and the CPU build's
-tensor-parallel communicator's (which vLLM never removes)."""
+tensor-parallel communicator's (which vLLM never removes). A `psm_` segment the group only
+attached to would match too: our engines attach to none."""
 
 
 def group_shared_memory(pgid: int) -> set[Path]:
@@ -71,8 +73,8 @@ def group_shared_memory(pgid: int) -> set[Path]:
         try:
             if not entry.name.isdigit() or os.getpgid(int(entry.name)) != pgid:
                 continue
-            with open(f"/proc/{entry.name}/maps") as maps:
-                paths = {fields[5].rstrip("\n") for fields in map(str.split, maps) if len(fields) == 6}
+            with open(f"/proc/{entry.name}/maps", errors="surrogateescape") as maps:
+                paths = {fields[5] for fields in map(str.split, maps) if len(fields) == 6}
         except OSError:  # gone meanwhile, or not ours to read
             continue
         found |= {Path(path) for path in paths
@@ -84,18 +86,23 @@ def terminate_group(process: subprocess.Popen[str], grace_s: float, shared_memor
     """SIGTERM to `process`'s group, SIGKILL after `grace_s`, and to what lingers (the server may be
     gone while its engine core and workers live on in its group); then remove the vLLM
     shared-memory files the group mapped (`shared_memory`, seen earlier: the group may be gone
-    already, killed; and what it maps now), which are host memory until removed."""
-    shared_memory = set(shared_memory) | group_shared_memory(process.pid)
-    if process.poll() is None:
+    already, killed; and what it maps now), which are host memory until removed. A leader reaped
+    before (its exit seen by `poll`) leaves its group id free for another process's group: then
+    only the files seen earlier are removed (the group guard killed its group when the server died)."""
+    shared_memory = set(shared_memory)
+    if process.returncode is None:  # not reaped: the group id is still this group's
+        shared_memory |= group_shared_memory(process.pid)
+        if process.poll() is None:
+            try:
+                os.killpg(process.pid, signal.SIGTERM)
+                process.wait(grace_s)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                pass
         try:
-            os.killpg(process.pid, signal.SIGTERM)
-            process.wait(grace_s)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
             pass
-    try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    process.wait()
+        process.wait()
     for path in shared_memory:
-        path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            path.unlink(missing_ok=True)

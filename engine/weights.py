@@ -26,10 +26,12 @@ import hashlib
 import hmac
 import importlib.util
 import json
+import logging
 import mmap
 import os
 import re
 import secrets
+import stat
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,6 +39,8 @@ from pathlib import Path
 import numpy as np
 
 from transport.nixl import add_peer, new_agent, transfer
+
+logger = logging.getLogger(__name__)
 
 WEIGHTS_FILE_PREFIX = "pdcluster-weights-"
 _WEIGHTS_FILE_NAME = re.compile(rf"{WEIGHTS_FILE_PREFIX}[0-9a-f]{{32}}")
@@ -167,9 +171,10 @@ class WeightSet:
             raise WeightIntegrityError(f"{len(bad)} tensors fail their digest: {bad[:5]}")
 
     def close(self) -> None:
-        self.buffer = np.empty(0, np.uint8)
+        # removed while still mapped (so locked): a sweep never finds it unlocked under its name
         if self.owns_file and self.shm_path is not None:
             self.shm_path.unlink(missing_ok=True)
+        self.buffer = np.empty(0, np.uint8)
 
 
 def allocate(nbytes: int, shm_path: Path | None) -> np.ndarray:
@@ -180,39 +185,48 @@ def allocate(nbytes: int, shm_path: Path | None) -> np.ndarray:
     if shm_path is None:
         return np.empty(nbytes, np.uint8)
     descriptor = os.open(shm_path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    fcntl.flock(descriptor, fcntl.LOCK_SH)
     with os.fdopen(descriptor, "w+b") as handle:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_SH)
         handle.truncate(max(nbytes, 1))
         return np.frombuffer(mmap.mmap(handle.fileno(), max(nbytes, 1)), np.uint8)[:nbytes]
 
 
 def remove_orphaned_weights(weights_dir: Path, min_age_s: float = 10.0) -> int:
     """Remove the weights files in `weights_dir` whose owner died without removing its own (a
-    killed engine process or actor; `ray stop`): files of this user's, of our naming, that no
-    process holds locked (`allocate`). Each is host memory (a tmpfs file) until removed. Files
-    younger than `min_age_s` are left: their owner may be between creating and locking. Returns the
-    bytes freed."""
+    killed engine process or actor; `ray stop`): regular files of this user's, of our naming, that
+    no process holds locked (`allocate`). Each is host memory (a tmpfs file) until removed. Files
+    younger than `min_age_s` are left (their owner may be between creating and locking), and any
+    file this cannot lock or remove is kept. Returns the bytes freed (logged); a standby that
+    still maps a removed file copy-on-write keeps those pages until it unmaps them."""
     freed = 0
     for path in weights_dir.glob(f"{WEIGHTS_FILE_PREFIX}*"):
-        if not _WEIGHTS_FILE_NAME.fullmatch(path.name):
-            continue
-        try:
-            descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        except OSError:  # a link, or gone meanwhile
-            continue
-        try:
-            status = os.fstat(descriptor)
-            if status.st_uid != os.getuid() or time.time() - status.st_ctime < min_age_s:
-                continue
-            try:
-                fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:  # its owner lives
-                continue
-            path.unlink(missing_ok=True)
-            freed += status.st_blocks * 512
-        finally:
-            os.close(descriptor)
+        if _WEIGHTS_FILE_NAME.fullmatch(path.name):
+            freed += _remove_if_orphaned(path, min_age_s)
+    if freed:
+        logger.warning("removed %.2f GiB of weights files that engines killed on this node left behind", freed / 2**30)
     return freed
+
+
+def _remove_if_orphaned(path: Path, min_age_s: float) -> int:
+    try:
+        descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:  # a link, or gone meanwhile
+        return 0
+    try:
+        status = os.fstat(descriptor)
+        if (not stat.S_ISREG(status.st_mode) or status.st_uid != os.getuid()
+                or time.time() - status.st_ctime < min_age_s):
+            return 0
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held: its owner lives
+        named = os.stat(path, follow_symlinks=False)  # still this file under that name
+        if (named.st_dev, named.st_ino) != (status.st_dev, status.st_ino):
+            return 0
+        path.unlink()
+        return status.st_blocks * 512
+    except OSError:  # locked, gone, or a filesystem without locks: kept
+        return 0
+    finally:
+        os.close(descriptor)
 
 
 def _map_peer_file(weights_dir: Path, name: str, nbytes: int) -> np.ndarray:

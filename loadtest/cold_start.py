@@ -26,9 +26,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
-import signal
+import re
 import statistics
 import subprocess
 import sys
@@ -43,6 +44,7 @@ from engine.engine_args import EngineArgs
 from engine.environment import engine_process_env, free_port
 from engine.host import EngineHost
 from engine.lifecycle import StartTimeline
+from engine.process import terminate_group
 from loadtest.output import write_results
 from security.credentials import ClusterCredentials
 from security.engine_access import EngineAccess
@@ -73,11 +75,43 @@ async def first_token(url: str, model: str, max_tokens: int = 1, prompt: str = P
     return tokens
 
 
+class ServerLog:
+    """Plain vLLM's output, read to its end on a thread of its own (a full pipe would stall the
+    server; it ends when the server is killed), its start-up stages marked as they are printed, as
+    our engines' are (engine/lifecycle.py), with the weights' load (vLLM's "Loading weights took",
+    else "Model loading took") its own stage."""
+
+    WEIGHTS_LOADED = re.compile(r"Loading weights took (?P<s>[\d.]+) seconds")
+
+    def __init__(self, timeline: StartTimeline, process: subprocess.Popen[str]):
+        self.timeline = timeline
+        self.weights_s: float | None = None
+        self._thread = threading.Thread(target=self._read, args=(process.stdout,), daemon=True)
+        self._thread.start()
+
+    def _read(self, stream) -> None:
+        for line in stream:
+            with contextlib.suppress(Exception):  # a line it cannot read costs that line, not the rest
+                self.timeline.mark_from_log(line)
+                if self.weights_s is None and (match := self.WEIGHTS_LOADED.search(line)):
+                    self.weights_s = float(match["s"])
+
+    def stages(self) -> dict[str, float]:
+        stages = self.timeline.stages()
+        reported = self.weights_s or float(self.timeline.details.get("worker_and_model_reported_s", 0.0))
+        if weights := min(reported, stages.get("worker_and_model", 0.0)):
+            stages["worker_and_model"] -= weights
+            stages["weights"] = weights
+        return stages
+
+    def join(self, timeout_s: float = 10) -> None:
+        self._thread.join(timeout_s)
+
+
 async def plain_start(config: EngineConfig, cores: str, startup_plan: bool = False) -> dict:
     """(a): vLLM's own server, the way its docs start it (with its startup plan on if
-    `startup_plan`); its stages read off its log as it prints it, as our engines' are
-    (engine/lifecycle.py), with the weights' load (vLLM's "Model loading took") its own stage,
-    then `healthy` (to /health answering) and the first token."""
+    `startup_plan`); its stages from its log (`ServerLog`), then `healthy` (to /health answering)
+    and the first token."""
     port = free_port("127.0.0.1")
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(config.model),
                "--served-model-name", config.served_model_name, "--host", "127.0.0.1", "--port", str(port),
@@ -95,9 +129,8 @@ async def plain_start(config: EngineConfig, cores: str, startup_plan: bool = Fal
     asked = time.perf_counter()
     timeline = StartTimeline()
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               start_new_session=True)
-    # read to its end (a full pipe would stall the server); it ends when the server is killed
-    threading.Thread(target=lambda: [timeline.mark_from_log(line) for line in process.stdout], daemon=True).start()
+                               errors="replace", start_new_session=True)
+    log = ServerLog(timeline, process)
     url = f"http://127.0.0.1:{port}"
     try:
         async with httpx.AsyncClient(timeout=2) as client:
@@ -115,16 +148,11 @@ async def plain_start(config: EngineConfig, cores: str, startup_plan: bool = Fal
         healthy = time.perf_counter() - asked
         await first_token(url, config.served_model_name)
         total = time.perf_counter() - asked
-        stages = timeline.stages()
-        weights = min(float(timeline.details.get("worker_and_model_reported_s", 0.0)), stages.get("worker_and_model", 0.0))
-        if weights:
-            stages["worker_and_model"] -= weights
-            stages["weights"] = weights
-        return {"stages_s": {**stages, "first_token": total - healthy}, "first_token_s": total,
-                "details": timeline.details}
-    finally:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
+    finally:  # its whole group, and the shared memory vLLM's processes leave
+        terminate_group(process, grace_s=10)
+        log.join()
+    return {"stages_s": {**log.stages(), "first_token": total - healthy}, "first_token_s": total,
+            "details": dict(timeline.details)}
 
 
 async def fresh_start(config: EngineConfig, run: int, preimported: bool = False) -> dict:

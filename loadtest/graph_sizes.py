@@ -83,7 +83,8 @@ def one_variant(model: str, variant: Variant, batches: list[int], tokens: int, l
 def run_child(args: argparse.Namespace, name: str) -> dict:
     command = [sys.executable, "-m", "loadtest.graph_sizes", "--child", name, "--model", args.model,
                "--tokens", str(args.tokens), "--load-format", args.load_format, "--batches", *map(str, args.batches)]
-    env = os.environ | VARIANTS[name].env
+    levers = {key for variant in VARIANTS.values() for key in variant.env}  # none but this variant's
+    env = {k: v for k, v in os.environ.items() if k not in levers} | VARIANTS[name].env
     done = subprocess.run(command, capture_output=True, text=True, timeout=1200, env=env)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:

@@ -115,10 +115,11 @@ def test_goodput_counts_only_requests_that_met_every_part_of_the_slo():
     assert summary["attainment_loose"] == 0.75 and summary["errors"] == 1
 
 
-def test_the_stage_ledger_places_every_stage_of_a_start_and_refuses_one_it_does_not_know():
+def test_the_stage_ledger_places_every_stage_of_a_start_from_nothing_and_refuses_one_it_does_not_know():
     """A start's seconds all land in one group each (a stage the ledger does not know would drop
     out of its bars unnoticed): every stage our engines' log marks after the pre-import, the
-    weights and their checksum, the warm-up request and the first token."""
+    weights and their checksum, the warm-up request and the first token (a sleeper's wake-up is
+    not a start from nothing: refused)."""
     stages = [name for name, _ in STAGE_PATTERNS if name != "preimport"]
     stages += ["weights", "weights_checksum", "warmup_request", "first_token"]
     row = ledger_row(dict.fromkeys(stages, 1.0))

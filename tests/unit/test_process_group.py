@@ -8,7 +8,6 @@ import os
 import secrets
 import signal
 import sys
-import time
 from pathlib import Path
 
 from engine.process import group_shared_memory, spawn_group, terminate_group
@@ -42,7 +41,6 @@ def test_the_shared_memory_of_a_killed_group_is_removed_at_stop_and_nothing_else
         assert seen == {queue, communicator}
         os.killpg(process.pid, signal.SIGKILL)  # as a lost engine: nothing of vLLM's cleans up
         process.wait(10)
-        time.sleep(0.5)
         assert queue.exists() and communicator.exists()
         terminate_group(process, grace_s=1, shared_memory=seen)
         assert not queue.exists() and not communicator.exists()
@@ -51,4 +49,3 @@ def test_the_shared_memory_of_a_killed_group_is_removed_at_stop_and_nothing_else
         terminate_group(process, grace_s=1)
         for path in (communicator, other):
             path.unlink(missing_ok=True)
-
