@@ -22,6 +22,8 @@
 #           publisher's vLLM plugin entry point is declared by a dist-info folder written from
 #           pyproject.toml onto PYTHONPATH: the repository is not pip-installed here); VARIANTS, CPUS
 #           (cores every engine is pinned to), RUNS, REPEATS, BATCH, TOKENS from this shell
+#   caches: the size and file count of each cache a start may fill (vLLM's, Triton's, FlashInfer's,
+#           CUDA's, Inductor's): run before and after a fresh machine's first start (issue #36 goal 3)
 set -eo pipefail
 [ -d /tmp/site ] || bash /tmp/vparts/install.sh > /tmp/install.log 2>&1
 source /tmp/vparts/env.sh
@@ -59,5 +61,8 @@ meta = Path(sys.argv[1]) / 'pdcluster_plugins-0.dist-info'; meta.mkdir(parents=T
           export PYTHONPATH=$PYTHONPATH:/tmp/pdc-meta
           python3 -m loadtest.engine_extras --model /tmp/models/llama1b-tied --no-eager --variants ${VARIANTS:-plain logits_processor kv_events} \
             ${CPUS:+--cpus "$CPUS"} --runs "${RUNS:-3}" --repeats "${REPEATS:-1}" --batch "${BATCH:-32}" --tokens "${TOKENS:-256}" --out "${OUT:-/tmp}/engine_extras-m1b.json" ;;
-  *) echo "usage: $0 test|cold1b|cold8b|fresh1b|fresh8b|swap1b|swap8b|graphs8b|extras1b" >&2; exit 2 ;;
+  caches) for dir in "$VLLM_CACHE_ROOT" ~/.cache/vllm ~/.triton/cache ~/.cache/flashinfer ~/.nv/ComputeCache /tmp/torchinductor_*; do
+            [ -e "$dir" ] && echo "$(du -sm "$dir" | cut -f1) MB $(find "$dir" -type f | wc -l) files $dir"
+          done; true ;;
+  *) echo "usage: $0 test|cold1b|cold8b|fresh1b|fresh8b|swap1b|swap8b|graphs8b|extras1b|caches" >&2; exit 2 ;;
 esac
