@@ -122,13 +122,14 @@ class StartTimeline:
         self.mark(last_part)
 
     def mark_from_log(self, line: str) -> None:
-        """Mark the stage a line of the server's log ends, if it ends one (STAGE_PATTERNS)."""
+        """Mark the stage a line of the server's log ends, if it ends one (STAGE_PATTERNS), with the
+        seconds that line reports; like the mark, the first line of a stage's counts."""
         for stage, pattern in STAGE_PATTERNS:
             match = pattern.search(line)
             if match:
                 self.mark(stage)
                 if "s" in match.groupdict():
-                    self.details[f"{stage}_reported_s"] = float(match["s"])
+                    self.details.setdefault(f"{stage}_reported_s", float(match["s"]))
         if STARTUP_PLAN_APPLIED.search(line):
             self.details["startup_plan"] = "applied"
 

@@ -26,14 +26,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -45,6 +42,7 @@ from engine.environment import engine_process_env, free_port
 from engine.host import EngineHost
 from engine.lifecycle import StartTimeline
 from engine.process import terminate_group
+from engine.server_output import ServerOutput
 from loadtest.output import write_results
 from security.credentials import ClusterCredentials
 from security.engine_access import EngineAccess
@@ -75,43 +73,21 @@ async def first_token(url: str, model: str, max_tokens: int = 1, prompt: str = P
     return tokens
 
 
-class ServerLog:
-    """Plain vLLM's output, read to its end on a thread of its own (a full pipe would stall the
-    server; it ends when the server is killed), its start-up stages marked as they are printed, as
-    our engines' are (engine/lifecycle.py), with the weights' load (vLLM's "Loading weights took",
-    else "Model loading took") its own stage."""
-
-    WEIGHTS_LOADED = re.compile(r"Loading weights took (?P<s>[\d.]+) seconds")
-
-    def __init__(self, timeline: StartTimeline, process: subprocess.Popen[str]):
-        self.timeline = timeline
-        self.weights_s: float | None = None
-        self._thread = threading.Thread(target=self._read, args=(process.stdout,), daemon=True)
-        self._thread.start()
-
-    def _read(self, stream) -> None:
-        for line in stream:
-            with contextlib.suppress(Exception):  # a line it cannot read costs that line, not the rest
-                self.timeline.mark_from_log(line)
-                if self.weights_s is None and (match := self.WEIGHTS_LOADED.search(line)):
-                    self.weights_s = float(match["s"])
-
-    def stages(self) -> dict[str, float]:
-        stages = self.timeline.stages()
-        reported = self.weights_s or float(self.timeline.details.get("worker_and_model_reported_s", 0.0))
-        if weights := min(reported, stages.get("worker_and_model", 0.0)):
-            stages["worker_and_model"] -= weights
-            stages["weights"] = weights
-        return stages
-
-    def join(self, timeout_s: float = 10) -> None:
-        self._thread.join(timeout_s)
+def weights_apart(timeline: StartTimeline) -> dict[str, float]:
+    """A plain vLLM start's stages with the weights' load (the seconds vLLM reports on the line that
+    ends `worker_and_model`: "Loading weights took", else "Model loading took") a stage of its own."""
+    stages = timeline.stages()
+    reported = float(timeline.details.get("worker_and_model_reported_s", 0.0))
+    if weights := min(reported, stages.get("worker_and_model", 0.0)):
+        stages["worker_and_model"] -= weights
+        stages["weights"] = weights
+    return stages
 
 
 async def plain_start(config: EngineConfig, cores: str, startup_plan: bool = False) -> dict:
     """(a): vLLM's own server, the way its docs start it (with its startup plan on if
-    `startup_plan`); its stages from its log (`ServerLog`), then `healthy` (to /health answering)
-    and the first token."""
+    `startup_plan`); its stages read off its log as our engines' are (engine/server_output.py), the
+    weights apart (`weights_apart`), then `healthy` (to /health answering) and the first token."""
     port = free_port("127.0.0.1")
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(config.model),
                "--served-model-name", config.served_model_name, "--host", "127.0.0.1", "--port", str(port),
@@ -130,7 +106,7 @@ async def plain_start(config: EngineConfig, cores: str, startup_plan: bool = Fal
     timeline = StartTimeline()
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                errors="replace", start_new_session=True)
-    log = ServerLog(timeline, process)
+    ServerOutput(process, None, lambda: timeline, kv_events=False)  # also drains the pipe, which would stall vLLM
     url = f"http://127.0.0.1:{port}"
     try:
         async with httpx.AsyncClient(timeout=2) as client:
@@ -150,8 +126,7 @@ async def plain_start(config: EngineConfig, cores: str, startup_plan: bool = Fal
         total = time.perf_counter() - asked
     finally:  # its whole group, and the shared memory vLLM's processes leave
         terminate_group(process, grace_s=10)
-        log.join()
-    return {"stages_s": {**log.stages(), "first_token": total - healthy}, "first_token_s": total,
+    return {"stages_s": {**weights_apart(timeline), "first_token": total - healthy}, "first_token_s": total,
             "details": dict(timeline.details)}
 
 
