@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
 import subprocess
 import time
@@ -25,6 +26,7 @@ from pathlib import Path
 
 import httpx
 
+from engine import node_caches
 from engine.config import EngineConfig
 from engine.environment import KV_EVENTS_PLUGIN, is_cpu_build, listening_socket
 from engine.lifecycle import EngineDescription, InstanceState, StartTimeline
@@ -283,6 +285,17 @@ class EngineHost:
         request = {"use_nixl": use_nixl, "offer_file": offer_file}
         ranks = await self._worker_call("pdc_export_weights", request, timeout_s=30)
         return PeerWeights(self.instance_id, tuple(rank or ranks[0] for rank in ranks))
+
+    async def cache_manifest(self) -> node_caches.CacheManifest:
+        """What this node's start caches hold (engine/node_caches.py; the engine's are this
+        process's, whose environment it inherits): a ready peer elsewhere sends the rest."""
+        return await asyncio.to_thread(node_caches.manifest, node_caches.cache_dirs(os.environ))
+
+    async def export_caches(self, wanted_by: node_caches.CacheManifest) -> node_caches.NodeCaches | None:
+        return await asyncio.to_thread(node_caches.export, node_caches.cache_dirs(os.environ), wanted_by)
+
+    async def install_caches(self, caches: node_caches.NodeCaches) -> node_caches.InstalledCaches:
+        return await asyncio.to_thread(node_caches.install, caches, node_caches.cache_dirs(os.environ))
 
     async def _guarded(self, work, timeout_s: float, what: str) -> None:
         """Run a start-up step; on failure or timeout stop the process and raise with its log."""

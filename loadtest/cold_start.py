@@ -14,7 +14,12 @@ Paths, each run `--runs` times, in one process (same machine state for all):
   (d) sleeping - the same with a standby that sleeps until activated (vLLM's sleep mode, level 2;
                 CUDA only): its memory comes back, then the peer's weights, the warm-up request;
   (e) preimported - (b) from a server process that has imported vLLM beforehand and waits,
-                holding no GPU memory (engine/preimport.py; its import is not counted).
+                holding no GPU memory (engine/preimport.py; its import is not counted);
+  (f) empty-caches - (e) on a node that never ran the model: every start cache (vLLM's, Triton's,
+                CUDA's, Inductor's: engine/node_caches.py) a new empty folder;
+      new-node - the same, its caches first brought from this machine's as a ready peer's would be
+                (deploy/node_caches.py; the export and install timed as stage node_caches, with no
+                network in between).
 The clock starts at the call and stops at the first streamed token of a request to the new
 instance. Paths (c) and (d) also check that the activated instance's greedy tokens equal the
 peer's, and on a GPU record the device memory the waiting standby held.
@@ -26,16 +31,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import dataclasses
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 
+from engine import node_caches
 from engine.config import EngineConfig, TensorParallel
 from engine.engine_args import EngineArgs
 from engine.environment import engine_process_env, free_port
@@ -48,7 +59,7 @@ from security.credentials import ClusterCredentials
 from security.engine_access import EngineAccess
 
 PROMPT = "The first token after a cold start"
-PATHS = ("plain", "plain-plan", "disk", "preimported", "standby", "sleeping")
+PATHS = ("plain", "plain-plan", "disk", "preimported", "empty-caches", "new-node", "standby", "sleeping")
 
 OUR_LEVERS = ("VLLM_ENABLE_STARTUP_PLAN", "VLLM_USE_MEGA_AOT_ARTIFACT", "VLLM_USE_BREAKABLE_CUDAGRAPH")
 """vLLM variables that our engines may run with (set in this shell) and plain vLLM does not."""
@@ -130,28 +141,55 @@ async def plain_start(config: EngineConfig, cores: str, startup_plan: bool = Fal
             "details": dict(timeline.details)}
 
 
-async def fresh_start(config: EngineConfig, run: int, preimported: bool = False) -> dict:
+async def fresh_start(config: EngineConfig, run: int, preimported: bool = False,
+                      caches_from: dict[str, Path] | None = None) -> dict:
     """(b), or (e) if `preimported`: our EngineHost with no engine of ours before it; weights from
     disk through the weight plane. (e) starts a process that imports vLLM first (untimed, as a
-    pool keeps them ahead) and records the GPU memory it held meanwhile."""
+    pool keeps them ahead) and records the GPU memory it held meanwhile. With `caches_from`, the
+    start caches there that this process's lack are installed first, timed (f)."""
     name = f"cold-{'preimported' if preimported else 'disk'}-{run}"
     host = EngineHost(config, name, host="127.0.0.1", keys=CLUSTER.engine_host_keys(name))
     try:
-        extra = {}
+        extra, stages = {}, {}
         if preimported:
             used_before = await settled_gpu_memory_used()
             extra["preimport_s"] = (await host.preimport())["total_s"]
             if used_before is not None:
                 extra["waiting_gpu_bytes"] = gpu_memory_used() - used_before
         asked = time.perf_counter()
+        if caches_from is not None:
+            here = node_caches.cache_dirs(os.environ)
+            caches = node_caches.export(caches_from, node_caches.manifest(here))
+            assert caches is not None, "the same machine's caches"
+            extra["node_caches"] = dataclasses.asdict(node_caches.install(caches, here))
+            stages["node_caches"] = time.perf_counter() - asked
         record = await (host.activate() if preimported else host.start())
         before_token = time.perf_counter() - asked
         await first_token(host.url, config.served_model_name, access=host.access)
         total = time.perf_counter() - asked
-        record["stages_s"]["first_token"] = total - before_token
+        record["stages_s"] = {**stages, **record["stages_s"], "first_token": total - before_token}
         return {**record, **extra, "first_token_s": total}
     finally:
         await host.stop()
+
+
+@contextlib.contextmanager
+def new_node_caches() -> Iterator[None]:
+    """Every start cache of the engines started meanwhile (they inherit this process's
+    environment) in new empty folders, as on a node that never ran an engine."""
+    root = Path(tempfile.mkdtemp(prefix="pdc-new-node-"))
+    fresh = {variable: str(root / name) for name, (variable, _) in node_caches.CACHES.items()}
+    before = {variable: os.environ.get(variable) for variable in fresh}
+    os.environ.update(fresh)
+    try:
+        yield
+    finally:
+        for variable, value in before.items():
+            if value is None:
+                os.environ.pop(variable, None)
+            else:
+                os.environ[variable] = value
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def gpu_memory_used() -> int | None:
@@ -227,6 +265,11 @@ async def bench(
                     record = await plain_start(new_config, cores[1], startup_plan=path == "plain-plan")
                 elif path in ("disk", "preimported"):
                     record = await fresh_start(new_config, run, preimported=path == "preimported")
+                elif path in ("empty-caches", "new-node"):
+                    warm = node_caches.cache_dirs(os.environ)
+                    with new_node_caches():
+                        record = await fresh_start(new_config, run, preimported=True,
+                                                   caches_from=warm if path == "new-node" else None)
                 else:
                     record = await standby_start(new_config, peer, run, check_tokens=8, sleep=path == "sleeping")
                 results[path].append(record)

@@ -24,6 +24,9 @@
 #           (cores every engine is pinned to), RUNS, REPEATS, BATCH, TOKENS from this shell
 #   caches: the size and file count of each cache a start may fill (vLLM's, Triton's, FlashInfer's,
 #           CUDA's, Inductor's): run before and after a fresh machine's first start (issue #36 goal 3)
+#   newnode1b|newnode8b: fresh1b|fresh8b with PATHS (default preimported,empty-caches,new-node: a node
+#           that never ran the model, without and with a peer's caches, issue #36 goal 3), `caches`
+#           before and after, and every file the starts wrote anywhere, by folder
 set -eo pipefail
 [ -d /tmp/site ] || bash /tmp/vparts/install.sh > /tmp/install.log 2>&1
 source /tmp/vparts/env.sh
@@ -64,5 +67,12 @@ meta = Path(sys.argv[1]) / 'pdcluster_plugins-0.dist-info'; meta.mkdir(parents=T
   caches) for dir in "$VLLM_CACHE_ROOT" ~/.cache/vllm ~/.triton/cache ~/.cache/flashinfer ~/.nv/ComputeCache /tmp/torchinductor_*; do
             [ -e "$dir" ] && echo "$(du -sm "$dir" | cut -f1) MB $(find "$dir" -type f | wc -l) files $dir"
           done; true ;;
-  *) echo "usage: $0 test|cold1b|cold8b|fresh1b|fresh8b|swap1b|swap8b|graphs8b|extras1b|caches" >&2; exit 2 ;;
+  newnode1b|newnode8b) bash "$0" caches > "${OUT:-/tmp}/caches-before.txt"; touch /tmp/newnode-mark
+          PATHS=${PATHS:-preimported,empty-caches,new-node} bash "$0" "fresh${1#newnode}"
+          bash "$0" caches > "${OUT:-/tmp}/caches-after.txt"
+          find / -xdev -type f -newer /tmp/newnode-mark -not -path '/proc/*' -printf '%s %h\n' 2>/dev/null \
+            | awk '{n = split($2, p, "/"); k = "/" p[2] "/" p[3] "/" p[4]; b[k] += $1; c[k]++}
+                   END {for (k in b) printf "%9.1f MB %6d files %s\n", b[k] / 1e6, c[k], k}' \
+            | sort -rn > "${OUT:-/tmp}/written-by-starts.txt" ;;
+  *) echo "usage: $0 test|cold1b|cold8b|fresh1b|fresh8b|swap1b|swap8b|graphs8b|extras1b|caches|newnode1b|newnode8b" >&2; exit 2 ;;
 esac
