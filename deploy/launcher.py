@@ -33,7 +33,7 @@ from deploy.actor_placement import placement_options
 from deploy.actor_proof import proven_actors
 from deploy.admission_ledger import LEDGER_NAME
 from deploy.draining import drained, end_engines, undrained
-from deploy.node_caches import bring_caches
+from deploy.node_caches import CACHES_TIMEOUT_S, CacheCourier
 from deploy.store_shards import STORE_SHARD_PREFIX, StoreShards
 from deploy.topology import ROLES
 from engine.config import EngineConfig
@@ -87,6 +87,7 @@ class Launcher:
         self._not_peers: set[str] = set()
         """Weight descriptors of ready instances, by instance id (see peer_weights)."""
         self.store = StoreShards(credentials, self.console, self._engine_nodes)
+        self.caches = CacheCourier()
 
     async def start_store_shards(self, capacity_bytes: int, fault_injection: bool = False) -> tuple[str, ...]:
         """One KV store shard on this node and every node that will host engines (deploy/store_shards.py)."""
@@ -186,9 +187,10 @@ class Launcher:
         if not configs:
             return []
         actors = {iid: self._create_actor(cfg, iid) for iid, cfg in configs}
-        starts = {iid: asyncio.ensure_future(self._start(actor, standby, peer, preimported))
+        starts = {iid: asyncio.ensure_future(self._start(actor, standby, peer, preimported, placement_timeout_s))
                   for iid, actor in actors.items()}
-        deadline = time.monotonic() + placement_timeout_s + max(cfg.start_timeout_s for _, cfg in configs)
+        deadline = (time.monotonic() + placement_timeout_s + max(cfg.start_timeout_s for _, cfg in configs)
+                    + CACHES_TIMEOUT_S)
         live = (
             Live(self._progress_table(actors, {}), console=self.console, transient=True) if progress else None
         )
@@ -218,14 +220,14 @@ class Launcher:
         return started
 
     async def _start(self, actor: ray.actor.ActorHandle, standby: bool, peer: PeerWeights | None,
-                     preimported: bool) -> dict:
+                     preimported: bool, placement_timeout_s: float) -> dict:
         """One engine's start (or pre-import), after its node's caches came from a ready engine on
         another node, if there is one (deploy/node_caches.py)."""
         ready = [self.instances[i.instance_id].actor for i in self.registry.ready() if i.instance_id in self.instances]
-        installed = await bring_caches(actor, ready)
+        installed = await self.caches.bring(actor, ready, placement_timeout_s)
         timeline = await (actor.preimport.remote() if preimported else actor.start.remote(standby=standby, peer=peer))
         if installed is not None:
-            timeline["details"]["node_caches"] = f"{installed.files} files, {installed.bytes / 2**20:.1f} MiB from a peer"
+            timeline["details"]["node_caches"] = f"{installed.units} units, {installed.bytes / 2**20:.1f} MiB from a peer"
         return timeline
 
     async def start_standby(self, instance_id: str, config: EngineConfig, preimported: bool = False

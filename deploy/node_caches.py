@@ -1,12 +1,12 @@
 """A new node's start caches from a ready engine on another node (engine/node_caches.py), before
-the first engine there starts: with them its compile, kernel and startup-plan work is read, not
-redone."""
+an engine starts there: its compile, kernel and startup-plan work is then read, not redone."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable
+import time
+from collections.abc import Sequence
 
 import ray
 
@@ -14,35 +14,65 @@ from engine.node_caches import InstalledCaches
 
 log = logging.getLogger(__name__)
 
+CACHES_TIMEOUT_S = 60.0
+"""What bringing a node its caches may add to a start, once the engine's actor is placed."""
 
-async def bring_caches(new: ray.actor.ActorHandle, peers: Iterable[ray.actor.ActorHandle],
-                       timeout_s: float = 120.0) -> InstalledCaches | None:
-    """Install into `new`'s node what the first of `peers` on another node with the same GPU type
-    and versions has in its caches and that node lacks. None if no peer had any to give; a peer
-    that fails or is slow is passed over, and the start goes on without (caches only save time).
-    `timeout_s` counts from `new`'s placement (an autoscaler may take minutes to add its node)."""
-    try:
-        node = await new.node_id.remote()
-        return await asyncio.wait_for(_bring(new, node, peers), timeout_s)
-    except Exception as exc:  # noqa: BLE001 - never a reason for a start to fail
-        log.warning("no start caches from a peer: %s", exc)
+
+class CacheCourier:
+    """Brings each node that an engine is about to start on the caches a ready peer elsewhere has
+    and it lacks: one bring per node at a time (starts on the same node wait for it, not for
+    another copy), peers asked in turn, each step bounded; any failure only costs the time saved.
+    """
+
+    def __init__(self, timeout_s: float = CACHES_TIMEOUT_S, step_timeout_s: float = 30.0):
+        self.timeout_s = timeout_s
+        self.step_timeout_s = step_timeout_s
+        self._bringing: dict[str, asyncio.Future] = {}
+
+    async def bring(self, new: ray.actor.ActorHandle, peers: Sequence[ray.actor.ActorHandle],
+                    placement_timeout_s: float) -> InstalledCaches | None:
+        """Caches into `new`'s node from the first of `peers` on another node that offers any;
+        None when none did (or another start on that node brought them)."""
+        try:
+            node = await asyncio.wait_for(new.node_id.remote(), placement_timeout_s)
+        except Exception as exc:  # noqa: BLE001 - the start itself will say what is wrong
+            log.warning("no start caches: the engine's node is unknown (%s)", exc)
+            return None
+        if node in self._bringing:
+            await asyncio.wait([self._bringing[node]], timeout=self.timeout_s)
+            return None
+        bringing = self._bringing[node] = asyncio.ensure_future(self._bring(new, node, peers))
+        try:
+            return await bringing
+        finally:
+            del self._bringing[node]
+
+    async def _bring(self, new: ray.actor.ActorHandle, node: str, peers: Sequence[ray.actor.ActorHandle]
+                     ) -> InstalledCaches | None:
+        deadline = time.monotonic() + self.timeout_s
+        wanted = None
+        for peer in peers:
+            left = min(self.step_timeout_s, deadline - time.monotonic())
+            if left <= 0:
+                log.warning("no start caches for node %s within %.0f s", node, self.timeout_s)
+                return None
+            try:
+                if await asyncio.wait_for(peer.node_id.remote(), left) == node:
+                    continue  # shares this node's caches already
+                wanted = wanted or await asyncio.wait_for(new.cache_manifest.remote(), left)
+                caches = await asyncio.wait_for(peer.export_caches.remote(wanted), left)
+                if caches is None:
+                    continue  # another GPU type or other versions
+                if not caches.units:
+                    return None  # the node has what a peer would give
+                # Units land whole, so a start that goes on while this is cut short reads each or none.
+                installed = await asyncio.wait_for(new.install_caches.remote(caches), left)
+            except Exception as exc:  # noqa: BLE001 - a dead or slow peer: the next one
+                log.warning("start caches not brought from a peer: %r", exc)
+                continue
+            if installed.refused and not installed.units:
+                continue  # not the cluster's, or nothing of it fit
+            log.info("start caches for node %s: %d units, %.1f MiB (%d refused)",
+                     node, installed.units, installed.bytes / 2**20, installed.refused)
+            return installed
         return None
-
-
-async def _bring(new: ray.actor.ActorHandle, node: str, peers: Iterable[ray.actor.ActorHandle]
-                 ) -> InstalledCaches | None:
-    wanted = None
-    for peer in peers:
-        if await peer.node_id.remote() == node:
-            continue  # shares this node's caches already
-        wanted = wanted or await new.cache_manifest.remote()
-        caches = await peer.export_caches.remote(wanted)
-        if caches is None:
-            continue  # another GPU type or other versions
-        if not caches.files:
-            return None  # the node has what a peer would give
-        installed = await new.install_caches.remote(caches)
-        log.info("start caches from a peer: %d files, %.1f MiB (%d refused)",
-                 installed.files, installed.bytes / 2**20, installed.refused)
-        return installed
-    return None

@@ -292,10 +292,12 @@ class EngineHost:
         return await asyncio.to_thread(node_caches.manifest, node_caches.cache_dirs(os.environ))
 
     async def export_caches(self, wanted_by: node_caches.CacheManifest) -> node_caches.NodeCaches | None:
-        return await asyncio.to_thread(node_caches.export, node_caches.cache_dirs(os.environ), wanted_by)
+        return await asyncio.to_thread(node_caches.export, node_caches.cache_dirs(os.environ), wanted_by,
+                                       self.keys.weights_key)
 
     async def install_caches(self, caches: node_caches.NodeCaches) -> node_caches.InstalledCaches:
-        return await asyncio.to_thread(node_caches.install, caches, node_caches.cache_dirs(os.environ))
+        return await asyncio.to_thread(node_caches.install, caches, node_caches.cache_dirs(os.environ),
+                                       self.keys.weights_key)
 
     async def _guarded(self, work, timeout_s: float, what: str) -> None:
         """Run a start-up step; on failure or timeout stop the process and raise with its log."""

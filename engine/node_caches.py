@@ -1,46 +1,70 @@
 """A node's start caches, from a warm peer: what an engine's first start on a node writes to disk
-and every later start there reuses (vLLM's torch.compile cache, with Inductor's and Triton's
-artifacts of the compile, and startup plans under VLLM_CACHE_ROOT; Triton's kernels compiled
-outside a compile; CUDA's JIT cache), so that a node that never ran the model starts like one
-that did.
+and every later start there reuses (vLLM's torch.compile cache, with the Inductor and Triton
+artifacts of its compile, and its startup plans under VLLM_CACHE_ROOT; Triton's kernels compiled
+outside a compile), so that a node that never ran the model starts like one that did.
 
-Files travel under their own relative paths, which carry their owners' keys (vLLM's config and
-plan fingerprints, Triton's kernel hashes with the GPU target): an entry that does not fit the new
-node is never read by vLLM or Triton, and a peer offers its caches only to a node of the same GPU
-type and versions (`CacheKey`). Each file is checked against its digest where it lands, written
-next to what is there and never over it, and only under its cache's own folder.
+They travel in units, each one folder or file that its owner writes whole and names by its key
+(a compile's config hash, a plan's fingerprint with the device and versions, a Triton kernel's
+hash with its GPU target): a unit that does not fit the new node is never read there. Only these
+units travel: not vLLM's probe results about the node's own GPUs (its P2P cache), nor anything an
+operator put beside them. A peer offers units only to a node of its GPU type and versions
+(`CacheKey`), signs what it offers with the cluster's weights key (Triton's launchers are loaded
+as code), and a unit lands whole or not at all: staged in the cache, checked against its digests,
+then renamed (linked, for a file) into place beside what is there, never over it.
 """
 
 from __future__ import annotations
 
+import errno
+import fnmatch
 import hashlib
+import hmac
 import logging
 import os
+import shutil
+import stat
 import tempfile
-from collections.abc import Mapping
-from dataclasses import dataclass
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path, PurePosixPath
 
+from engine.weights import sign
+
 log = logging.getLogger(__name__)
 
-CACHES: dict[str, tuple[str, str]] = {
-    "vllm": ("VLLM_CACHE_ROOT", "~/.cache/vllm"),
-    "triton": ("TRITON_CACHE_DIR", "~/.triton/cache"),
-    "cuda": ("CUDA_CACHE_PATH", "~/.nv/ComputeCache"),
-}
-"""Each cache: the variable that moves it and where its owner keeps it without. Not Inductor's
-own default folder: vLLM points Inductor into its cache when it compiles (compilation/
-compiler_interface.py), and the default collects every other program's compiles."""
 
-MAX_BYTES = 4 << 30
-"""At most this much is offered at once: caches grow with every configuration a node ever ran."""
+@dataclass(frozen=True)
+class CacheSpec:
+    variable: str
+    """The environment variable that moves the cache."""
+    units: tuple[str, ...]
+    """Patterns of its units' paths, most specific first."""
+
+    def unit_of(self, path: str) -> str | None:
+        """The unit a file at `path` (relative to the cache) belongs to; None: not one we ship."""
+        parts = path.split("/")
+        for pattern in self.units:
+            depth = pattern.count("/") + 1
+            if len(parts) >= depth and fnmatch.fnmatchcase("/".join(parts[:depth]), pattern):
+                return "/".join(parts[:depth])
+        return None
+
+
+CACHES: dict[str, CacheSpec] = {
+    "vllm": CacheSpec("VLLM_CACHE_ROOT", ("torch_compile_cache/torch_aot_compile/*", "torch_compile_cache/*",
+                                          "startup_plan/startup_plan_*.json")),
+    "triton": CacheSpec("TRITON_CACHE_DIR", ("*",)),
+}
+STAGING_PREFIX = ".tmp-caches-"
+MAX_BYTES = 1 << 30
+"""At most this much is offered at once (read into the peer's memory, then sent)."""
 
 
 @dataclass(frozen=True)
 class CacheKey:
-    """What must match for a peer's caches to be any use: the GPU type and the versions whose
-    builds the files are."""
+    """What must match for a peer's caches to be any use: the GPU type and the builds' versions."""
 
     device: str
     vllm: str
@@ -55,145 +79,257 @@ class CacheKey:
 
 @dataclass(frozen=True)
 class CacheFile:
-    cache: str
-    """One of CACHES."""
     path: str
-    """Relative to the cache's folder, with '/' between parts."""
+    """Relative to its unit, '/' between parts; '' when the unit is this one file."""
     sha256: str
     data: bytes
 
 
 @dataclass(frozen=True)
+class CacheUnit:
+    cache: str
+    """One of CACHES."""
+    name: str
+    """Relative to the cache's folder."""
+    files: tuple[CacheFile, ...]
+
+
+@dataclass(frozen=True)
 class CacheManifest:
-    """What a node asking for caches has already: its key and the (cache, path) of every file."""
+    """What a node asking for caches has: its key and the (cache, unit) of each unit."""
 
     key: CacheKey
-    files: frozenset[tuple[str, str]]
+    units: frozenset[tuple[str, str]]
 
 
 @dataclass(frozen=True)
 class NodeCaches:
-    """Files a peer offers, with the key of the node they were made on."""
+    """Units a peer offers, with the key of its node, signed."""
 
     key: CacheKey
-    files: tuple[CacheFile, ...]
+    units: tuple[CacheUnit, ...]
+    signature: str = ""
 
-    @property
-    def size(self) -> int:
-        return sum(len(f.data) for f in self.files)
+    def signed(self, weights_key: str) -> NodeCaches:
+        return NodeCaches(self.key, self.units, sign(weights_key, self._described()))
+
+    def signed_by(self, weights_key: str) -> bool:
+        return bool(self.signature) and hmac.compare_digest(self.signature, sign(weights_key, self._described()))
+
+    def _described(self) -> dict:
+        return {"key": asdict(self.key), "units": [[u.cache, u.name, [[f.path, f.sha256] for f in u.files]]
+                                                   for u in self.units]}
 
 
 @dataclass(frozen=True)
 class InstalledCaches:
-    files: int
+    units: int
     bytes: int
     refused: int
-    """Files not written: a digest that did not match, or a path outside its cache."""
+    """Units not installed: not signed by the cluster, a bad path or digest, or a write that failed."""
 
 
 def cache_dirs(env: Mapping[str, str]) -> dict[str, Path]:
-    """Where each cache lives for a process with environment `env` (an engine's)."""
-    return {name: Path(os.path.expanduser(env.get(variable) or default))
-            for name, (variable, default) in CACHES.items()}
+    """Where each cache lives for a process with environment `env` (an engine's), with its
+    owner's defaults (vllm/envs.py, triton/knobs.py)."""
+    home = Path(os.path.expanduser("~"))
+    defaults = {"vllm": Path(env.get("XDG_CACHE_HOME") or home / ".cache") / "vllm",
+                "triton": Path(env.get("TRITON_HOME") or home) / ".triton" / "cache"}
+    return {name: Path(os.path.expanduser(env[spec.variable])) if env.get(spec.variable) else defaults[name]
+            for name, spec in CACHES.items()}
 
 
 def manifest(dirs: Mapping[str, Path]) -> CacheManifest:
-    return CacheManifest(CacheKey.here(), frozenset((name, path) for name, path, _ in _walk(dirs)))
+    return CacheManifest(CacheKey.here(), frozenset((cache, unit) for cache, unit, _ in _units(dirs)))
 
 
-def export(dirs: Mapping[str, Path], wanted_by: CacheManifest, max_bytes: int = MAX_BYTES) -> NodeCaches | None:
-    """This node's cache files that `wanted_by` lacks (None if its key differs: nothing here is of
-    use to it), at most `max_bytes` of them, smallest first (plans and kernels before graphs)."""
+def export(dirs: Mapping[str, Path], wanted_by: CacheManifest, weights_key: str, max_bytes: int = MAX_BYTES,
+           min_age_s: float = 30.0) -> NodeCaches | None:
+    """This node's units that `wanted_by` lacks, whole, at most `max_bytes` of them, signed; None if
+    its key differs (nothing here is of use to it). A unit changed within `min_age_s` (being
+    written: an engine compiling) or one that cannot be read whole is left out."""
     key = CacheKey.here()
     if wanted_by.key != key:
         return None
-    missing = sorted(((file.stat().st_size, name, path, file) for name, path, file in _walk(dirs)
-                      if (name, path) not in wanted_by.files), key=lambda entry: entry[0])
-    files, total = [], 0
-    for size, name, path, file in missing:
-        if total + size > max_bytes:
-            break
-        try:
-            data = file.read_bytes()
-        except OSError:  # removed or replaced meanwhile: its owner's business
+    units, budget = [], max_bytes
+    settled = time.time() - min_age_s
+    for cache, name, files in _units(dirs):
+        if (cache, name) in wanted_by.units:
             continue
-        files.append(CacheFile(name, path, hashlib.sha256(data).hexdigest(), data))
-        total += len(data)
-    return NodeCaches(key, tuple(files))
+        unit = _read_unit(dirs[cache], cache, name, files, budget, settled)
+        if unit is not None:
+            units.append(unit)
+            budget -= sum(len(f.data) for f in unit.files)
+    return NodeCaches(key, tuple(units)).signed(weights_key)
 
 
-def install(caches: NodeCaches, dirs: Mapping[str, Path]) -> InstalledCaches:
-    """Write `caches`' files that this node lacks into `dirs`; files already here are kept."""
-    if caches.key != CacheKey.here():
-        log.warning("caches made on %s not installed here (%s)", caches.key, CacheKey.here())
-        return InstalledCaches(0, 0, len(caches.files))
-    written = size = refused = 0
-    for file in caches.files:
-        target = _target(dirs, file)
-        if target is None or hashlib.sha256(file.data).hexdigest() != file.sha256:
-            log.warning("cache file %s/%s refused: outside its cache or not its digest", file.cache, file.path)
+def install(caches: NodeCaches, dirs: Mapping[str, Path], weights_key: str) -> InstalledCaches:
+    """Put each of `caches`' units that this node lacks into place, whole; keep what is here."""
+    if caches.key != CacheKey.here() or not caches.signed_by(weights_key):
+        log.warning("caches not installed: not signed with the cluster's key, or made on %s (here %s)",
+                    caches.key, CacheKey.here())
+        return InstalledCaches(0, 0, len(caches.units))
+    installed = size = refused = 0
+    for unit in caches.units:
+        try:
+            if _install_unit(dirs[unit.cache], unit):
+                installed, size = installed + 1, size + sum(len(f.data) for f in unit.files)
+        except (KeyError, OSError, ValueError) as exc:
+            log.warning("cache unit %s/%s refused: %s", unit.cache, unit.name, exc)
             refused += 1
-        elif _write_new(target, file.data):
-            written, size = written + 1, size + len(file.data)
-    return InstalledCaches(written, size, refused)
+    return InstalledCaches(installed, size, refused)
 
 
-def _walk(dirs: Mapping[str, Path]):
-    """(cache, relative path, file) of every regular file under each cache, links not followed."""
-    for name, root in dirs.items():
+def _units(dirs: Mapping[str, Path]) -> Iterator[tuple[str, str, list[str]]]:
+    """(cache, unit, its files' paths relative to the cache) of each unit here; links and
+    folders of other filesystems are not followed, staging folders not listed."""
+    for cache, root in dirs.items():
+        units: dict[str, list[str]] = {}
+        device = root.stat().st_dev if root.is_dir() else None
         for folder, subfolders, names in os.walk(root):
-            subfolders[:] = [d for d in subfolders if not os.path.islink(os.path.join(folder, d))]
+            subfolders[:] = [d for d in subfolders if _followed(Path(folder, d), device)]
             for file_name in names:
-                file = Path(folder, file_name)
-                if file.is_file() and not file.is_symlink() and not file_name.startswith(".tmp-caches-"):
-                    yield name, file.relative_to(root).as_posix(), file
+                path = Path(folder, file_name).relative_to(root).as_posix()
+                unit = CACHES[cache].unit_of(path)
+                if unit is not None:
+                    units.setdefault(unit, []).append(path)
+        for unit, paths in units.items():
+            yield cache, unit, paths
 
 
-def _target(dirs: Mapping[str, Path], file: CacheFile) -> Path | None:
-    """Where `file` goes, or None unless that is a plain path inside its cache's real folder."""
-    root = dirs.get(file.cache)
-    relative = PurePosixPath(file.path)
-    if root is None or relative.is_absolute() or "\0" in file.path or \
-            any(part in ("", ".", "..") for part in file.path.split("/")):
-        return None
-    target = root.joinpath(*relative.parts)
-    real_root = os.path.realpath(root)
-    if os.path.commonpath([real_root, os.path.realpath(target.parent)]) != real_root:
-        return None  # a link on the way leads out of the cache
-    return target
-
-
-def _write_new(target: Path, data: bytes) -> bool:
-    """`data` as `target` unless that exists: written aside, then linked in (never replaces)."""
-    if target.exists() or target.is_symlink():
-        return False
-    target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    fd, aside = tempfile.mkstemp(prefix=".tmp-caches-", dir=target.parent)
+def _followed(folder: Path, device: int | None) -> bool:
     try:
-        with os.fdopen(fd, "wb") as out:
-            out.write(data)
-        os.link(aside, target)
-        return True
-    except FileExistsError:  # another start on this node wrote it meanwhile
+        status = folder.lstat()
+    except OSError:  # removed meanwhile
         return False
+    return (not folder.name.startswith(STAGING_PREFIX) and stat.S_ISDIR(status.st_mode)
+            and status.st_dev == device)
+
+
+def _read_unit(root: Path, cache: str, name: str, paths: list[str], budget: int, settled: float) -> CacheUnit | None:
+    files = []
+    for path in paths:
+        data = _read_regular(root / path, budget, settled)
+        if data is None:
+            return None
+        budget -= len(data)
+        relative = path[len(name) + 1:] if path != name else ""
+        files.append(CacheFile(relative, hashlib.sha256(data).hexdigest(), data))
+    return CacheUnit(cache, name, tuple(files))
+
+
+def _read_regular(path: Path, limit: int, settled: float) -> bytes | None:
+    """`path`'s bytes if it is a regular file (not a link, FIFO or device), at most `limit` of them
+    and older than `settled`; else None."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as file:
+        status = os.fstat(fd)
+        if not stat.S_ISREG(status.st_mode) or status.st_size > limit or status.st_mtime > settled:
+            return None
+        data = file.read(limit + 1)
+    return data if len(data) <= limit else None
+
+
+def _parts(path: str, may_be_empty: bool = False) -> list[str]:
+    """`path`'s parts, refused unless a plain relative path."""
+    if path == "" and may_be_empty:
+        return []
+    parts = path.split("/")
+    if PurePosixPath(path).is_absolute() or "\0" in path or any(p in ("", ".", "..") for p in parts):
+        raise ValueError(f"not a plain relative path: {path!r}")
+    return parts
+
+
+def _install_unit(root: Path, unit: CacheUnit) -> bool:
+    """Stage `unit` in `root`, check it, then move it into place unless something is there."""
+    name = _parts(unit.name)
+    spec = CACHES[unit.cache]
+    single = [f.path for f in unit.files] == [""]
+    if spec.unit_of(unit.name) != unit.name or not unit.files:
+        raise ValueError("not a unit of its cache")
+    for file in unit.files:
+        if hashlib.sha256(file.data).hexdigest() != file.sha256:
+            raise ValueError(f"{file.path!r} is not its digest")
+    root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    _remove_stale_staging(root)
+    staging = tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=root)
+    root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    staging_fd = os.open(staging, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        for file in unit.files:
+            parts = ["unit", *_parts(file.path, may_be_empty=single)]
+            folder = _folder(staging_fd, parts[:-1])
+            try:
+                out = os.open(parts[-1], os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=folder)
+                with os.fdopen(out, "wb") as target:
+                    target.write(file.data)
+            finally:
+                os.close(folder)
+        parent = _folder(root_fd, name[:-1])
+        try:
+            if single:  # a link is never made over an existing name
+                os.link("unit", name[-1], src_dir_fd=staging_fd, dst_dir_fd=parent, follow_symlinks=False)
+            else:  # over an empty folder at most
+                os.rename("unit", name[-1], src_dir_fd=staging_fd, dst_dir_fd=parent)
+            return True
+        except (FileExistsError, IsADirectoryError, NotADirectoryError):
+            return False
+        except OSError as exc:
+            if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):  # the node has this unit
+                return False
+            raise
+        finally:
+            os.close(parent)
     finally:
-        os.unlink(aside)
+        os.close(staging_fd)
+        os.close(root_fd)
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _folder(base_fd: int, parts: list[str]) -> int:
+    """An open descriptor of `parts` under `base_fd`, made where missing; no link followed."""
+    fd = os.dup(base_fd)
+    for part in parts:
+        try:
+            os.mkdir(part, mode=0o700, dir_fd=fd)
+        except FileExistsError:
+            pass
+        try:
+            child = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+        finally:
+            os.close(fd)
+        fd = child
+    return fd
+
+
+def _remove_stale_staging(root: Path, older_than_s: float = 3600.0) -> None:
+    """Staging folders an install killed midway left (a live one is minutes old at most)."""
+    for entry in root.glob(f"{STAGING_PREFIX}*"):
+        try:
+            if entry.lstat().st_mtime < time.time() - older_than_s and not entry.is_symlink():
+                shutil.rmtree(entry)
+        except OSError:
+            pass
 
 
 def _device_name() -> str:
     """The first visible GPU's name through NVML (no CUDA context in this process), else 'cpu'."""
     try:
         import pynvml
-    except ImportError:
+
+        pynvml.nvmlInit()
+    except Exception:  # noqa: BLE001 - not installed, or NVMLError: no driver, no GPU
         return "cpu"
     try:
-        pynvml.nvmlInit()
         visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or "0"
         handle = (pynvml.nvmlDeviceGetHandleByIndex(int(visible)) if visible.isdigit()
                   else pynvml.nvmlDeviceGetHandleByUUID(visible))
         return str(pynvml.nvmlDeviceGetName(handle))
-    except pynvml.NVMLError:
-        return "cpu"
+    finally:
+        pynvml.nvmlShutdown()
 
 
 def _version(package: str) -> str:

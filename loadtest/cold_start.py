@@ -16,7 +16,7 @@ Paths, each run `--runs` times, in one process (same machine state for all):
   (e) preimported - (b) from a server process that has imported vLLM beforehand and waits,
                 holding no GPU memory (engine/preimport.py; its import is not counted);
   (f) empty-caches - (e) on a node that never ran the model: every start cache (vLLM's, Triton's,
-                CUDA's, Inductor's: engine/node_caches.py) a new empty folder;
+                CUDA's, Inductor's) a new empty folder;
       new-node - the same, its caches first brought from this machine's as a ready peer's would be
                 (deploy/node_caches.py; the export and install timed as stage node_caches, with no
                 network in between).
@@ -159,9 +159,10 @@ async def fresh_start(config: EngineConfig, run: int, preimported: bool = False,
         asked = time.perf_counter()
         if caches_from is not None:
             here = node_caches.cache_dirs(os.environ)
-            caches = node_caches.export(caches_from, node_caches.manifest(here))
+            # min_age_s=0: the warm starts that wrote them are over
+            caches = node_caches.export(caches_from, node_caches.manifest(here), CLUSTER.weights_key, min_age_s=0)
             assert caches is not None, "the same machine's caches"
-            extra["node_caches"] = dataclasses.asdict(node_caches.install(caches, here))
+            extra["node_caches"] = dataclasses.asdict(node_caches.install(caches, here, CLUSTER.weights_key))
             stages["node_caches"] = time.perf_counter() - asked
         record = await (host.activate() if preimported else host.start())
         before_token = time.perf_counter() - asked
@@ -178,7 +179,9 @@ def new_node_caches() -> Iterator[None]:
     """Every start cache of the engines started meanwhile (they inherit this process's
     environment) in new empty folders, as on a node that never ran an engine."""
     root = Path(tempfile.mkdtemp(prefix="pdc-new-node-"))
-    fresh = {variable: str(root / name) for name, (variable, _) in node_caches.CACHES.items()}
+    # also the caches a peer does not send: a new node's are empty too
+    variables = [spec.variable for spec in node_caches.CACHES.values()] + ["CUDA_CACHE_PATH", "TORCHINDUCTOR_CACHE_DIR"]
+    fresh = {variable: str(root / variable.lower()) for variable in variables}
     before = {variable: os.environ.get(variable) for variable in fresh}
     os.environ.update(fresh)
     try:

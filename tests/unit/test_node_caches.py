@@ -12,24 +12,31 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
 
 from engine import node_caches
-from engine.node_caches import CacheFile, CacheKey, NodeCaches
+from engine.node_caches import CacheFile, CacheKey, CacheUnit, NodeCaches
 
+KEY = "the cluster's weights key"
 PEER_FILES = {
     ("vllm", "startup_plan/startup_plan_0123456789abcdef.json"): b'{"kv_cache_memory_bytes": 1}',
     ("vllm", "torch_compile_cache/5f3a/rank_0_0/backbone/artifact"): b"graph" * 1000,
+    ("vllm", "torch_compile_cache/5f3a/rank_0_0/backbone/vllm_compile_cache.py"): b"{(1, 0): 'artifact'}",
+    ("vllm", "torch_compile_cache/torch_aot_compile/85e4/rank_0_0/model"): b"aot" * 300,
     ("triton", "Q2XK/kernel.cubin"): bytes(range(256)) * 40,
     ("triton", "Q2XK/kernel.json"): b'{"name": "kernel"}',
-    ("cuda", "index"): b"\x00\x01",
+}
+NOT_SHIPPED = {  # the node's own GPUs' probe, and what an operator put beside the caches
+    ("vllm", "gpu_p2p_access_cache_for_0,1.json"): b'{"0->1": true}',
+    ("vllm", "media/tenant-image.png"): b"a tenant's image",
 }
 
 
 def cache_env(root: Path) -> dict[str, str]:
-    return {variable: str(root / name) for name, (variable, _) in node_caches.CACHES.items()}
+    return {spec.variable: str(root / name) for name, spec in node_caches.CACHES.items()}
 
 
 def filled(root: Path, files: dict[tuple[str, str], bytes]) -> dict[str, Path]:
@@ -42,74 +49,103 @@ def filled(root: Path, files: dict[tuple[str, str], bytes]) -> dict[str, Path]:
 
 
 def contents(dirs: dict[str, Path]) -> dict[tuple[str, str], bytes]:
-    return {(cache, path): file.read_bytes() for cache, path, file in node_caches._walk(dirs)}
+    return {(cache, file.relative_to(root).as_posix()): file.read_bytes()
+            for cache, root in dirs.items() for file in root.rglob("*") if file.is_file()}
 
 
-def offer(files: list[tuple[str, str, bytes]], key: CacheKey | None = None) -> NodeCaches:
-    return NodeCaches(key or CacheKey.here(), tuple(
-        CacheFile(cache, path, hashlib.sha256(data).hexdigest(), data) for cache, path, data in files))
+def exported(peer: dict[str, Path], new: dict[str, Path], **limits) -> NodeCaches:
+    return node_caches.export(peer, node_caches.manifest(new), KEY, min_age_s=0, **limits)
 
 
-def test_a_new_node_gets_what_it_lacks_and_keeps_what_it_has(tmp_path):
-    peer = filled(tmp_path / "peer", PEER_FILES)
+def crafted(units: list[tuple[str, str, list[tuple[str, bytes]]]], key: str = KEY) -> NodeCaches:
+    """Units as a member of the cluster could send them (signed with its key)."""
+    return NodeCaches(CacheKey.here(), tuple(
+        CacheUnit(cache, name, tuple(CacheFile(path, hashlib.sha256(data).hexdigest(), data) for path, data in files))
+        for cache, name, files in units)).signed(key)
+
+
+def test_a_new_node_gets_the_units_it_lacks_whole_and_keeps_its_own(tmp_path):
+    peer = filled(tmp_path / "peer", PEER_FILES | NOT_SHIPPED)
     own_plan = ("vllm", "startup_plan/startup_plan_0123456789abcdef.json")
     new = filled(tmp_path / "new", {own_plan: b'{"kv_cache_memory_bytes": 2}'})
 
-    caches = node_caches.export(peer, node_caches.manifest(new))
-    assert {(f.cache, f.path) for f in caches.files} == set(PEER_FILES) - {own_plan}  # not what it has
-    installed = node_caches.install(caches, new)
+    caches = exported(peer, new)
+    assert {(u.cache, u.name) for u in caches.units} == {
+        ("vllm", "torch_compile_cache/5f3a"), ("vllm", "torch_compile_cache/torch_aot_compile/85e4"),
+        ("triton", "Q2XK")}  # not the plan it has, nor the P2P probe or the media
+    installed = node_caches.install(caches, new, KEY)
 
-    assert (installed.files, installed.refused) == (len(PEER_FILES) - 1, 0)
+    assert (installed.units, installed.refused) == (3, 0)
     assert installed.bytes == sum(len(d) for k, d in PEER_FILES.items() if k != own_plan)
     assert contents(new) == {**PEER_FILES, own_plan: b'{"kv_cache_memory_bytes": 2}'}  # its own plan kept
-    assert node_caches.export(peer, node_caches.manifest(new)).files == ()  # nothing left to give
+    assert exported(peer, new).units == ()  # nothing left to give
+    assert not list(tmp_path.rglob(f"{node_caches.STAGING_PREFIX}*"))
 
 
-def test_a_peer_of_another_gpu_type_or_version_gives_nothing_and_nothing_of_its_is_taken(tmp_path):
+def test_caches_not_signed_by_the_cluster_or_of_another_gpu_type_or_version_are_not_taken(tmp_path):
     peer = filled(tmp_path / "peer", PEER_FILES)
     new = node_caches.cache_dirs(cache_env(tmp_path / "new"))
+    caches = exported(peer, new)
     here = CacheKey.here()
     for other in (dataclasses.replace(here, device="NVIDIA H200"), dataclasses.replace(here, vllm="0.0.1")):
-        wanted = dataclasses.replace(node_caches.manifest(new), key=other)
-        assert node_caches.export(peer, wanted) is None
-        foreign = dataclasses.replace(node_caches.export(peer, node_caches.manifest(new)), key=other)
-        assert node_caches.install(foreign, new) == node_caches.InstalledCaches(0, 0, len(PEER_FILES))
+        assert node_caches.export(peer, dataclasses.replace(node_caches.manifest(new), key=other), KEY) is None
+        foreign = dataclasses.replace(caches, key=other).signed(KEY)
+        assert node_caches.install(foreign, new, KEY).refused == len(caches.units)
+    for unsigned in (dataclasses.replace(caches, signature=""), caches.signed("a stranger's key"),
+                     dataclasses.replace(caches, units=caches.units[:1] + crafted([
+                         ("triton", "EVIL", [("launcher.so", b"code")])]).units)):
+        assert node_caches.install(unsigned, new, KEY) == node_caches.InstalledCaches(0, 0, len(unsigned.units))
     assert contents(new) == {}
 
 
-def test_no_file_lands_outside_its_cache_or_under_a_wrong_digest(tmp_path):
-    new = filled(tmp_path / "new", {("triton", "existing/kernel.cubin"): b"mine"})
+def test_no_unit_lands_outside_its_cache_over_another_or_in_part(tmp_path):
+    new = filled(tmp_path / "new", {("triton", "MINE/kernel.cubin"): b"mine"})
     outside = tmp_path / "outside"
     outside.mkdir()
-    (new["triton"] / "escape").symlink_to(outside)  # a link inside the cache leading out
-    attacks = [("triton", f"{outside}/absolute", b"x"), ("triton", "../outside/up", b"x"),
-               ("triton", "a/../../outside/up-again", b"x"), ("triton", "escape/through-link", b"x"),
-               ("triton", "a//b", b"x"), ("triton", "./dot", b"x"), ("triton", "nul\0byte", b"x"),
-               ("nowhere", "unknown-cache", b"x"), ("triton", "", b"x")]
-    tampered = dataclasses.replace(offer([("triton", "tampered/kernel.cubin", b"good")]).files[0], data=b"evil")
-    caches = offer(attacks)
-    caches = dataclasses.replace(caches, files=(*caches.files, tampered,
-                                                *offer([("triton", "existing/kernel.cubin", b"theirs")]).files))
+    new["vllm"].mkdir(parents=True)
+    (new["vllm"] / "torch_compile_cache").symlink_to(outside)  # a link inside the cache leading out
+    good = [("kernel.cubin", b"k")]
+    attacks = [("triton", str(outside / "abs"), good), ("triton", "../outside", good), ("triton", "a/../..", good),
+               ("vllm", "torch_compile_cache/5f3a", good),  # through the link
+               ("vllm", "gpu_p2p_access_cache_for_0,1.json", [("", b"{}")]),  # not a unit we ship
+               ("vllm", "startup_plan", [("startup_plan_x.json", b"{}")]),  # a folder of units, not one
+               ("triton", "DOTS", [("../../outside/up", b"x")]), ("triton", "ABS", [(str(outside / "x"), b"x")]),
+               ("triton", "NUL", [("a\0b", b"x")]), ("nowhere", "X", good),
+               ("triton", "HALF", [("good.cubin", b"written first"), ("../bad", b"x")]),  # nothing of it stays
+               ("triton", "MINE", [("kernel.cubin", b"theirs")])]  # the node has it: kept
+    caches = crafted(attacks)
+    tampered = dataclasses.replace(caches.units[0], name="TAMPERED", files=(
+        dataclasses.replace(caches.units[0].files[0], data=b"evil"),))
+    caches = dataclasses.replace(caches, units=(*caches.units, tampered)).signed(KEY)
 
-    installed = node_caches.install(caches, new)
+    installed = node_caches.install(caches, new, KEY)
 
-    assert installed.refused == len(attacks) + 1 and installed.files == 0
-    assert list(outside.iterdir()) == [] and not (tmp_path / "new" / "outside").exists()
-    assert contents(new) == {("triton", "existing/kernel.cubin"): b"mine"}  # never written over
+    assert installed == node_caches.InstalledCaches(0, 0, len(attacks))  # MINE: not refused, not installed
+    assert list(outside.iterdir()) == []
+    assert contents(new) == {("triton", "MINE/kernel.cubin"): b"mine"}
+    assert not list(tmp_path.rglob(f"{node_caches.STAGING_PREFIX}*"))
 
 
-def test_a_peer_offers_no_links_and_at_most_its_limit_smallest_first(tmp_path):
+def test_a_peer_offers_whole_settled_regular_units_within_its_limit(tmp_path):
     peer = filled(tmp_path / "peer", PEER_FILES)
+    new = node_caches.cache_dirs(cache_env(tmp_path / "new"))
     secret = tmp_path / "secret"
     secret.write_text("not a cache file")
-    (peer["vllm"] / "link-to-secret").symlink_to(secret)
-    (peer["triton"] / "linked-folder").symlink_to(tmp_path, target_is_directory=True)
-    new = node_caches.manifest(node_caches.cache_dirs(cache_env(tmp_path / "new")))
+    (peer["triton"] / "LINKED").mkdir()
+    (peer["triton"] / "LINKED" / "kernel.cubin").symlink_to(secret)
+    (peer["triton"] / "LINKED-FOLDER").symlink_to(tmp_path, target_is_directory=True)
+    (peer["triton"] / "FIFO").mkdir()
+    os.mkfifo(peer["triton"] / "FIFO" / "kernel.cubin")  # read, it would block for ever
 
-    every = node_caches.export(peer, new)
-    assert {(f.cache, f.path) for f in every.files} == set(PEER_FILES)
-    limited = node_caches.export(peer, new, max_bytes=100)
-    assert [len(f.data) for f in limited.files] == sorted(len(d) for d in PEER_FILES.values() if len(d) <= 30)
+    every = exported(peer, new)
+    assert {(u.cache, u.name) for u in every.units} == {
+        ("vllm", "startup_plan/startup_plan_0123456789abcdef.json"), ("vllm", "torch_compile_cache/5f3a"),
+        ("vllm", "torch_compile_cache/torch_aot_compile/85e4"), ("triton", "Q2XK")}
+    limited = exported(peer, new, max_bytes=6000)  # the plan, the AOT unit; not 5f3a's 5 kB beside them
+    assert sum(len(f.data) for u in limited.units for f in u.files) <= 6000
+    assert all(len(u.files) == len([k for k in PEER_FILES if k[0] == u.cache and k[1].startswith(u.name)])
+               for u in limited.units)  # whole units only
+    assert node_caches.export(peer, node_caches.manifest(new), KEY).units == ()  # all written just now
 
 
 TWO_NODES = textwrap.dedent("""
@@ -120,7 +156,7 @@ TWO_NODES = textwrap.dedent("""
     use_ray(ClusterCredentials.load().ray_auth_env(), loopback=True)
     import ray
     from ray.cluster_utils import Cluster
-    from deploy.node_caches import bring_caches
+    from deploy.node_caches import CacheCourier
     from deploy.ray_head import private_ray_root
     from engine.config import EngineConfig
     from engine.host import EngineHost
@@ -133,15 +169,25 @@ TWO_NODES = textwrap.dedent("""
         cluster.add_node(**node, resources={"b": 1}, env_vars=envs["b"])
         ray.init(address=cluster.address, namespace="pdc-node-caches", log_to_driver=False)
         config = EngineConfig(model=Path(sys.argv[2]), served_model_name="tiny", keep_host_weights=False)
-        actor = ray.remote(EngineHost)
-        peer, beside = (actor.options(num_cpus=0, resources={"a": 0.1}).remote(config, n, host="127.0.0.1")
-                        for n in ("p", "s"))
-        new = actor.options(num_cpus=0, resources={"b": 1}).remote(config, "n", host="127.0.0.1")
+        ours = ClusterCredentials.generate()
+
+        def engine(name, node, credentials=ours):
+            return ray.remote(EngineHost).options(num_cpus=0, resources={node: 0.1}).remote(
+                config, name, host="127.0.0.1", keys=credentials.engine_host_keys(name))
+
+        peer, beside, dead = engine("peer", "a"), engine("beside", "a"), engine("dead", "a")
+        ray.get(dead.node_id.remote())
+        ray.kill(dead)
+        stranger = engine("stranger", "a", ClusterCredentials.generate())  # another cluster's: signs with its key
+        new, also_new = engine("new", "b"), engine("also-new", "b")
+        courier = CacheCourier(timeout_s=60, step_timeout_s=20)
 
         async def steps():
-            return [await bring_caches(beside, [peer]), await bring_caches(new, [beside, peer]),
-                    await bring_caches(new, [peer])]
-        print(json.dumps([None if r is None else [r.files, r.bytes, r.refused] for r in asyncio.run(steps())]))
+            beside_got = await courier.bring(beside, [peer], 60)
+            both = await asyncio.gather(courier.bring(new, [dead, stranger, beside, peer], 60),
+                                        courier.bring(also_new, [peer], 60))
+            return [beside_got, *both, await courier.bring(new, [peer], 60)]
+        print(json.dumps([None if r is None else [r.units, r.bytes, r.refused] for r in asyncio.run(steps())]))
     finally:
         ray.shutdown()
         cluster.shutdown()
@@ -150,15 +196,18 @@ TWO_NODES = textwrap.dedent("""
 
 
 @pytest.mark.slow
-def test_between_two_ray_nodes_a_new_node_gets_a_ready_peers_caches(tmp_path, tiny_model):
-    filled(tmp_path / "a", PEER_FILES)
+def test_between_two_ray_nodes_a_new_node_gets_a_ready_peers_caches_once(tmp_path, tiny_model):
+    a = filled(tmp_path / "a", PEER_FILES | NOT_SHIPPED)
+    for file in (f for root in a.values() for f in root.rglob("*")):
+        os.utime(file, (time.time() - 60, time.time() - 60), follow_symlinks=False)  # settled
     envs = {"a": cache_env(tmp_path / "a"), "b": cache_env(tmp_path / "b")}
     result = subprocess.run([sys.executable, "-c", TWO_NODES, json.dumps(envs), str(tiny_model)],
-                            capture_output=True, text=True, timeout=180, cwd=Path(__file__).parents[2],
+                            capture_output=True, text=True, timeout=240, cwd=Path(__file__).parents[2],
                             env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])})
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-    beside, new, again = json.loads(result.stdout.strip().splitlines()[-1])
+    beside, new, also_new, again = json.loads(result.stdout.strip().splitlines()[-1])
     assert beside is None  # a peer on its own node: the same caches already
-    assert new == [len(PEER_FILES), sum(map(len, PEER_FILES.values())), 0]
+    # past a dead peer and another cluster's (refused), from ours; one bring for the node's two starts
+    assert sorted([new, also_new], key=str) == [None, [4, sum(map(len, PEER_FILES.values())), 0]]
     assert again is None  # nothing left that it lacks
     assert contents(node_caches.cache_dirs(envs["b"])) == PEER_FILES
