@@ -1,11 +1,14 @@
 """A node's start caches, from a warm peer: what an engine's first start on a node writes to disk
-and every later start there reuses (vLLM's torch.compile cache, with the Inductor and Triton
-artifacts of its compile, and its startup plans under VLLM_CACHE_ROOT; Triton's kernels compiled
-outside a compile), so that a node that never ran the model starts like one that did.
+and every later start there reuses (under VLLM_CACHE_ROOT: vLLM's torch.compile cache, with the
+Inductor and Triton artifacts of its compile, its startup plans, and its model registry's
+inspection of each model class, which otherwise imports the model in a subprocess: 7 s of a CPU
+engine's start here; Triton's kernels compiled outside a compile), so that a node that never ran
+the model starts like one that did.
 
 They travel in units, each one folder or file that its owner writes whole and names by its key
 (a compile's config hash, a plan's fingerprint with the device and versions, a Triton kernel's
-hash with its GPU target): a unit that does not fit the new node is never read there. Only these
+hash with its GPU target; a model class's inspection holds its module's hash): a unit that does
+not fit the new node is never read there. Only these
 units travel: not vLLM's probe results about the node's own GPUs (its P2P cache), nor anything an
 operator put beside them. A peer offers units only to a node of its GPU type and versions
 (`CacheKey`), signs what it offers with the cluster's weights key (Triton's launchers are loaded
@@ -54,7 +57,7 @@ class CacheSpec:
 
 CACHES: dict[str, CacheSpec] = {
     "vllm": CacheSpec("VLLM_CACHE_ROOT", ("torch_compile_cache/torch_aot_compile/*", "torch_compile_cache/*",
-                                          "startup_plan/startup_plan_*.json")),
+                                          "startup_plan/startup_plan_*.json", "modelinfos/*.json")),
     "triton": CacheSpec("TRITON_CACHE_DIR", ("*",)),
 }
 STAGING_PREFIX = ".tmp-caches-"

@@ -26,6 +26,7 @@ PEER_FILES = {
     ("vllm", "torch_compile_cache/5f3a/rank_0_0/backbone/artifact"): b"graph" * 1000,
     ("vllm", "torch_compile_cache/5f3a/rank_0_0/backbone/vllm_compile_cache.py"): b"{(1, 0): 'artifact'}",
     ("vllm", "torch_compile_cache/torch_aot_compile/85e4/rank_0_0/model"): b"aot" * 300,
+    ("vllm", "modelinfos/vllm-model_executor-models-llama-LlamaForCausalLM.json"): b'{"hash": "1f"}',
     ("triton", "Q2XK/kernel.cubin"): bytes(range(256)) * 40,
     ("triton", "Q2XK/kernel.json"): b'{"name": "kernel"}',
 }
@@ -72,10 +73,11 @@ def test_a_new_node_gets_the_units_it_lacks_whole_and_keeps_its_own(tmp_path):
     caches = exported(peer, new)
     assert {(u.cache, u.name) for u in caches.units} == {
         ("vllm", "torch_compile_cache/5f3a"), ("vllm", "torch_compile_cache/torch_aot_compile/85e4"),
+        ("vllm", "modelinfos/vllm-model_executor-models-llama-LlamaForCausalLM.json"),
         ("triton", "Q2XK")}  # not the plan it has, nor the P2P probe or the media
     installed = node_caches.install(caches, new, KEY)
 
-    assert (installed.units, installed.refused) == (3, 0)
+    assert (installed.units, installed.refused) == (4, 0)
     assert installed.bytes == sum(len(d) for k, d in PEER_FILES.items() if k != own_plan)
     assert contents(new) == {**PEER_FILES, own_plan: b'{"kv_cache_memory_bytes": 2}'}  # its own plan kept
     assert exported(peer, new).units == ()  # nothing left to give
@@ -140,7 +142,8 @@ def test_a_peer_offers_whole_settled_regular_units_within_its_limit(tmp_path):
     every = exported(peer, new)
     assert {(u.cache, u.name) for u in every.units} == {
         ("vllm", "startup_plan/startup_plan_0123456789abcdef.json"), ("vllm", "torch_compile_cache/5f3a"),
-        ("vllm", "torch_compile_cache/torch_aot_compile/85e4"), ("triton", "Q2XK")}
+        ("vllm", "torch_compile_cache/torch_aot_compile/85e4"),
+        ("vllm", "modelinfos/vllm-model_executor-models-llama-LlamaForCausalLM.json"), ("triton", "Q2XK")}
     limited = exported(peer, new, max_bytes=6000)  # the plan, the AOT unit; not 5f3a's 5 kB beside them
     assert sum(len(f.data) for u in limited.units for f in u.files) <= 6000
     assert all(len(u.files) == len([k for k in PEER_FILES if k[0] == u.cache and k[1].startswith(u.name)])
@@ -208,6 +211,6 @@ def test_between_two_ray_nodes_a_new_node_gets_a_ready_peers_caches_once(tmp_pat
     beside, new, also_new, again = json.loads(result.stdout.strip().splitlines()[-1])
     assert beside is None  # a peer on its own node: the same caches already
     # past a dead peer and another cluster's (refused), from ours; one bring for the node's two starts
-    assert sorted([new, also_new], key=str) == [None, [4, sum(map(len, PEER_FILES.values())), 0]]
+    assert sorted([new, also_new], key=str) == [None, [5, sum(map(len, PEER_FILES.values())), 0]]
     assert again is None  # nothing left that it lacks
     assert contents(node_caches.cache_dirs(envs["b"])) == PEER_FILES
