@@ -24,7 +24,9 @@ from loadtest.output import write_results
 
 GROUPS = {
     "weights": ("weights", "weights_checksum"),
-    "runtime": ("spawn_and_import", "engine_process", "worker_and_model", "engine_ready", "api_server", "healthy"),
+    # node_caches: a new node's start caches arriving from a peer (engine/node_caches.py)
+    "runtime": ("spawn_and_import", "engine_process", "worker_and_model", "engine_ready", "api_server", "healthy",
+                "node_caches"),
     "compile": ("compile",),
     "KV cache": ("profile_and_kv_cache",),
     "CUDA graphs": ("graph_capture",),
