@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Sequence
 
 import ray
@@ -41,32 +40,30 @@ class CacheCourier:
         if node in self._bringing:
             await asyncio.wait([self._bringing[node]], timeout=self.timeout_s)
             return None
-        bringing = self._bringing[node] = asyncio.ensure_future(self._bring(new, node, peers))
+        bringing = self._bringing[node] = asyncio.ensure_future(
+            asyncio.wait_for(self._bring(new, node, peers), self.timeout_s))
         try:
             return await bringing
+        except TimeoutError:
+            log.warning("no start caches for node %s within %.0f s", node, self.timeout_s)
+            return None
         finally:
             del self._bringing[node]
 
     async def _bring(self, new: ray.actor.ActorHandle, node: str, peers: Sequence[ray.actor.ActorHandle]
                      ) -> InstalledCaches | None:
-        deadline = time.monotonic() + self.timeout_s
+        step = self.step_timeout_s
         wanted = None
         for peer in peers:
-            left = min(self.step_timeout_s, deadline - time.monotonic())
-            if left <= 0:
-                log.warning("no start caches for node %s within %.0f s", node, self.timeout_s)
-                return None
             try:
-                if await asyncio.wait_for(peer.node_id.remote(), left) == node:
+                if await asyncio.wait_for(peer.node_id.remote(), step) == node:
                     continue  # shares this node's caches already
-                wanted = wanted or await asyncio.wait_for(new.cache_manifest.remote(), left)
-                caches = await asyncio.wait_for(peer.export_caches.remote(wanted), left)
-                if caches is None:
-                    continue  # another GPU type or other versions
-                if not caches.units:
-                    return None  # the node has what a peer would give
+                wanted = wanted or await asyncio.wait_for(new.cache_manifest.remote(), step)
+                caches = await asyncio.wait_for(peer.export_caches.remote(wanted), step)
+                if caches is None or not caches.units:
+                    continue  # another GPU type or other versions, or nothing the node lacks
                 # Units land whole, so a start that goes on while this is cut short reads each or none.
-                installed = await asyncio.wait_for(new.install_caches.remote(caches), left)
+                installed = await asyncio.wait_for(new.install_caches.remote(caches), step)
             except Exception as exc:  # noqa: BLE001 - a dead or slow peer: the next one
                 log.warning("start caches not brought from a peer: %r", exc)
                 continue

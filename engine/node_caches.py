@@ -18,6 +18,7 @@ then renamed (linked, for a file) into place beside what is there, never over it
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fnmatch
 import hashlib
@@ -50,9 +51,17 @@ class CacheSpec:
         parts = path.split("/")
         for pattern in self.units:
             depth = pattern.count("/") + 1
-            if len(parts) >= depth and fnmatch.fnmatchcase("/".join(parts[:depth]), pattern):
-                return "/".join(parts[:depth])
+            candidate = "/".join(parts[:depth])
+            if len(parts) >= depth and fnmatch.fnmatchcase(candidate, pattern):
+                # a folder that holds units of a more specific pattern is not one itself
+                deeper = any(fnmatch.fnmatchcase(candidate, other.rsplit("/", 1)[0])
+                             for other in self.units if other.count("/") >= depth)
+                return None if deeper else candidate
         return None
+
+    def is_unit(self, name: str, single_file: bool) -> bool:
+        """Whether `name` is a whole unit: a file unit, or a folder whose files are its own."""
+        return self.unit_of(name if single_file else f"{name}/file") == name
 
 
 CACHES: dict[str, CacheSpec] = {
@@ -156,9 +165,9 @@ def export(dirs: Mapping[str, Path], wanted_by: CacheManifest, weights_key: str,
         return None
     units, budget = [], max_bytes
     settled = time.time() - min_age_s
-    for cache, name, files in _units(dirs):
-        if (cache, name) in wanted_by.units:
-            continue
+    missing = [(cache, name, files) for cache, name, files in _units(dirs) if (cache, name) not in wanted_by.units]
+    # newest first: what the engines here ran last is what a new node most likely starts
+    for cache, name, files in sorted(missing, key=lambda unit: -_newest(dirs[unit[0]], unit[2])):
         unit = _read_unit(dirs[cache], cache, name, files, budget, settled)
         if unit is not None:
             units.append(unit)
@@ -173,6 +182,8 @@ def install(caches: NodeCaches, dirs: Mapping[str, Path], weights_key: str) -> I
                     caches.key, CacheKey.here())
         return InstalledCaches(0, 0, len(caches.units))
     installed = size = refused = 0
+    for root in set(dirs.values()):
+        _remove_stale_staging(root)
     for unit in caches.units:
         try:
             if _install_unit(dirs[unit.cache], unit):
@@ -209,6 +220,16 @@ def _followed(folder: Path, device: int | None) -> bool:
             and status.st_dev == device)
 
 
+def _newest(root: Path, paths: list[str]) -> float:
+    times = []
+    for path in paths:
+        try:
+            times.append((root / path).lstat().st_mtime)
+        except OSError:
+            pass
+    return max(times, default=0.0)
+
+
 def _read_unit(root: Path, cache: str, name: str, paths: list[str], budget: int, settled: float) -> CacheUnit | None:
     files = []
     for path in paths:
@@ -228,11 +249,14 @@ def _read_regular(path: Path, limit: int, settled: float) -> bytes | None:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         return None
-    with os.fdopen(fd, "rb") as file:
-        status = os.fstat(fd)
-        if not stat.S_ISREG(status.st_mode) or status.st_size > limit or status.st_mtime > settled:
-            return None
-        data = file.read(limit + 1)
+    try:
+        with os.fdopen(fd, "rb") as file:
+            status = os.fstat(fd)
+            if not stat.S_ISREG(status.st_mode) or status.st_size > limit or status.st_mtime > settled:
+                return None
+            data = file.read(limit + 1)
+    except OSError:
+        return None
     return data if len(data) <= limit else None
 
 
@@ -249,47 +273,45 @@ def _parts(path: str, may_be_empty: bool = False) -> list[str]:
 def _install_unit(root: Path, unit: CacheUnit) -> bool:
     """Stage `unit` in `root`, check it, then move it into place unless something is there."""
     name = _parts(unit.name)
-    spec = CACHES[unit.cache]
     single = [f.path for f in unit.files] == [""]
-    if spec.unit_of(unit.name) != unit.name or not unit.files:
+    if not CACHES[unit.cache].is_unit(unit.name, single) or not unit.files:
         raise ValueError("not a unit of its cache")
     for file in unit.files:
         if hashlib.sha256(file.data).hexdigest() != file.sha256:
             raise ValueError(f"{file.path!r} is not its digest")
     root.mkdir(mode=0o700, parents=True, exist_ok=True)
-    _remove_stale_staging(root)
-    staging = tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=root)
-    root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
-    staging_fd = os.open(staging, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-    try:
+    with contextlib.ExitStack() as cleanup:
+        staging = tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=root)
+        cleanup.callback(shutil.rmtree, staging, ignore_errors=True)
+        staging_fd = _opened(cleanup, os.open(staging, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW))
         for file in unit.files:
             parts = ["unit", *_parts(file.path, may_be_empty=single)]
-            folder = _folder(staging_fd, parts[:-1])
-            try:
-                out = os.open(parts[-1], os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=folder)
-                with os.fdopen(out, "wb") as target:
-                    target.write(file.data)
-            finally:
-                os.close(folder)
-        parent = _folder(root_fd, name[:-1])
+            folder = _opened(cleanup, _folder(staging_fd, parts[:-1]))
+            out = os.open(parts[-1], os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=folder)
+            with os.fdopen(out, "wb") as target:
+                target.write(file.data)
+                os.fsync(target.fileno())  # whole on disk before it is in place: never read half after a crash
+        root_fd = _opened(cleanup, os.open(root, os.O_RDONLY | os.O_DIRECTORY))
+        parent = _opened(cleanup, _folder(root_fd, name[:-1]))
         try:
             if single:  # a link is never made over an existing name
                 os.link("unit", name[-1], src_dir_fd=staging_fd, dst_dir_fd=parent, follow_symlinks=False)
-            else:  # over an empty folder at most
+            else:  # made empty here first: a folder someone else made, even empty, is theirs
+                os.mkdir(name[-1], mode=0o700, dir_fd=parent)
                 os.rename("unit", name[-1], src_dir_fd=staging_fd, dst_dir_fd=parent)
-            return True
-        except (FileExistsError, IsADirectoryError, NotADirectoryError):
+        except FileExistsError:
             return False
         except OSError as exc:
-            if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):  # the node has this unit
+            if exc.errno == errno.ENOTEMPTY:  # someone wrote into it meanwhile: theirs
                 return False
             raise
-        finally:
-            os.close(parent)
-    finally:
-        os.close(staging_fd)
-        os.close(root_fd)
-        shutil.rmtree(staging, ignore_errors=True)
+        os.fsync(parent)
+        return True
+
+
+def _opened(cleanup: contextlib.ExitStack, fd: int) -> int:
+    cleanup.callback(os.close, fd)
+    return fd
 
 
 def _folder(base_fd: int, parts: list[str]) -> int:
@@ -297,10 +319,8 @@ def _folder(base_fd: int, parts: list[str]) -> int:
     fd = os.dup(base_fd)
     for part in parts:
         try:
-            os.mkdir(part, mode=0o700, dir_fd=fd)
-        except FileExistsError:
-            pass
-        try:
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(part, mode=0o700, dir_fd=fd)
             child = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
         finally:
             os.close(fd)
@@ -331,6 +351,8 @@ def _device_name() -> str:
         handle = (pynvml.nvmlDeviceGetHandleByIndex(int(visible)) if visible.isdigit()
                   else pynvml.nvmlDeviceGetHandleByUUID(visible))
         return str(pynvml.nvmlDeviceGetName(handle))
+    except Exception:  # noqa: BLE001 - NVMLError: an index or UUID NVML does not know
+        return "unknown GPU"
     finally:
         pynvml.nvmlShutdown()
 

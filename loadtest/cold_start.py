@@ -16,7 +16,7 @@ Paths, each run `--runs` times, in one process (same machine state for all):
   (e) preimported - (b) from a server process that has imported vLLM beforehand and waits,
                 holding no GPU memory (engine/preimport.py; its import is not counted);
   (f) empty-caches - (e) on a node that never ran the model: every start cache (vLLM's, Triton's,
-                CUDA's, Inductor's) a new empty folder;
+                CUDA's, Inductor's, and XDG_CACHE_HOME) a new empty folder;
       new-node - the same, its caches first brought from this machine's as a ready peer's would be
                 (deploy/node_caches.py; the export and install timed as stage node_caches, with no
                 network in between).
@@ -179,8 +179,9 @@ def new_node_caches() -> Iterator[None]:
     """Every start cache of the engines started meanwhile (they inherit this process's
     environment) in new empty folders, as on a node that never ran an engine."""
     root = Path(tempfile.mkdtemp(prefix="pdc-new-node-"))
-    # also the caches a peer does not send: a new node's are empty too
-    variables = [spec.variable for spec in node_caches.CACHES.values()] + ["CUDA_CACHE_PATH", "TORCHINDUCTOR_CACHE_DIR"]
+    # also the caches a peer does not send: a new node's are empty too (XDG_CACHE_HOME: FlashInfer's, ...)
+    variables = [spec.variable for spec in node_caches.CACHES.values()] + [
+        "CUDA_CACHE_PATH", "TORCHINDUCTOR_CACHE_DIR", "XDG_CACHE_HOME"]
     fresh = {variable: str(root / variable.lower()) for variable in variables}
     before = {variable: os.environ.get(variable) for variable in fresh}
     os.environ.update(fresh)

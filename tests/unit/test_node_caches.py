@@ -101,16 +101,20 @@ def test_caches_not_signed_by_the_cluster_or_of_another_gpu_type_or_version_are_
 
 
 def test_no_unit_lands_outside_its_cache_over_another_or_in_part(tmp_path):
-    new = filled(tmp_path / "new", {("triton", "MINE/kernel.cubin"): b"mine"})
+    new = filled(tmp_path / "new", {("triton", "MINE/kernel.cubin"): b"mine", ("vllm", "modelinfos"): b"a file"})
+    (new["triton"] / "EMPTY").mkdir()
     outside = tmp_path / "outside"
     outside.mkdir()
-    new["vllm"].mkdir(parents=True)
+    new["vllm"].mkdir(parents=True, exist_ok=True)
     (new["vllm"] / "torch_compile_cache").symlink_to(outside)  # a link inside the cache leading out
     good = [("kernel.cubin", b"k")]
     attacks = [("triton", str(outside / "abs"), good), ("triton", "../outside", good), ("triton", "a/../..", good),
                ("vllm", "torch_compile_cache/5f3a", good),  # through the link
                ("vllm", "gpu_p2p_access_cache_for_0,1.json", [("", b"{}")]),  # not a unit we ship
                ("vllm", "startup_plan", [("startup_plan_x.json", b"{}")]),  # a folder of units, not one
+               ("vllm", "torch_compile_cache/torch_aot_compile", [("85e4/rank_0_0/model", b"x")]),  # the same
+               ("triton", "EMPTY", good),  # an empty folder of the node's: its own, even empty
+               ("vllm", "modelinfos/over-a-file.json", [("", b"{}")]),  # modelinfos is a file here
                ("triton", "DOTS", [("../../outside/up", b"x")]), ("triton", "ABS", [(str(outside / "x"), b"x")]),
                ("triton", "NUL", [("a\0b", b"x")]), ("nowhere", "X", good),
                ("triton", "HALF", [("good.cubin", b"written first"), ("../bad", b"x")]),  # nothing of it stays
@@ -122,10 +126,19 @@ def test_no_unit_lands_outside_its_cache_over_another_or_in_part(tmp_path):
 
     installed = node_caches.install(caches, new, KEY)
 
-    assert installed == node_caches.InstalledCaches(0, 0, len(attacks))  # MINE: not refused, not installed
-    assert list(outside.iterdir()) == []
-    assert contents(new) == {("triton", "MINE/kernel.cubin"): b"mine"}
+    assert installed == node_caches.InstalledCaches(0, 0, len(attacks) + 1 - 2)  # + TAMPERED; MINE, EMPTY: kept
+    assert list(outside.iterdir()) == [] and list((new["triton"] / "EMPTY").iterdir()) == []
+    assert contents(new) == {("triton", "MINE/kernel.cubin"): b"mine", ("vllm", "modelinfos"): b"a file"}
     assert not list(tmp_path.rglob(f"{node_caches.STAGING_PREFIX}*"))
+
+
+def test_what_is_not_one_unit_is_refused_where_it_could_land(tmp_path):
+    new = node_caches.cache_dirs(cache_env(tmp_path / "new"))
+    caches = crafted([("vllm", "torch_compile_cache/torch_aot_compile", [("85e4/rank_0_0/model", b"x")]),
+                      ("vllm", "torch_compile_cache/torch_aot_compile", [("", b"a file where units go")]),
+                      ("vllm", "startup_plan", [("startup_plan_x.json", b"{}")])])
+    assert node_caches.install(caches, new, KEY) == node_caches.InstalledCaches(0, 0, 3)
+    assert contents(new) == {}
 
 
 def test_a_peer_offers_whole_settled_regular_units_within_its_limit(tmp_path):
@@ -144,15 +157,19 @@ def test_a_peer_offers_whole_settled_regular_units_within_its_limit(tmp_path):
         ("vllm", "startup_plan/startup_plan_0123456789abcdef.json"), ("vllm", "torch_compile_cache/5f3a"),
         ("vllm", "torch_compile_cache/torch_aot_compile/85e4"),
         ("vllm", "modelinfos/vllm-model_executor-models-llama-LlamaForCausalLM.json"), ("triton", "Q2XK")}
-    limited = exported(peer, new, max_bytes=6000)  # the plan, the AOT unit; not 5f3a's 5 kB beside them
-    assert sum(len(f.data) for u in limited.units for f in u.files) <= 6000
-    assert all(len(u.files) == len([k for k in PEER_FILES if k[0] == u.cache and k[1].startswith(u.name)])
-               for u in limited.units)  # whole units only
     assert node_caches.export(peer, node_caches.manifest(new), KEY).units == ()  # all written just now
+    for file in (f for root in peer.values() for f in root.rglob("*") if f.is_file() and not f.is_symlink()):
+        os.utime(file, (time.time() - 100, time.time() - 100))
+    newest = peer["vllm"] / "torch_compile_cache/5f3a/rank_0_0/backbone/artifact"
+    os.utime(newest, (time.time() - 50, time.time() - 50))
+    limited = exported(peer, new, max_bytes=6000)  # newest first, whole units only, within the limit
+    assert [(u.name, len(u.files)) for u in limited.units][:1] == [("torch_compile_cache/5f3a", 2)]
+    assert sum(len(f.data) for u in limited.units for f in u.files) <= 6000
+    assert ("triton", "Q2XK") not in {(u.cache, u.name) for u in limited.units}  # 10 kB: over what is left
 
 
 TWO_NODES = textwrap.dedent("""
-    import asyncio, json, shutil, sys, tempfile
+    import asyncio, json, os, shutil, signal, sys, tempfile, time
     from pathlib import Path
     from engine.environment import use_ray
     from security.credentials import ClusterCredentials
@@ -178,20 +195,28 @@ TWO_NODES = textwrap.dedent("""
             return ray.remote(EngineHost).options(num_cpus=0, resources={node: 0.1}).remote(
                 config, name, host="127.0.0.1", keys=credentials.engine_host_keys(name))
 
-        peer, beside, dead = engine("peer", "a"), engine("beside", "a"), engine("dead", "a")
+        peer, beside, dead, frozen = (engine(name, "a") for name in ("peer", "beside", "dead", "frozen"))
         ray.get(dead.node_id.remote())
         ray.kill(dead)
+        frozen_pid = ray.get(frozen.__ray_call__.remote(lambda host: os.getpid()))
+        os.kill(frozen_pid, signal.SIGSTOP)  # a peer that never answers
         stranger = engine("stranger", "a", ClusterCredentials.generate())  # another cluster's: signs with its key
         new, also_new = engine("new", "b"), engine("also-new", "b")
-        courier = CacheCourier(timeout_s=60, step_timeout_s=20)
+        courier = CacheCourier(timeout_s=60, step_timeout_s=5)
 
         async def steps():
             beside_got = await courier.bring(beside, [peer], 60)
-            both = await asyncio.gather(courier.bring(new, [dead, stranger, beside, peer], 60),
+            both = await asyncio.gather(courier.bring(new, [frozen, dead, stranger, beside, peer], 60),
                                         courier.bring(also_new, [peer], 60))
-            return [beside_got, *both, await courier.bring(new, [peer], 60)]
+            nothing_new = await courier.bring(new, [peer], 60)
+            unit = Path(envs["a"]["TRITON_CACHE_DIR"], "NEW")
+            unit.mkdir()
+            (unit / "kernel.cubin").write_bytes(b"new")
+            os.utime(unit / "kernel.cubin", (time.time() - 60, time.time() - 60))
+            return [beside_got, *both, nothing_new, await courier.bring(new, [peer], 60)]
         print(json.dumps([None if r is None else [r.units, r.bytes, r.refused] for r in asyncio.run(steps())]))
     finally:
+        os.kill(frozen_pid, signal.SIGCONT)
         ray.shutdown()
         cluster.shutdown()
         shutil.rmtree(temp_dir, ignore_errors=True)
@@ -208,9 +233,9 @@ def test_between_two_ray_nodes_a_new_node_gets_a_ready_peers_caches_once(tmp_pat
                             capture_output=True, text=True, timeout=240, cwd=Path(__file__).parents[2],
                             env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])})
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-    beside, new, also_new, again = json.loads(result.stdout.strip().splitlines()[-1])
+    beside, new, also_new, nothing_new, one_new = json.loads(result.stdout.strip().splitlines()[-1])
     assert beside is None  # a peer on its own node: the same caches already
-    # past a dead peer and another cluster's (refused), from ours; one bring for the node's two starts
+    # past a frozen peer, a dead one and another cluster's (refused), from ours; one bring for two starts
     assert sorted([new, also_new], key=str) == [None, [5, sum(map(len, PEER_FILES.values())), 0]]
-    assert again is None  # nothing left that it lacks
-    assert contents(node_caches.cache_dirs(envs["b"])) == PEER_FILES
+    assert nothing_new is None and one_new == [1, 3, 0]  # then only what it lacks
+    assert contents(node_caches.cache_dirs(envs["b"])) == {**PEER_FILES, ("triton", "NEW/kernel.cubin"): b"new"}
