@@ -4,4 +4,5 @@ process, what it prints (`server_output`), its start-up timeline, its health, th
 every route via `http_auth`, KV events on the cluster's keys via `kv_events`); the weight plane
 that fills an engine from disk (`checkpoint`) or from a warm peer (`weights`, `cuda_ipc`,
 `device_checksum`), inside the worker (`worker_extension`; `quantization`: which quantized
-formats are served, and what their reload needs); the local model builders (`models`)."""
+formats are served, and what their reload needs); a node's start caches, exported to and installed
+from a peer (`node_caches`); the local model builders (`models`)."""
