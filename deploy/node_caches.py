@@ -27,13 +27,20 @@ class CacheCourier:
         self.timeout_s = timeout_s
         self.step_timeout_s = step_timeout_s
         self._bringing: dict[str, asyncio.Future] = {}
+        self._nodes: dict[ray.actor.ActorHandle, str] = {}
+        """Each engine actor's node (it never moves): asked once, not at every start."""
+
+    async def _node_of(self, actor: ray.actor.ActorHandle, timeout_s: float) -> str:
+        if actor not in self._nodes:
+            self._nodes[actor] = await asyncio.wait_for(actor.node_id.remote(), timeout_s)
+        return self._nodes[actor]
 
     async def bring(self, new: ray.actor.ActorHandle, peers: Sequence[ray.actor.ActorHandle],
                     placement_timeout_s: float) -> InstalledCaches | None:
         """Caches into `new`'s node from the first of `peers` on another node that offers any;
         None when none did (or another start on that node brought them)."""
         try:
-            node = await asyncio.wait_for(new.node_id.remote(), placement_timeout_s)
+            node = await self._node_of(new, placement_timeout_s)
         except Exception as exc:  # noqa: BLE001 - the start itself will say what is wrong
             log.warning("no start caches: the engine's node is unknown (%s)", exc)
             return None
@@ -56,7 +63,7 @@ class CacheCourier:
         wanted = None
         for peer in peers:
             try:
-                if await asyncio.wait_for(peer.node_id.remote(), step) == node:
+                if await self._node_of(peer, step) == node:
                     continue  # shares this node's caches already
                 wanted = wanted or await asyncio.wait_for(new.cache_manifest.remote(), step)
                 caches = await asyncio.wait_for(peer.export_caches.remote(wanted), step)
