@@ -17,20 +17,18 @@ weights) and `activate()` in well under a second when capacity is needed.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import socket
 import subprocess
 import time
 from pathlib import Path
 
-import httpx
-
 from engine import node_caches
 from engine.config import EngineConfig
 from engine.environment import KV_EVENTS_PLUGIN, is_cpu_build, listening_socket
-from engine.lifecycle import EngineDescription, InstanceState, StartTimeline
-from engine.process import group_shared_memory, local_client, spawn_group, terminate_group
+from engine.lifecycle import EngineDescription, EngineStartError, InstanceState, StartTimeline
+from engine.process import group_shared_memory, spawn_group, terminate_group
+from engine.server_api import ServerAPI
 from engine.server_command import LISTEN_FD_ENV, kv_events_plugin_installed, server_command, server_env
 from engine.server_output import ServerOutput
 from engine.weights import PeerWeights, new_weights_file, remove_orphaned_weights
@@ -41,10 +39,6 @@ from transport.address import node_address
 START_ATTEMPTS = 3
 """Starts tried before one fails for a port in use: vLLM binds some ports itself (the NIXL side
 channel of `--kv-transfer direct`), which another process may hold; each try draws new ones."""
-
-
-class EngineStartError(RuntimeError):
-    """The engine did not become ready; the message carries the tail of its log."""
 
 
 class SleepRefused(RuntimeError):
@@ -157,16 +151,16 @@ class EngineHost:
             await self._wait_until_healthy()
             self._shared_memory = group_shared_memory(self._process.pid)  # removed at stop, even if killed
             # every peer of the worker's distributed groups has connected: no one else may
-            sealed = await self._worker_call("pdc_seal_listeners", {}, timeout_s=30)
+            sealed = await self._server.worker_call("pdc_seal_listeners", {}, timeout_s=30)
             self.timeline.details["sealed_listeners"] = sum(len(rank["sealed_ports"]) for rank in sealed)
-            prepared = await self._worker_call("pdc_prepare_transfers", {}, timeout_s=60)
+            prepared = await self._server.worker_call("pdc_prepare_transfers", {}, timeout_s=60)
             self.timeline.details["checksum_warmup_s"] = round(max(rank["seconds"] for rank in prepared), 4)
             if standby:
                 # Lazy first-request work does not depend on the weights: pay it now, not on activation.
-                await self._warm_up()
+                await self._server.warm_up()
                 self.state = InstanceState.STANDBY
                 if self.config.sleep_mode:
-                    await self._engine_post("/sleep", {"level": "2"})  # weights and KV cache: none to keep
+                    await self._server.post("/sleep", {"level": "2"})  # weights and KV cache: none to keep
                     self.timeline.mark("sleep")
                     self.state = InstanceState.SLEEPING
             else:
@@ -222,7 +216,7 @@ class EngineHost:
             if self.state == InstanceState.SLEEPING:
                 # All tags at once: the weights' memory comes back empty and is filled next; the
                 # KV cache's is needed by the warm-up anyway.
-                await self._engine_post("/wake_up", {})
+                await self._server.post("/wake_up", {})
                 self.timeline.mark("wake_up")
             await self._load_and_warm(peer)
 
@@ -243,13 +237,13 @@ class EngineHost:
         timeline = StartTimeline()
         self.state = InstanceState.DRAINING  # no health check calls it ready halfway
         try:
-            ranks = await self._worker_call("pdc_keep_host_copy", {}, timeout_s=self.config.start_timeout_s)
+            ranks = await self._server.worker_call("pdc_keep_host_copy", {}, timeout_s=self.config.start_timeout_s)
         except Exception as exc:
             self.state = InstanceState.READY
             raise SleepRefused(f"{self.instance_id} keeps no host copy of its weights: {exc}") from None
         timeline.mark("host_copy")
         try:
-            await self._engine_post("/sleep", {"level": "2"})
+            await self._server.post("/sleep", {"level": "2"})
         except Exception:
             self.state = InstanceState.FAILED
             await asyncio.to_thread(self._terminate, 5)
@@ -269,12 +263,7 @@ class EngineHost:
 
     async def requests_in_flight(self) -> int:
         """Requests the engine runs or queues, whichever router sent them (vLLM's own gauges)."""
-        async with self._client(10) as client:
-            response = await client.get(f"{self.url}/metrics")
-        response.raise_for_status()
-        gauges = ("vllm:num_requests_running", "vllm:num_requests_waiting")  # not ..._waiting_by_reason
-        return int(sum(float(line.rsplit(" ", 1)[1]) for line in response.text.splitlines()
-                       if line.partition("{")[0].partition(" ")[0] in gauges))
+        return await self._server.requests_in_flight()
 
     async def export_weights(self, use_nixl: bool = True, offer_file: bool = True) -> PeerWeights:
         """How a peer reads this instance's weights (shared memory on this node unless not
@@ -283,7 +272,7 @@ class EngineHost:
         if self.state != InstanceState.READY:
             raise EngineStartError(f"{self.instance_id} is {self.state.value}; no weights to offer")
         request = {"use_nixl": use_nixl, "offer_file": offer_file}
-        ranks = await self._worker_call("pdc_export_weights", request, timeout_s=30)
+        ranks = await self._server.worker_call("pdc_export_weights", request, timeout_s=30)
         return PeerWeights(self.instance_id, tuple(rank or ranks[0] for rank in ranks))
 
     async def cache_manifest(self) -> node_caches.CacheManifest:
@@ -320,7 +309,7 @@ class EngineHost:
         self.state = InstanceState.LOADING
         peers, unusable = self._peer_ranks(peer)
         request = {"peers": peers, "timeout_s": self.config.weight_transfer_timeout_s}
-        ranks = await self._worker_call("pdc_load_weights", request, self.config.start_timeout_s)
+        ranks = await self._server.worker_call("pdc_load_weights", request, self.config.start_timeout_s)
         self.weights_record = record = ranks[0]
         # the checksum of what a peer sent is its own stage (the slowest rank's)
         self.timeline.mark_split("weights", "weights_checksum", max(rank.get("verify_s", 0.0) for rank in ranks))
@@ -333,9 +322,9 @@ class EngineHost:
         fallbacks = [rank["fallback_reason"] for rank in ranks if rank["fallback_reason"]]
         if unusable or fallbacks:
             self.timeline.details["weights_fallback_reason"] = unusable or fallbacks[0]
-        await self._engine_post("/reset_prefix_cache", {})  # blocks cached before the weights hold wrong KV
+        await self._server.post("/reset_prefix_cache", {})  # blocks cached before the weights hold wrong KV
         self.state = InstanceState.WARMING
-        await self._warm_up()
+        await self._server.warm_up()
         self.timeline.mark("warmup_request")
 
     def _peer_ranks(self, peer: PeerWeights | None) -> tuple[list[dict] | None, str | None]:
@@ -351,51 +340,14 @@ class EngineHost:
                           f"this engine {size}: its ranks hold other shards")
         return list(peer.ranks), None
 
-    async def _engine_post(self, path: str, params: dict[str, str]) -> None:
-        async with self._client(60.0) as client:
-            (await client.post(f"{self.url}{path}", params=params)).raise_for_status()
-
-    async def _warm_up(self) -> None:
-        """Readiness means a request has really run through the engine, not just /health. It asks
-        for logprobs: vLLM's first logprobs request costs ~2 s of lazy set-up on the CPU build,
-        which no user's first request should pay."""
-        async with self._client(60.0) as client:
-            response = await client.post(
-                f"{self.url}/v1/completions",
-                json={"model": self.config.served_model_name, "prompt": "warm up",
-                      "max_tokens": 1, "temperature": 0, "logprobs": 1},
-            )
-            response.raise_for_status()
-
-    async def _worker_call(self, method: str, request: dict, timeout_s: float) -> list:
-        """Call a WeightPlaneExtension method on every rank's worker; their results, by rank."""
-        async with self._client(timeout_s + 5) as client:
-            response = await client.post(
-                f"{self.url}/collective_rpc",
-                json={"method": method, "args": [json.dumps(request)], "timeout": timeout_s},
-            )
-        if response.status_code != 200:
-            raise EngineStartError(f"{method} failed: HTTP {response.status_code} {response.text[:500]}")
-        return response.json()["results"]
-
     def log_tail(self) -> list[str]:
         """The last lines the current vLLM server process printed."""
         return list(self._output.tail) if self._output else []
 
     async def _wait_until_healthy(self) -> None:
-        async with self._client(5.0) as client:
-            while not await self._healthy(client):
-                if self._process is None or self._process.poll() is not None:
-                    code = self._process.returncode if self._process else None
-                    raise EngineStartError(f"the vLLM server exited with code {code}")
-                await asyncio.sleep(0.05)
+        assert self._process is not None
+        await self._server.wait_until_healthy(self._process.poll)
         self.timeline.mark("api_server")
-
-    async def _healthy(self, client: httpx.AsyncClient) -> bool:
-        try:
-            return (await client.get(f"{self.url}/health")).status_code == 200
-        except httpx.HTTPError:
-            return False
 
     async def stop(self, grace_s: float = 10.0) -> EngineDescription:
         """Stop the server: SIGTERM to its process group, SIGKILL after `grace_s`."""
@@ -414,8 +366,9 @@ class EngineHost:
             if self.weights_file is not None:
                 self.weights_file.unlink(missing_ok=True)
 
-    def _client(self, timeout_s: float) -> httpx.AsyncClient:
-        """A client for this instance's engine server: its certificate pinned, its token."""
+    @property
+    def _server(self) -> ServerAPI:
+        """The current server process's API."""
         if self.access is None:
             raise EngineStartError(f"{self.instance_id} has no server process")
-        return local_client(timeout_s, self.access)
+        return ServerAPI(self.url, self.access, self.config.served_model_name)

@@ -13,6 +13,10 @@ from engine.role_spec import Role
 from security.engine_access import EngineEndpoint
 
 
+class EngineStartError(RuntimeError):
+    """The engine did not become ready; the message carries the tail of its log."""
+
+
 class InstanceState(enum.StrEnum):
     """Where an instance is in its life. Only READY instances receive traffic."""
 
