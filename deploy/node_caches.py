@@ -4,6 +4,7 @@ an engine starts there: its compile, kernel and startup-plan work is then read, 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from collections.abc import Sequence
 
@@ -27,6 +28,8 @@ class CacheCourier:
         self.timeout_s = timeout_s
         self.step_timeout_s = step_timeout_s
         self._bringing: dict[str, asyncio.Future] = {}
+        self._brings = itertools.count()
+        """Each bring asks the ready peers from the next one on: new nodes spread over them."""
         self._nodes: dict[ray.actor.ActorHandle, str] = {}
         """Each engine actor's node (it never moves): asked once, not at every start."""
 
@@ -37,8 +40,8 @@ class CacheCourier:
 
     async def bring(self, new: ray.actor.ActorHandle, peers: Sequence[ray.actor.ActorHandle],
                     placement_timeout_s: float) -> InstalledCaches | None:
-        """Caches into `new`'s node from the first of `peers` on another node that offers any;
-        None when none did (or another start on that node brought them)."""
+        """Caches into `new`'s node from a peer on another node that offers any (each bring asks
+        from one further along `peers`); None when none did (or another start there brought them)."""
         try:
             node = await self._node_of(new, placement_timeout_s)
         except Exception as exc:  # noqa: BLE001 - the start itself will say what is wrong
@@ -47,6 +50,8 @@ class CacheCourier:
         if node in self._bringing:
             await asyncio.wait([self._bringing[node]], timeout=self.timeout_s)
             return None
+        first = next(self._brings) % max(len(peers), 1)
+        peers = [*peers[first:], *peers[:first]]
         bringing = self._bringing[node] = asyncio.ensure_future(
             asyncio.wait_for(self._bring(new, node, peers), self.timeout_s))
         try:

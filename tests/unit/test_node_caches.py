@@ -183,6 +183,9 @@ TWO_NODES = textwrap.dedent("""
 
     envs = json.loads(sys.argv[1])
     temp_dir = tempfile.mkdtemp(prefix="caches-", dir=private_ray_root())  # not the shared /tmp/ray
+    # Cluster writes "the current cluster" at RAY_TMPDIR/ray: here, not where a later ray.init() looks
+    os.environ["RAY_TMPDIR"] = temp_dir
+    os.mkdir(os.path.join(temp_dir, "ray"))
     node = {"node_ip_address": "127.0.0.1", "num_cpus": 1, "include_dashboard": False, "temp_dir": temp_dir}
     cluster = Cluster(initialize_head=True, head_node_args={**node, "resources": {"a": 1}, "env_vars": envs["a"]})
     try:
@@ -205,7 +208,8 @@ TWO_NODES = textwrap.dedent("""
         courier = CacheCourier(timeout_s=60, step_timeout_s=5)
 
         async def steps():
-            beside_got = await courier.bring(beside, [peer], 60)
+            beside_got = await CacheCourier(timeout_s=60, step_timeout_s=5).bring(beside, [peer], 60)
+            # `courier`'s first bring asks its peers in the order given: the frozen one first
             both = await asyncio.gather(courier.bring(new, [frozen, dead, stranger, beside, peer], 60),
                                         courier.bring(also_new, [peer], 60))
             nothing_new = await courier.bring(new, [peer], 60)
