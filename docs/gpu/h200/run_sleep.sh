@@ -1,6 +1,6 @@
 # Sleeping standbys on the lent H200 (issue #23; vLLM 0.26, torch 2.11, Python 3.12, no network).
-# Calls before this one (each within 30 s of the last) copy the three parts of
-# ../shared/gpu/build-vllm-wheelhouse.sh (.vchunks/part00..02) into /tmp/vparts.
+# Calls before this one (each within 30 s of the last) copy the parts docs/gpu/h200/wheelhouse.sh
+# makes (.vchunks/part00..03) into /tmp/vparts.
 # Then, from the repository root: bash docs/gpu/h200/run_sleep.sh test|cold1b|cold8b
 #   test:   tests/conformance/test_conformance_gpu.py (disk, CUDA IPC standby, sleeping standby)
 #   cold1b: loadtest.cold_start, the tied ~1B Llama, standby vs sleeping, CUDA graphs
