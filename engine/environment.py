@@ -91,9 +91,18 @@ def is_loopback(host: str) -> bool:
 ENGINE_KEEP_ALIVE_S = 60
 
 
+# vLLM 0.26 (the GPU build) hashes every variable of its own but a short list into its compile
+# cache key, and these two default to paths under HOME and the XDG roots: a node whose home differs
+# would key the same compile otherwise and never read the compiles a peer sends it
+# (engine/node_caches.py). Neither is read by an engine here (XLA is TPU-only; usage stats are off).
+NODE_INDEPENDENT_PATHS = {"VLLM_XLA_CACHE_PATH": "/nonexistent/vllm-xla-cache",
+                          "VLLM_CONFIG_ROOT": "/nonexistent/vllm-config"}
+
+
 def engine_env(host: str, kv_cache_gib: float, cpu_cores: str | None, hash_seed: str = KV_HASH_SEED) -> dict[str, str]:
     """Variables for a vLLM server process that serves on `host`."""
     env = {
+        **NODE_INDEPENDENT_PATHS,
         "VLLM_HOST_IP": host,
         "VLLM_NIXL_SIDE_CHANNEL_HOST": host,
         "VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_gib:g}",

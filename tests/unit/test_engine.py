@@ -96,6 +96,27 @@ def test_engines_do_not_share_an_inherited_prometheus_multiprocess_dir(monkeypat
     assert env["PATH"] == os.environ["PATH"] and env["UCX_NET_DEVICES"] == "lo"
 
 
+# What vLLM 0.26 (the GPU build) leaves out of its compile cache key: the caches themselves.
+VLLM_PATHS_OUTSIDE_THE_COMPILE_KEY = {"VLLM_CACHE_ROOT", "VLLM_ASSETS_CACHE"}
+
+
+def test_no_vllm_setting_of_an_engine_follows_its_nodes_home_but_the_caches(monkeypatch):
+    """An engine's vLLM settings on two nodes whose homes differ: 0.26 hashes every setting but a
+    short list into its compile cache key, so any other setting derived from HOME or the XDG roots
+    would key the same compile apart and a new node would compile again what a peer sent it."""
+    import vllm.envs
+
+    def settings(home: str) -> dict[str, str]:
+        monkeypatch.setattr(os, "environ", {**os.environ, "HOME": home, "XDG_CACHE_HOME": f"{home}/cache",
+                                            "XDG_CONFIG_HOME": f"{home}/config"})
+        monkeypatch.setattr(os, "environ", engine_process_env("127.0.0.1", 1, None, "0"))
+        return {name: str(setting()) for name, setting in vllm.envs.environment_variables.items()}
+
+    following = {name for name, value in settings("/home/node-a").items() if "/home/node-a" in value}
+    assert following == VLLM_PATHS_OUTSIDE_THE_COMPILE_KEY
+    assert settings("/home/node-b")["VLLM_XLA_CACHE_PATH"] == settings("/home/node-a")["VLLM_XLA_CACHE_PATH"]
+
+
 def test_engine_env_keeps_ucx_on_loopback_only_for_loopback_hosts():
     assert engine_env("127.0.0.1", 1, "1")["UCX_NET_DEVICES"] == "lo"
     assert "UCX_NET_DEVICES" not in engine_env("10.0.0.5", 1, None)
