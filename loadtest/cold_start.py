@@ -142,12 +142,13 @@ async def plain_start(config: EngineConfig, cores: str, startup_plan: bool = Fal
 
 
 async def fresh_start(config: EngineConfig, run: int, preimported: bool = False,
-                      caches_from: dict[str, Path] | None = None) -> dict:
+                      caches_from: dict[str, Path] | None = None, path: str | None = None) -> dict:
     """(b), or (e) if `preimported`: our EngineHost with no engine of ours before it; weights from
     disk through the weight plane. (e) starts a process that imports vLLM first (untimed, as a
     pool keeps them ahead) and records the GPU memory it held meanwhile. With `caches_from`, the
-    start caches there that this process's lack are installed first, timed (f)."""
-    name = f"cold-{'preimported' if preimported else 'disk'}-{run}"
+    start caches there that this process's lack are installed first, timed (f). The engine (and
+    its log) is named by `path`, the benchmark's."""
+    name = f"cold-{path or ('preimported' if preimported else 'disk')}-{run}"
     host = EngineHost(config, name, host="127.0.0.1", keys=CLUSTER.engine_host_keys(name))
     try:
         extra, stages = {}, {}
@@ -273,7 +274,7 @@ async def bench(
                     warm = node_caches.cache_dirs(os.environ)
                     with new_node_caches():
                         record = await fresh_start(new_config, run, preimported=True,
-                                                   caches_from=warm if path == "new-node" else None)
+                                                   caches_from=warm if path == "new-node" else None, path=path)
                 else:
                     record = await standby_start(new_config, peer, run, check_tokens=8, sleep=path == "sleeping")
                 results[path].append(record)
