@@ -113,7 +113,7 @@ def test_no_vllm_setting_of_an_engine_follows_its_nodes_home_but_the_caches(monk
         return {name: str(setting()) for name, setting in vllm.envs.environment_variables.items()}
 
     following = {name for name, value in settings("/home/node-a").items() if "/home/node-a" in value}
-    assert following == VLLM_PATHS_OUTSIDE_THE_COMPILE_KEY
+    assert following <= VLLM_PATHS_OUTSIDE_THE_COMPILE_KEY  # a subset: an operator may set those two
     assert settings("/home/node-b")["VLLM_XLA_CACHE_PATH"] == settings("/home/node-a")["VLLM_XLA_CACHE_PATH"]
 
 
