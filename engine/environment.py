@@ -38,9 +38,12 @@ def use_ray(ray_auth_env: dict[str, str], loopback: bool) -> None:
 KV_HASH_SEED = "0"
 
 
-# The vLLM general plugin (pyproject.toml) that puts our KV event publisher in vLLM's place
-# (engine/kv_event_publisher.py); engines name it alone in VLLM_PLUGINS.
+# The vLLM general plugins (pyproject.toml) of our engines, the only ones they name in VLLM_PLUGINS:
+# our KV event publisher in vLLM's place (engine/kv_event_publisher.py), and a compile cache key
+# without per-engine settings (engine/compile_key.py).
 KV_EVENTS_PLUGIN = "pdcluster_kv_events"
+COMPILE_KEY_PLUGIN = "pdcluster_compile_key"
+ENGINE_PLUGINS = (KV_EVENTS_PLUGIN, COMPILE_KEY_PLUGIN)
 KV_EVENTS_MARK = "pdcluster: kv events bound "
 """What our publisher prints, followed by its bound endpoints as JSON, once it has bound its
 sockets on ports of the system's choosing (engine/kv_event_publisher.py); the engine's host reads them

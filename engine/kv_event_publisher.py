@@ -12,7 +12,7 @@ then prints (KV_EVENTS_MARK) for the engine's host to publish: no port is named 
 vLLM builds its publisher from a registry in the engine-core process; a vLLM general plugin
 (entry point `vllm.general_plugins`: `pdcluster_kv_events`) puts this class in place of its "zmq"
 publisher there, in engines of ours only (those started with their keys in their environment;
-engine/host.py also names this plugin alone in VLLM_PLUGINS).
+engine/server_command.py names only our plugins in VLLM_PLUGINS).
 vLLM falls back to its plain publisher, silently, where the entry point is missing, so a host
 refuses to start an engine with KV events there (engine/server_command.py,
 `kv_events_plugin_installed`). A plugin that is installed but fails to import in the engine's

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from engine.config import EngineConfig
 from engine.environment import (
+    ENGINE_PLUGINS,
     GRAMMAR_LOGITS_PROCESSOR,
     KV_EVENTS_PLUGIN,
     engine_process_env,
@@ -122,7 +123,7 @@ def server_env(config: EngineConfig, host: str, instance_id: str, keys: EngineKe
     # /collective_rpc and /reset_prefix_cache, for weights; like every route, behind the token
     env["VLLM_SERVER_DEV_MODE"] = "1"
     env.update(keys.as_env())
-    env["VLLM_PLUGINS"] = KV_EVENTS_PLUGIN  # ours alone: KV events on the cluster's keys
+    env["VLLM_PLUGINS"] = ",".join(ENGINE_PLUGINS)  # ours alone
     if not is_cpu_build() and not config.otlp_traces_endpoint:
         # The engine core forked from the server process, which imported it ahead
         # (engine/preimport.py), not spawned to import vLLM again: vLLM's own default, which its
