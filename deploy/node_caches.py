@@ -4,6 +4,7 @@ an engine starts there: its compile, kernel and startup-plan work is then read, 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 from collections.abc import Sequence
@@ -16,6 +17,24 @@ log = logging.getLogger(__name__)
 
 CACHES_TIMEOUT_S = 60.0
 """What bringing a node its caches may add to a start, once the engine's actor is placed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CachePeer:
+    """A ready engine that a new node's caches may come from, and the model it serves."""
+
+    actor: ray.actor.ActorHandle
+    model: str
+
+
+def peers_in_turn(peers: Sequence[CachePeer], model: str, turn: int) -> list[ray.actor.ActorHandle]:
+    """Whom a bring for an engine of `model` asks, in order: the peers serving that model (theirs is
+    the compile it needs; a peer of another model offers units too, and the first peer that sends any
+    ends the bring), or every peer while none of them is ready (Triton's kernels, which models
+    share); from `turn` places along, so that new nodes spread over them."""
+    chosen = [p.actor for p in peers if p.model == model] or [p.actor for p in peers]
+    first = turn % max(len(chosen), 1)
+    return [*chosen[first:], *chosen[:first]]
 
 
 class CacheCourier:
@@ -38,10 +57,11 @@ class CacheCourier:
             self._nodes[actor] = await asyncio.wait_for(actor.node_id.remote(), timeout_s)
         return self._nodes[actor]
 
-    async def bring(self, new: ray.actor.ActorHandle, peers: Sequence[ray.actor.ActorHandle],
+    async def bring(self, new: ray.actor.ActorHandle, model: str, peers: Sequence[CachePeer],
                     placement_timeout_s: float) -> InstalledCaches | None:
-        """Caches into `new`'s node from a peer on another node that offers any (each bring asks
-        from one further along `peers`); None when none did (or another start there brought them)."""
+        """Caches into the node of `new`, an engine of `model`, from a peer on another node that
+        offers any (asked as `peers_in_turn` orders them); None when none did (or another start
+        there brought them)."""
         try:
             node = await self._node_of(new, placement_timeout_s)
         except Exception as exc:  # noqa: BLE001 - the start itself will say what is wrong
@@ -50,10 +70,9 @@ class CacheCourier:
         if node in self._bringing:
             await asyncio.wait([self._bringing[node]], timeout=self.timeout_s)
             return None
-        first = next(self._brings) % max(len(peers), 1)
-        peers = [*peers[first:], *peers[:first]]
+        asked = peers_in_turn(peers, model, next(self._brings))
         bringing = self._bringing[node] = asyncio.ensure_future(
-            asyncio.wait_for(self._bring(new, node, peers), self.timeout_s))
+            asyncio.wait_for(self._bring(new, node, asked), self.timeout_s))
         try:
             return await bringing
         except TimeoutError:

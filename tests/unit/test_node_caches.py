@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from deploy.node_caches import CachePeer, peers_in_turn
 from engine import node_caches
 from engine.node_caches import CacheFile, CacheKey, CacheUnit, NodeCaches
 
@@ -176,7 +177,7 @@ TWO_NODES = textwrap.dedent("""
     use_ray(ClusterCredentials.load().ray_auth_env(), loopback=True)
     import ray
     from ray.cluster_utils import Cluster
-    from deploy.node_caches import CacheCourier
+    from deploy.node_caches import CacheCourier, CachePeer
     from deploy.ray_head import private_ray_root
     from engine.config import EngineConfig
     from engine.host import EngineHost
@@ -208,16 +209,19 @@ TWO_NODES = textwrap.dedent("""
         courier = CacheCourier(timeout_s=60, step_timeout_s=5)
 
         async def steps():
-            beside_got = await CacheCourier(timeout_s=60, step_timeout_s=5).bring(beside, [peer], 60)
+            def bring(courier, engine, peers):
+                return courier.bring(engine, "tiny", [CachePeer(peer, "tiny") for peer in peers], 60)
+
+            beside_got = await bring(CacheCourier(timeout_s=60, step_timeout_s=5), beside, [peer])
             # `courier`'s first bring asks its peers in the order given: the frozen one first
-            both = await asyncio.gather(courier.bring(new, [frozen, dead, stranger, beside, peer], 60),
-                                        courier.bring(also_new, [peer], 60))
-            nothing_new = await courier.bring(new, [peer], 60)
+            both = await asyncio.gather(bring(courier, new, [frozen, dead, stranger, beside, peer]),
+                                        bring(courier, also_new, [peer]))
+            nothing_new = await bring(courier, new, [peer])
             unit = Path(envs["a"]["TRITON_CACHE_DIR"], "NEW")
             unit.mkdir()
             (unit / "kernel.cubin").write_bytes(b"new")
             os.utime(unit / "kernel.cubin", (time.time() - 60, time.time() - 60))
-            return [beside_got, *both, nothing_new, await courier.bring(new, [peer], 60)]
+            return [beside_got, *both, nothing_new, await bring(courier, new, [peer])]
         print(json.dumps([None if r is None else [r.units, r.bytes, r.refused] for r in asyncio.run(steps())]))
     finally:
         os.kill(frozen_pid, signal.SIGCONT)
@@ -225,6 +229,19 @@ TWO_NODES = textwrap.dedent("""
         cluster.shutdown()
         shutil.rmtree(temp_dir, ignore_errors=True)
 """)
+
+
+def test_a_new_engines_node_asks_the_peers_of_its_model_first_and_new_nodes_start_apart():
+    """A peer of another model offers units too (its kernels, its own compile), and the first peer
+    that sends any ends the bring: the peers of the engine's model are asked, alone, while any is
+    ready; each bring starts one further along them, so new nodes do not all ask the first."""
+    peers = [CachePeer("a1", "model-a"), CachePeer("b1", "model-b"), CachePeer("a2", "model-a"),
+             CachePeer("a3", "model-a")]
+    assert [peers_in_turn(peers, "model-a", turn) for turn in range(4)] == [
+        ["a1", "a2", "a3"], ["a2", "a3", "a1"], ["a3", "a1", "a2"], ["a1", "a2", "a3"]]
+    assert peers_in_turn(peers, "model-b", 1) == ["b1"]
+    assert peers_in_turn(peers, "model-c", 1) == ["b1", "a2", "a3", "a1"]  # none of its model: any kernels help
+    assert peers_in_turn([], "model-a", 3) == []
 
 
 @pytest.mark.slow
