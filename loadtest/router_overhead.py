@@ -64,7 +64,6 @@ from rich.table import Table
 
 from engine.environment import free_port
 from loadtest.local_cluster import LocalServer
-from loadtest.otlp_receiver import OTLPReceiver
 from loadtest.output import write_results
 from loadtest.ttft_under_attack import (
     attacked_ttft,
@@ -187,7 +186,7 @@ def null_engine_run(rounds: int, runs: int, tracing: bool) -> tuple[list[dict], 
     credentials = ClusterCredentials.generate()
     secret = credentials.secret.hex()
     published = multiprocessing.get_context("spawn").Queue()
-    with OTLPReceiver(keep=False) as sink, child_processes([(_serve_null_engine, secret, published)]):
+    with _trace_sink(tracing) as sink, child_processes([(_serve_null_engine, secret, published)]):
         endpoint = published.get(timeout=60)
         engine = credentials.engine_access(EngineEndpoint(**endpoint))
         targets = [(_serve_router_before, endpoint, router_port, secret)]
@@ -200,11 +199,21 @@ def null_engine_run(rounds: int, runs: int, tracing: bool) -> tuple[list[dict], 
                     for _ in range(runs)], {}
 
 
+def _trace_sink(tracing: bool) -> contextlib.AbstractContextManager:
+    """An OTLP receiver that drops what it gets, for the traced paths; none without them (its gRPC
+    and OpenTelemetry packages are imported only then: a GPU machine's image may lack them)."""
+    if not tracing:
+        return contextlib.nullcontext()
+    from loadtest.otlp_receiver import OTLPReceiver
+
+    return OTLPReceiver(keep=False)
+
+
 def engine_runs(args: argparse.Namespace) -> tuple[list[dict], dict[str, list[dict]]]:
     """The overhead runs and the attack runs against a real engine: the router at --url, or a
     `pdcluster serve --model tiny` started here (with --tracing, its engine exporting vLLM's
     spans to a dropping receiver, and two stand-alone routers before it, one traced)."""
-    with OTLPReceiver(keep=False) as sink, contextlib.ExitStack() as stack:
+    with _trace_sink(args.tracing) as sink, contextlib.ExitStack() as stack:
         if args.url is None:
             traced = ["--otlp-traces-endpoint", sink.endpoint] if args.tracing else []
             server = LocalServer(["--model", "tiny", *traced], Path("results/router_overhead-serve.log"))

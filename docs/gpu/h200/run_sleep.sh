@@ -18,9 +18,7 @@
 #           defaults), e.g. ENGINE_ARG="--cudagraph-capture-sizes 1 2 4 8 16 32"; our levers among
 #           vLLM's variables (loadtest.cold_start OUR_LEVERS) are taken from this shell
 #   extras1b: loadtest.engine_extras, decode throughput of vLLM's engine with our logits processor
-#           and with our KV event publisher against plain, the ~1B Llama, CUDA graphs (the
-#           publisher's vLLM plugin entry point is declared by a dist-info folder written from
-#           pyproject.toml onto PYTHONPATH: the repository is not pip-installed here); VARIANTS, CPUS
+#           and with our KV event publisher against plain, the ~1B Llama, CUDA graphs; VARIANTS, CPUS
 #           (cores every engine is pinned to), RUNS, REPEATS, BATCH, TOKENS from this shell
 #   caches: the size and file count of each cache a start may fill (vLLM's, Triton's, FlashInfer's,
 #           CUDA's, Inductor's): run before and after a fresh machine's first start (issue #36 goal 3)
@@ -32,6 +30,7 @@ set -eo pipefail
 source /tmp/vparts/env.sh
 export PYTHONPATH=$PYTHONPATH:$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PDC_CUDA_MODEL_DIR=/tmp/models
+source "$(dirname "$0")/plugin_entry_points.sh"  # our engines load our vLLM plugins, as where pip-installed
 # Models are built in a process of their own, before any engine starts.
 ours=(); [ -z "$ENGINE_ARG" ] || ours=(--engine-arg="$ENGINE_ARG")
 build() { python3 -c "import sys; from pathlib import Path; from engine.models import ensure_model; ensure_model(sys.argv[1], Path(sys.argv[2]))" "$1" "/tmp/models/$1"; }
@@ -56,12 +55,6 @@ case "$1" in
   graphs8b) [ -f /tmp/m8b/config.json ] || python3 -c "from pathlib import Path; from engine.models import write_llama8b_shape; write_llama8b_shape(Path('/tmp/m8b'))"
           python3 -m loadtest.graph_sizes --model /tmp/m8b --load-format dummy --runs "${RUNS:-2}" --variants ${GRAPH_VARIANTS:-short} --out "${OUT:-/tmp}/graph_sizes-m8b.json" ;;
   extras1b) build llama1b-tied
-          python3 -c "import sys, tomllib; from pathlib import Path
-points = tomllib.loads(Path('pyproject.toml').read_text())['project']['entry-points']
-meta = Path(sys.argv[1]) / 'pdcluster_plugins-0.dist-info'; meta.mkdir(parents=True, exist_ok=True)
-(meta / 'METADATA').write_text('Metadata-Version: 2.1\nName: pdcluster-plugins\nVersion: 0\n')
-(meta / 'entry_points.txt').write_text(''.join(f'[{group}]\n' + ''.join(f'{k} = {v}\n' for k, v in names.items()) for group, names in points.items()))" /tmp/pdc-meta
-          export PYTHONPATH=$PYTHONPATH:/tmp/pdc-meta
           python3 -m loadtest.engine_extras --model /tmp/models/llama1b-tied --no-eager --variants ${VARIANTS:-plain logits_processor kv_events} \
             ${CPUS:+--cpus "$CPUS"} --runs "${RUNS:-3}" --repeats "${REPEATS:-1}" --batch "${BATCH:-32}" --tokens "${TOKENS:-256}" --out "${OUT:-/tmp}/engine_extras-m1b.json" ;;
   caches) for dir in "$VLLM_CACHE_ROOT" ~/.cache/vllm ~/.triton/cache ~/.cache/flashinfer ~/.nv/ComputeCache /tmp/torchinductor_*; do
