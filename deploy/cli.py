@@ -158,11 +158,12 @@ def _cmd_model(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    limit_repeats()  # a flood's repeated log lines (router/log_limit.py)
+def command_parser() -> argparse.ArgumentParser:
+    """`pdcluster`'s parser. An argument `@FILE` stands for FILE's lines, one argument each (the
+    pool flags `pdcluster plan --serve-args FILE` writes, for `serve`)."""
     parser = argparse.ArgumentParser(
-        prog="pdcluster", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="pdcluster", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        fromfile_prefix_chars="@",
     )
     subparsers = parser.add_subparsers(required=True, metavar="COMMAND")
     _add_model_parser(subparsers)
@@ -173,6 +174,13 @@ def main(argv: list[str] | None = None) -> int:
     _add_module_parser(subparsers, "plan", "loadtest.pd_plan",
                        "size prefill and decode pools for a workload, an SLO and a GPU count (simulated)")
     _add_module_parser(subparsers, "loadtest", "loadtest.command", "load an OpenAI endpoint and report")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    limit_repeats()  # a flood's repeated log lines (router/log_limit.py)
+    parser = command_parser()
     args, rest = parser.parse_known_args(argv)
     if getattr(args, "delegated", False):
         args.rest = rest  # its own parser reads them

@@ -24,6 +24,7 @@ import argparse
 import concurrent.futures
 import functools
 import os
+import shlex
 from pathlib import Path
 
 from rich.console import Console
@@ -159,6 +160,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="plan for each link between prefill and decode engines")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="simulations run in parallel")
     parser.add_argument("--out", type=Path, default=Path("results/plan.json"))
+    parser.add_argument("--serve-args", type=Path, metavar="FILE",
+                        help="write the plan's pool flags (the first --gpus and --networks, at --slo), one per "
+                        "line, for `pdcluster serve --model M @FILE` to start its pools from")
+    parser.add_argument("--slo", choices=(STREAMING.name, LOOSE.name), default=STREAMING.name,
+                        help="the SLO whose plan --serve-args holds")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -167,6 +173,11 @@ def run(args: argparse.Namespace) -> int:
     print_plans(plans, console)
     write_results(args.out, {"args": {k: str(v) for k, v in vars(args).items()}, "plans": plans},
                   lambda png: plot(plans[0], png))
+    if args.serve_args:
+        best = plans[0]["best"][args.slo]
+        args.serve_args.write_text("".join(f"{token}\n" for token in shlex.split(best["serve_flags"])))
+        console.print(f"{best['topology']} ({plans[0]['gpus']} GPUs, {args.slo} SLO): "
+                      f"pdcluster serve --model MODEL @{args.serve_args}")
     return 0
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from deploy.cli import command_parser
 from loadtest import pd_plan
 from loadtest.pd_predict import comparison, measured_rows
 from loadtest.serving_sim import NETWORKS_GBIT, Simulation, Topology, Workload, random_prompts, simulate_rate
@@ -133,10 +134,10 @@ def test_on_the_h200_profiles_it_predicts_the_two_gpu_load_test_below_saturation
             assert predicted == pytest.approx(measured, rel=tolerance), (pair["topology"], pair["offered_rps"], column)
 
 
-def test_a_plan_names_pool_sizes_and_writes_its_figures(tmp_path):
-    out = tmp_path / "plan.json"
+def test_a_plan_names_pool_sizes_and_writes_its_figures_and_the_pools_serve_starts(tmp_path):
+    out, serve_args = tmp_path / "plan.json", tmp_path / "pools.args"
     assert pd_plan.main(["--profile", str(H200_COLOCATED), "--pd-profile", str(H200_PD), "--gpus", "2",
-                         "--duration", "4", "--jobs", "1", "--out", str(out)]) == 0
+                         "--duration", "4", "--jobs", "1", "--out", str(out), "--serve-args", str(serve_args)]) == 0
     (plan,) = json.loads(out.read_text())["plans"]
     names = {row["topology"] for row in plan["rows"]}
     assert names == {"colocated:2", "pd:1+1", "adaptive:1+1@4096"}
@@ -147,3 +148,8 @@ def test_a_plan_names_pool_sizes_and_writes_its_figures(tmp_path):
     assert streaming["serve_flags"].startswith("--prefill 1 --decode 1")
     assert streaming["pd_pays_at_rps"]
     assert out.with_suffix(".png").stat().st_size > 0
+    # `pdcluster serve` starts the planned pools: its own parser reads the flags from the file
+    serve = command_parser().parse_args(["serve", "--model", "tiny", f"@{serve_args}"])
+    assert (serve.instances, serve.prefill, serve.decode) == (1, 1, 1)
+    planned = Topology.parse(streaming["topology"], 0)
+    assert serve.remote_prefill_max_queued_tokens == planned.max_queued_tokens
