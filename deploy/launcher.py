@@ -33,7 +33,7 @@ from deploy.actor_placement import placement_options
 from deploy.actor_proof import proven_actors
 from deploy.admission_ledger import LEDGER_NAME
 from deploy.draining import drained, end_engines, undrained
-from deploy.node_caches import CACHES_TIMEOUT_S, CacheCourier, CachePeer
+from deploy.node_caches import CACHES_TIMEOUT_S, CacheCourier, CachePeer, EngineKind
 from deploy.store_shards import STORE_SHARD_PREFIX, StoreShards
 from deploy.topology import ROLES
 from engine.config import EngineConfig
@@ -187,8 +187,8 @@ class Launcher:
         if not configs:
             return []
         actors = {iid: self._create_actor(cfg, iid) for iid, cfg in configs}
-        models = {iid: cfg.served_model_name for iid, cfg in configs}
-        starts = {iid: asyncio.ensure_future(self._start(actor, models[iid], standby, peer, preimported, placement_timeout_s))
+        kinds = {iid: EngineKind(cfg.served_model_name, cfg.role.name, cfg.tensor_parallel_size) for iid, cfg in configs}
+        starts = {iid: asyncio.ensure_future(self._start(actor, kinds[iid], standby, peer, preimported, placement_timeout_s))
                   for iid, actor in actors.items()}
         deadline = (time.monotonic() + placement_timeout_s + max(cfg.start_timeout_s for _, cfg in configs)
                     + CACHES_TIMEOUT_S)
@@ -220,13 +220,13 @@ class Launcher:
             self._record(instance_id, path.split("/")[0], timeline)
         return started
 
-    async def _start(self, actor: ray.actor.ActorHandle, model: str, standby: bool, peer: PeerWeights | None,
+    async def _start(self, actor: ray.actor.ActorHandle, kind: EngineKind, standby: bool, peer: PeerWeights | None,
                      preimported: bool, placement_timeout_s: float) -> dict:
         """One engine's start (or pre-import), after its node's caches came from a ready engine on
         another node, if there is one (deploy/node_caches.py)."""
-        ready = [CachePeer(self.instances[i.instance_id].actor, i.model)
+        ready = [CachePeer(self.instances[i.instance_id].actor, EngineKind(i.model, i.role.name, i.tensor_parallel_size))
                  for i in self.registry.ready() if i.instance_id in self.instances]
-        installed = await self.caches.bring(actor, model, ready, placement_timeout_s)
+        installed = await self.caches.bring(actor, kind, ready, placement_timeout_s)
         timeline = await (actor.preimport.remote() if preimported else actor.start.remote(standby=standby, peer=peer))
         if installed is not None:
             timeline["details"]["node_caches"] = f"{installed.units} units, {installed.bytes / 2**20:.1f} MiB from a peer"

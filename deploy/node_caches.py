@@ -20,33 +20,45 @@ CACHES_TIMEOUT_S = 60.0
 
 
 @dataclasses.dataclass(frozen=True)
+class EngineKind:
+    """What an engine's compile and startup plan follow, of what the launcher knows: its model, its
+    role (each pool's own engine arguments) and its tensor-parallel size."""
+
+    model: str
+    role: str
+    tensor_parallel_size: int
+
+
+@dataclasses.dataclass(frozen=True)
 class CachePeer:
-    """A ready engine that a new node's caches may come from, and the model it serves."""
+    """A ready engine that a new node's caches may come from, and its kind."""
 
     actor: ray.actor.ActorHandle
-    model: str
+    kind: EngineKind
 
 
-def peers_in_turn(peers: Sequence[CachePeer], model: str, turn: int) -> list[ray.actor.ActorHandle]:
-    """Whom a bring for an engine of `model` asks, in order: the peers serving that model (theirs is
-    the compile it needs; a peer of another model offers units too, and the first peer that sends any
-    ends the bring), or every peer while none of them is ready (Triton's kernels, which models
-    share); from `turn` places along, so that new nodes spread over them."""
-    chosen = [p.actor for p in peers if p.model == model] or [p.actor for p in peers]
+def peers_in_turn(peers: Sequence[CachePeer], kind: EngineKind, turn: int) -> list[ray.actor.ActorHandle]:
+    """Whom a bring for an engine of `kind` asks, in order: the peers of that kind (theirs is the
+    compile it needs; another peer offers units too, and the first peer that sends any ends the
+    bring), else those of its model, else every peer (Triton's kernels, which models share); from
+    `turn` places along, so that new nodes spread over them."""
+    chosen = ([p.actor for p in peers if p.kind == kind] or [p.actor for p in peers if p.kind.model == kind.model]
+              or [p.actor for p in peers])
     first = turn % max(len(chosen), 1)
     return [*chosen[first:], *chosen[:first]]
 
 
 class CacheCourier:
     """Brings each node that an engine is about to start on the caches a ready peer elsewhere has
-    and it lacks: one bring per node at a time (starts on the same node wait for it, not for
-    another copy), peers asked in turn, each step bounded; any failure only costs the time saved.
+    and it lacks: one bring per node and engine kind at a time (starts of that kind on the same node
+    wait for it, not for another copy), peers asked in turn, each step bounded; any failure only
+    costs the time saved.
     """
 
     def __init__(self, timeout_s: float = CACHES_TIMEOUT_S, step_timeout_s: float = 30.0):
         self.timeout_s = timeout_s
         self.step_timeout_s = step_timeout_s
-        self._bringing: dict[str, asyncio.Future] = {}
+        self._bringing: dict[tuple[str, EngineKind], asyncio.Future] = {}
         self._brings = itertools.count()
         """Each bring asks the ready peers from the next one on: new nodes spread over them."""
         self._nodes: dict[ray.actor.ActorHandle, str] = {}
@@ -57,21 +69,21 @@ class CacheCourier:
             self._nodes[actor] = await asyncio.wait_for(actor.node_id.remote(), timeout_s)
         return self._nodes[actor]
 
-    async def bring(self, new: ray.actor.ActorHandle, model: str, peers: Sequence[CachePeer],
+    async def bring(self, new: ray.actor.ActorHandle, kind: EngineKind, peers: Sequence[CachePeer],
                     placement_timeout_s: float) -> InstalledCaches | None:
-        """Caches into the node of `new`, an engine of `model`, from a peer on another node that
+        """Caches into the node of `new`, an engine of `kind`, from a peer on another node that
         offers any (asked as `peers_in_turn` orders them); None when none did (or another start
-        there brought them)."""
+        of that kind there brought them)."""
         try:
             node = await self._node_of(new, placement_timeout_s)
         except Exception as exc:  # noqa: BLE001 - the start itself will say what is wrong
             log.warning("no start caches: the engine's node is unknown (%s)", exc)
             return None
-        if node in self._bringing:
-            await asyncio.wait([self._bringing[node]], timeout=self.timeout_s)
+        if (node, kind) in self._bringing:
+            await asyncio.wait([self._bringing[node, kind]], timeout=self.timeout_s)
             return None
-        asked = peers_in_turn(peers, model, next(self._brings))
-        bringing = self._bringing[node] = asyncio.ensure_future(
+        asked = peers_in_turn(peers, kind, next(self._brings))
+        bringing = self._bringing[node, kind] = asyncio.ensure_future(
             asyncio.wait_for(self._bring(new, node, asked), self.timeout_s))
         try:
             return await bringing
@@ -79,7 +91,7 @@ class CacheCourier:
             log.warning("no start caches for node %s within %.0f s", node, self.timeout_s)
             return None
         finally:
-            del self._bringing[node]
+            del self._bringing[node, kind]
 
     async def _bring(self, new: ray.actor.ActorHandle, node: str, peers: Sequence[ray.actor.ActorHandle]
                      ) -> InstalledCaches | None:

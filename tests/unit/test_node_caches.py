@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from deploy.node_caches import CachePeer, peers_in_turn
+from deploy.node_caches import CachePeer, EngineKind, peers_in_turn
 from engine import node_caches
 from engine.node_caches import CacheFile, CacheKey, CacheUnit, NodeCaches
 
@@ -177,7 +177,7 @@ TWO_NODES = textwrap.dedent("""
     use_ray(ClusterCredentials.load().ray_auth_env(), loopback=True)
     import ray
     from ray.cluster_utils import Cluster
-    from deploy.node_caches import CacheCourier, CachePeer
+    from deploy.node_caches import CacheCourier, CachePeer, EngineKind
     from deploy.ray_head import private_ray_root
     from engine.config import EngineConfig
     from engine.host import EngineHost
@@ -209,8 +209,10 @@ TWO_NODES = textwrap.dedent("""
         courier = CacheCourier(timeout_s=60, step_timeout_s=5)
 
         async def steps():
+            kind = EngineKind("tiny", "colocated", 1)
+
             def bring(courier, engine, peers):
-                return courier.bring(engine, "tiny", [CachePeer(peer, "tiny") for peer in peers], 60)
+                return courier.bring(engine, kind, [CachePeer(peer, kind) for peer in peers], 60)
 
             beside_got = await bring(CacheCourier(timeout_s=60, step_timeout_s=5), beside, [peer])
             # `courier`'s first bring asks its peers in the order given: the frozen one first
@@ -231,17 +233,21 @@ TWO_NODES = textwrap.dedent("""
 """)
 
 
-def test_a_new_engines_node_asks_the_peers_of_its_model_first_and_new_nodes_start_apart():
-    """A peer of another model offers units too (its kernels, its own compile), and the first peer
-    that sends any ends the bring: the peers of the engine's model are asked, alone, while any is
-    ready; each bring starts one further along them, so new nodes do not all ask the first."""
-    peers = [CachePeer("a1", "model-a"), CachePeer("b1", "model-b"), CachePeer("a2", "model-a"),
-             CachePeer("a3", "model-a")]
-    assert [peers_in_turn(peers, "model-a", turn) for turn in range(4)] == [
+def test_a_new_engines_node_asks_the_peers_of_its_kind_first_and_new_nodes_start_apart():
+    """A peer of another model, role or size offers units too (its kernels, its own compile), and
+    the first peer that sends any ends the bring: the peers of the engine's kind are asked, alone,
+    while any is ready, else those of its model; each bring starts one further along them, so new
+    nodes do not all ask the first."""
+    decode, prefill = EngineKind("model-a", "decode", 1), EngineKind("model-a", "prefill", 1)
+    other_model, other_size = EngineKind("model-b", "decode", 1), EngineKind("model-a", "decode", 2)
+    peers = [CachePeer("a1", decode), CachePeer("b1", other_model), CachePeer("a2", decode), CachePeer("a3", decode),
+             CachePeer("p1", prefill)]
+    assert [peers_in_turn(peers, decode, turn) for turn in range(4)] == [
         ["a1", "a2", "a3"], ["a2", "a3", "a1"], ["a3", "a1", "a2"], ["a1", "a2", "a3"]]
-    assert peers_in_turn(peers, "model-b", 1) == ["b1"]
-    assert peers_in_turn(peers, "model-c", 1) == ["b1", "a2", "a3", "a1"]  # none of its model: any kernels help
-    assert peers_in_turn([], "model-a", 3) == []
+    assert peers_in_turn(peers, prefill, 1) == ["p1"]
+    assert peers_in_turn(peers, other_size, 1) == ["a2", "a3", "p1", "a1"]  # none of its size: its model's
+    assert peers_in_turn(peers, EngineKind("model-c", "decode", 1), 0) == ["a1", "b1", "a2", "a3", "p1"]
+    assert peers_in_turn([], decode, 3) == []
 
 
 @pytest.mark.slow
