@@ -3,11 +3,13 @@
 vLLM keys its torch.compile cache by every vLLM setting but a short list (`vllm.envs.compile_factors`).
 Two that a host sets per engine are not on that list, in 0.26 (the GPU build) nor in 0.32 (the CPU
 build): the NIXL side channel's port, picked free at each start of a directly connected P/D engine
-(engine/server_command.py), and the cores a CPU engine's threads are bound to. Neither shapes a
-compiled graph, yet with them in the key every such start compiled again, and the compile a node
-installs from a peer (engine/node_caches.py) was never read. A vLLM general plugin (entry point
-`pdcluster_compile_key`, named in every engine's VLLM_PLUGINS) leaves them out, in engines of ours
-only (those started with their keys in their environment)."""
+(engine/server_command.py), and the cores a CPU engine's threads are bound to. With them in the key
+every such start compiled again, and the compile a node installs from a peer (engine/node_caches.py)
+was never read. The port shapes no graph: it is left out. Of the cores, only how many each rank has
+may (Inductor's CPU code tunes its loops to the thread count, correct at any count): the key holds
+that count instead of which cores. A vLLM general plugin (entry point `pdcluster_compile_key`, named
+in every engine's VLLM_PLUGINS) does this in engines of ours only (those started with their keys in
+their environment)."""
 
 from __future__ import annotations
 
@@ -17,19 +19,36 @@ import vllm.envs
 
 from security.credentials import EngineKeys
 
-PER_ENGINE_SETTINGS = frozenset({"VLLM_NIXL_SIDE_CHANNEL_PORT", "VLLM_CPU_OMP_THREADS_BIND"})
-"""What a host sets apart for each engine and no compiled graph depends on."""
+PORT = "VLLM_NIXL_SIDE_CHANNEL_PORT"
+CORES = "VLLM_CPU_OMP_THREADS_BIND"
 
 
 def factors_without_per_engine_settings(compile_factors):
-    """`compile_factors` (vLLM's) without PER_ENGINE_SETTINGS."""
+    """`compile_factors` (vLLM's) without the port, and with the cores each rank has counted."""
 
     @functools.wraps(compile_factors)
     def factors() -> dict[str, object]:
-        return {name: value for name, value in compile_factors().items() if name not in PER_ENGINE_SETTINGS}
+        kept = {name: value for name, value in compile_factors().items() if name != PORT}
+        if isinstance(kept.get(CORES), str):
+            kept[CORES] = cores_per_rank(kept[CORES])
+        return kept
 
     factors.pdcluster_wrapped = True
     return factors
+
+
+def cores_per_rank(binding: str) -> str:
+    """vLLM's binding ("0-3|4,5": ranks apart by "|", cores as lists and ranges) as the number of
+    cores of each rank ("4|2"); its words ("auto", "nobind", ...) as they are."""
+    try:
+        return "|".join(str(sum(_count(part) for part in rank.split(","))) for rank in binding.split("|"))
+    except ValueError:
+        return binding
+
+
+def _count(part: str) -> int:
+    first, _, last = part.partition("-")
+    return int(last or first) - int(first) + 1
 
 
 def register() -> None:

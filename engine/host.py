@@ -17,6 +17,7 @@ weights) and `activate()` in well under a second when capacity is needed.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import socket
 import subprocess
@@ -25,16 +26,24 @@ from pathlib import Path
 
 from engine import node_caches
 from engine.config import EngineConfig
-from engine.environment import KV_EVENTS_PLUGIN, is_cpu_build, listening_socket
+from engine.environment import COMPILE_KEY_PLUGIN, KV_EVENTS_PLUGIN, is_cpu_build, listening_socket
 from engine.lifecycle import EngineDescription, EngineStartError, InstanceState, StartTimeline
 from engine.process import group_shared_memory, spawn_group, terminate_group
 from engine.server_api import ServerAPI
-from engine.server_command import LISTEN_FD_ENV, kv_events_plugin_installed, server_command, server_env
+from engine.server_command import (
+    LISTEN_FD_ENV,
+    compile_key_plugin_installed,
+    kv_events_plugin_installed,
+    server_command,
+    server_env,
+)
 from engine.server_output import ServerOutput
 from engine.weights import PeerWeights, new_weights_file, remove_orphaned_weights
 from security.credentials import ClusterCredentials, EngineHostKeys
 from security.engine_access import EngineAccess, EngineEndpoint, open_endpoint
 from transport.address import node_address
+
+log = logging.getLogger(__name__)
 
 START_ATTEMPTS = 3
 """Starts tried before one fails for a port in use: vLLM binds some ports itself (the NIXL side
@@ -179,6 +188,9 @@ class EngineHost:
         if self.config.kv_events and not kv_events_plugin_installed():
             raise EngineStartError(f"vLLM's plugin {KV_EVENTS_PLUGIN} is not installed (reinstall pdcluster): "
                                    "vLLM's own KV event publisher would serve the engine's prompts to anyone")
+        if not compile_key_plugin_installed():
+            log.warning("vLLM's plugin %s is not installed (reinstall pdcluster): %s keys its compile by its "
+                        "own port and cores, and no other start will read it", COMPILE_KEY_PLUGIN, self.instance_id)
 
     def _launch(self) -> None:
         """The server process, with the engine's whole environment and a new identity, on the

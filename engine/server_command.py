@@ -12,6 +12,7 @@ from pathlib import Path
 
 from engine.config import EngineConfig
 from engine.environment import (
+    COMPILE_KEY_PLUGIN,
     ENGINE_PLUGINS,
     GRAMMAR_LOGITS_PROCESSOR,
     KV_EVENTS_PLUGIN,
@@ -30,9 +31,17 @@ LISTEN_FD_ENV = "PDCLUSTER_LISTEN_FD"
 """The descriptor of the listening socket the host bound for the server (engine/serving.py)."""
 KV_EVENTS_PLUGIN_TARGET = "engine.kv_event_publisher:register"
 """What the entry point KV_EVENTS_PLUGIN names (pyproject.toml)."""
+COMPILE_KEY_PLUGIN_TARGET = "engine.compile_key:register"
+"""What the entry point COMPILE_KEY_PLUGIN names (pyproject.toml)."""
 PLAN_KEY = "pdcluster_gpu_memory_utilization"
 """What the engine's `additional_config` holds only so that vLLM's startup plan is kept per memory
 utilization (vLLM reads nothing of it)."""
+
+
+def plugin_installed(name: str, target: str) -> bool:
+    """Whether vLLM will find our plugin `name` (naming `target`) in the engine's processes."""
+    plugins = importlib.metadata.entry_points(group="vllm.general_plugins")
+    return any(p.name == name and p.value == target for p in plugins)
 
 
 def kv_events_plugin_installed() -> bool:
@@ -40,8 +49,13 @@ def kv_events_plugin_installed() -> bool:
     processes. Without it vLLM falls back, silently, to its plain publisher, whose replay socket
     sends every buffered batch, token ids included, to anyone who reaches it: an engine with KV
     events must not start then."""
-    plugins = importlib.metadata.entry_points(group="vllm.general_plugins")
-    return any(p.name == KV_EVENTS_PLUGIN and p.value == KV_EVENTS_PLUGIN_TARGET for p in plugins)
+    return plugin_installed(KV_EVENTS_PLUGIN, KV_EVENTS_PLUGIN_TARGET)
+
+
+def compile_key_plugin_installed() -> bool:
+    """Whether vLLM will find our compile key (engine/compile_key.py): without it an engine still
+    serves, but keys its compile by its port and cores, which no other start reads."""
+    return plugin_installed(COMPILE_KEY_PLUGIN, COMPILE_KEY_PLUGIN_TARGET)
 
 
 def server_command(config: EngineConfig, host: str, port: int, instance_id: str) -> list[str]:

@@ -111,6 +111,7 @@ async def plain_start(config: EngineConfig, cores: str, startup_plan: bool = Fal
     env = engine_process_env("127.0.0.1", config.kv_cache_gib, cores, config.kv_hashing.seed)
     for lever in OUR_LEVERS:  # plain: vLLM's defaults, whatever this shell says
         env.pop(lever, None)
+    env["VLLM_PLUGINS"] = ""  # and none of our vLLM plugins, where they are installed
     if startup_plan:
         env["VLLM_ENABLE_STARTUP_PLAN"] = "1"
     asked = time.perf_counter()

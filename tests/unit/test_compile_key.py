@@ -10,16 +10,17 @@ import vllm.envs
 from vllm.plugins import DEFAULT_PLUGINS_GROUP, load_plugins_by_group
 
 from decode.role import DECODE
-from engine.compile_key import PER_ENGINE_SETTINGS
+from engine.compile_key import CORES, PORT, cores_per_rank
 from engine.config import EngineConfig
 from engine.environment import COMPILE_KEY_PLUGIN, ENGINE_PLUGINS
-from engine.server_command import server_env
+from engine.server_command import compile_key_plugin_installed, server_env
 from security.credentials import ClusterCredentials
 
 
 def test_two_engines_on_other_ports_and_cores_key_their_compile_alike(tmp_path, monkeypatch):
     """Two decode engines connected directly to their prefill peers (each with its own NIXL side
-    channel port) on other cores: vLLM's own key tells them apart; an engine of ours does not."""
+    channel port), each on another core: vLLM's own key tells them apart; an engine of ours does
+    not (one core each)."""
     (tmp_path / "config.json").write_text("{}")
 
     def engine_environment(instance_id: str, cores: str) -> dict[str, str]:
@@ -32,15 +33,25 @@ def test_two_engines_on_other_ports_and_cores_key_their_compile_alike(tmp_path, 
         return vllm.envs.compile_factors()
 
     first, second = engine_environment("decode-0", "0"), engine_environment("decode-1", "1")
-    monkeypatch.setattr(vllm.envs, "compile_factors", vllm.envs.compile_factors)  # undone after the test
+    original = vllm.envs.compile_factors
+    monkeypatch.setattr(vllm.envs, "compile_factors", original)  # undone after the test
     own = factors(first)
     assert own != factors(second)  # vLLM's own key
 
     monkeypatch.setattr(os, "environ", first)
     plugins = load_plugins_by_group(DEFAULT_PLUGINS_GROUP)  # as vLLM loads them in an engine's processes
     assert set(plugins) == set(ENGINE_PLUGINS)  # each named plugin installed, and no other loaded
+    assert compile_key_plugin_installed()  # what a host checks before it starts an engine
     plugins[COMPILE_KEY_PLUGIN]()
     plugins[COMPILE_KEY_PLUGIN]()  # vLLM may load it again in a process: wrapped once
+    assert vllm.envs.compile_factors.__wrapped__ is original
     assert factors(first) == factors(second)
-    assert {name: own[name] for name in factors(first)} == factors(first)  # nothing else changed
-    assert set(own) - set(factors(first)) == PER_ENGINE_SETTINGS
+    assert set(own) - set(factors(first)) == {PORT}
+    assert factors(first)[CORES] == "1"  # how many cores, not which
+    assert {name: own[name] for name in factors(first) if name != CORES} == {
+        name: value for name, value in factors(first).items() if name != CORES}  # nothing else changed
+
+
+def test_a_binding_counts_each_ranks_cores():
+    assert [cores_per_rank(b) for b in ("0", "2-5", "0-3|4,5", "0,2,4-6|7", "auto", "nobind")] == [
+        "1", "4", "4|2", "5|1", "auto", "nobind"]
