@@ -175,6 +175,7 @@ def run(args: argparse.Namespace) -> int:
                   lambda png: plot(plans[0], png))
     if args.serve_args:
         best = plans[0]["best"][args.slo]
+        args.serve_args.parent.mkdir(parents=True, exist_ok=True)
         args.serve_args.write_text("".join(f"{token}\n" for token in shlex.split(best["serve_flags"])))
         console.print(f"{best['topology']} ({plans[0]['gpus']} GPUs, {args.slo} SLO): "
                       f"pdcluster serve --model MODEL @{args.serve_args}")

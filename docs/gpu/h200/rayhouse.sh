@@ -5,6 +5,7 @@
 #   bash docs/gpu/h200/rayhouse.sh   (from the repository root; needs PyPI)
 set -euo pipefail
 dl=$(mktemp -d)
+trap 'rm -rf "$dl"' EXIT
 .venv/bin/python -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp --no-deps \
   --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
   -d "$dl" ray==2.60.0 click jsonschema jsonschema-specifications referencing rpds-py msgpack protobuf attrs
@@ -17,6 +18,6 @@ cd /tmp/rayparts && cat wheels.tar.00 wheels.tar.01 > /tmp/rayparts-wheels.tar
 mkdir -p /tmp/raywheels && tar xf /tmp/rayparts-wheels.tar -C /tmp/raywheels
 (cd /tmp/raywheels && sha256sum -c sums.txt)
 python3 -m pip install -q --no-index --no-deps --target /tmp/xray /tmp/raywheels/*.whl
+touch /tmp/xray/.installed
 INSTALL
-rm -rf "$dl"
 du -sh .gpuray/*

@@ -7,7 +7,7 @@
 #   FLOOD (20000), ROUNDS (200), RUNS (3), DECOY=1: the same flood at a decoy router too
 set -eo pipefail
 [ -d /tmp/site ] || bash /tmp/vparts/install.sh > /tmp/install.log 2>&1
-[ -d /tmp/xray ] || bash /tmp/rayparts/install-ray.sh > /tmp/install-ray.log 2>&1
+[ -f /tmp/xray/.installed ] || bash /tmp/rayparts/install-ray.sh > /tmp/install-ray.log 2>&1
 source /tmp/vparts/env.sh
 export PYTHONPATH=$PYTHONPATH:/tmp/xray:$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PATH=/tmp/xray/bin:$PATH
