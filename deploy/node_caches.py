@@ -22,7 +22,9 @@ CACHES_TIMEOUT_S = 60.0
 @dataclasses.dataclass(frozen=True)
 class EngineKind:
     """What an engine's compile and startup plan follow, of what the launcher knows: its model, its
-    role (each pool's own engine arguments) and its tensor-parallel size."""
+    role (each pool's own engine arguments) and its tensor-parallel size. Engines of one kind under
+    one launcher share the rest (dtype, every pool's arguments); a peer adopted from an earlier
+    launch with other arguments may send a compile the engine keys apart: time lost, no more."""
 
     model: str
     role: str
@@ -110,8 +112,10 @@ class CacheCourier:
             except Exception as exc:  # noqa: BLE001 - a dead or slow peer: the next one
                 log.warning("start caches not brought from a peer: %r", exc)
                 continue
-            if installed.refused and not installed.units:
-                continue  # not the cluster's, or nothing of it fit
+            if not installed.units:
+                if installed.refused:
+                    continue  # not the cluster's, or nothing of it fit
+                return None  # another bring to this node installed them first
             log.info("start caches for node %s: %d units, %.1f MiB (%d refused)",
                      node, installed.units, installed.bytes / 2**20, installed.refused)
             return installed

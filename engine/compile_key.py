@@ -39,16 +39,27 @@ def factors_without_per_engine_settings(compile_factors):
 
 def cores_per_rank(binding: str) -> str:
     """vLLM's binding ("0-3|4,5": ranks apart by "|", cores as lists and ranges) as the number of
-    cores of each rank ("4|2"); its words ("auto", "nobind", ...) as they are."""
+    distinct cores of each rank, as many threads as vLLM runs there ("4|2"); its words ("auto",
+    "nobind") as they are."""
     try:
-        return "|".join(str(sum(_count(part) for part in rank.split(","))) for rank in binding.split("|"))
+        return "|".join(str(_distinct(rank)) for rank in binding.split("|"))
     except ValueError:
         return binding
 
 
-def _count(part: str) -> int:
+def _distinct(rank: str) -> int:
+    """The cores a rank's list ("0-3,2-5") names, each once (its ranges merged, not expanded)."""
+    ranges = sorted(_range(part) for part in rank.split(","))
+    count, end = 0, -1
+    for first, last in ranges:
+        count += max(0, last - max(first, end + 1) + 1)
+        end = max(end, last)
+    return count
+
+
+def _range(part: str) -> tuple[int, int]:
     first, _, last = part.partition("-")
-    return int(last or first) - int(first) + 1
+    return int(first), int(last or first)
 
 
 def register() -> None:

@@ -188,7 +188,7 @@ class EngineHost:
         if self.config.kv_events and not kv_events_plugin_installed():
             raise EngineStartError(f"vLLM's plugin {KV_EVENTS_PLUGIN} is not installed (reinstall pdcluster): "
                                    "vLLM's own KV event publisher would serve the engine's prompts to anyone")
-        if not compile_key_plugin_installed():
+        if not self.config.enforce_eager and not compile_key_plugin_installed():
             log.warning("vLLM's plugin %s is not installed (reinstall pdcluster): %s keys its compile by its "
                         "own port and cores, and no other start will read it", COMPILE_KEY_PLUGIN, self.instance_id)
 

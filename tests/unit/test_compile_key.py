@@ -53,5 +53,6 @@ def test_two_engines_on_other_ports_and_cores_key_their_compile_alike(tmp_path, 
 
 
 def test_a_binding_counts_each_ranks_cores():
-    assert [cores_per_rank(b) for b in ("0", "2-5", "0-3|4,5", "0,2,4-6|7", "auto", "nobind")] == [
-        "1", "4", "4|2", "5|1", "auto", "nobind"]
+    bindings = ("0", "2-5", "0-3|4,5", "0,2,4-6|7", "0,0", "0-3,2-5", "3-1", "0-1000000000", "auto", "nobind")
+    assert [cores_per_rank(b) for b in bindings] == [
+        "1", "4", "4|2", "5|1", "1", "6", "0", "1000000001", "auto", "nobind"]
