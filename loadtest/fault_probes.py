@@ -22,6 +22,12 @@ def kill_engine(url: str, signum: int = signal.SIGKILL) -> None:
     """SIGKILL the engine serving `url` as a lost machine would (SIGSTOP: as a frozen one would):
     the process listening on its port and the whole process group around it (server, engine
     core, worker, guard)."""
+    os.killpg(engine_process_group(url), signum)
+
+
+def engine_process_group(url: str) -> int:
+    """The process group of the engine serving `url`. Finding it scans every process's sockets,
+    which takes a busy machine a while: a test that must kill at a given moment finds it first."""
     port = urlparse(url).port
     # the socket is held by the server and the shell that guards its group (it was handed down),
     # and for a moment by any child the server forks: one that exits between the listing and
@@ -39,7 +45,7 @@ def kill_engine(url: str, signum: int = signal.SIGKILL) -> None:
     if not groups:
         raise RuntimeError(f"no process of ours listens on port {port}")
     (group,) = groups
-    os.killpg(group, signum)
+    return group
 
 
 def _process_group(pid: int) -> int | None:
