@@ -9,7 +9,8 @@ tokens still owed. Its events are rewritten to the first stream's id, model and 
 `delta.content`), and its usage counts the request once: the original prompt, every token sent.
 A stream breaks when its engine's connection fails, ends before [DONE], or stalls: no event for
 `stream_stall_s` once it has begun (`without_stalls`: a frozen process or an unreachable node
-never closes the connection).
+never closes the connection), or sends vLLM's engine-dead error instead of its next tokens (its
+API server does when its engine core died under it, as a tensor-parallel rank's death ends it).
 
 What holds: greedy output equals a run without the fault, token for token, as far as the
 numbers allow: the continuation's prompt is exactly the tokens the engine had, but their KV is
@@ -55,6 +56,8 @@ _CHAT_ONLY = ("messages", "max_completion_tokens", "tools", "tool_choice", "para
               "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "documents",
               "reasoning_effort", "logprobs", "top_logprobs", "response_format")
 _DONE = b"data: [DONE]\n\n"
+# vLLM's EngineDeadError message (vllm/v1/engine/exceptions.py, the same in 0.26 and 0.32).
+ENGINE_DEAD_MESSAGE = "EngineCore encountered an issue."
 DEFAULT_COMPLETION_TOKENS = 16  # vLLM's (and OpenAI's) max_tokens of a completion that sets none
 
 
@@ -104,6 +107,14 @@ def continued_grammar(body: dict[str, Any]) -> dict[str, str] | None:
     return _NO_GRAMMAR
 
 
+def _is_engine_dead(error: Any) -> bool:
+    """vLLM's EngineDeadError as an OpenAI error object. Not any 5xx: a request's own failure (a
+    grammar that fails to compile, a failed KV load) is a 500 too, and would fail or take out of
+    rotation every instance it went on to."""
+    return (isinstance(error, dict) and isinstance(error.get("code"), int) and error["code"] >= 500
+            and str(error.get("message", "")).startswith(ENGINE_DEAD_MESSAGE))
+
+
 def _is_set(value: Any) -> bool:
     """Set to something that matters (`logprobs: 0` does: the sampled token's own)."""
     return value is not None and value is not False and not (isinstance(value, list | str | dict) and not value)
@@ -126,6 +137,10 @@ class StreamLedger:
     """Tokens the engine sent without their text yet (held back): not the client's."""
     finished: bool = False
     """A choice has its finish reason: what is left (usage, [DONE]) needs no engine."""
+    engine_failure: str | None = None
+    """vLLM's engine-dead error, sent mid-stream instead of the next tokens by an API server whose
+    engine core died under it (e.g. a tensor-parallel rank): kept from the client, and the stream
+    is broken, not done."""
     done: bool = False
     continued: bool = False
     sent_before_continuation: int = 0
@@ -151,9 +166,14 @@ class StreamLedger:
             return raw + b"\n\n"
         payload = raw[len(b"data: "):]
         if payload.strip() == b"[DONE]":
+            if self.engine_failure is not None:  # the end of a broken stream, not of the answer
+                return None
             self.done = True
             return _DONE
         event = json.loads(payload)
+        if "error" in event and not self.finished and _is_engine_dead(event["error"]):
+            self.engine_failure = event["error"]["message"]
+            return None
         if "error" in event or "choices" not in event:
             return raw + b"\n\n"
         if self.continued:
@@ -206,7 +226,7 @@ class StreamLedger:
         body["max_tokens"] = self._limit() - len(self.sent_token_ids)
         if "min_tokens" in body:
             body["min_tokens"] = max(0, body["min_tokens"] - len(self.sent_token_ids))
-        self.continued, self.held_token_ids, self._buffer = True, [], b""
+        self.continued, self.held_token_ids, self._buffer, self.engine_failure = True, [], b"", None
         self.sent_before_continuation = len(self.sent_token_ids)
         return body
 

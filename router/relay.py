@@ -83,7 +83,7 @@ class StreamRelay:
                     async for chunk in chunks:
                         for out in ledger.feed(chunk):
                             yield out
-                    broke = None if ledger.done else "the engine's stream ended without [DONE]"
+                    broke = None if ledger.done else (ledger.engine_failure or "the engine's stream ended without [DONE]")
                 except (aiohttp.ClientError, TimeoutError) as exc:
                     broke = None if ledger.done else repr(exc)  # after [DONE] nothing is missing
                 except ValueError as exc:  # not an event stream: nothing to go on from

@@ -197,3 +197,28 @@ def test_a_stream_under_a_grammar_migrates_only_where_engines_can_continue_it():
     assert migratable(CHAT, chat, structured=False) and migratable(CHAT, chat, structured=True)
     assert not migratable(CHAT, {**chat, "response_format": schema}, structured=False)
     assert migratable(CHAT, {**chat, "response_format": schema}, structured=True)
+
+
+def test_an_engine_that_died_mid_stream_breaks_it_and_its_continuation_ends_it():
+    """vLLM's API server outliving its engine core (a tensor-parallel rank died) sends its
+    engine-dead error event and [DONE]: the client gets neither, the stream can go on."""
+    body = {"model": "m", "prompt": "hi", "max_tokens": 4, "stream": True}
+    ledger = StreamLedger.start(COMPLETIONS, body, 128)
+    message = "EngineCore encountered an issue. See stack trace (above) for the root cause."
+    dead = {"error": {"message": message, "type": "InternalServerError", "param": None, "code": 500}}
+    out = b"".join(ledger.feed(sse(completion_event("A", [10], prompt=[1, 2]), dead, "[DONE]")))
+    assert [e["choices"][0]["text"] for e in events_of(out)] == ["A"]
+    assert not ledger.done and ledger.can_continue() and ledger.engine_failure == message
+    assert ledger.continuation()["prompt"] == [1, 2, 10] and ledger.engine_failure is None
+    out = b"".join(ledger.feed(sse(completion_event("B", [11], finish="length"), "[DONE]")))
+    assert events_of(out)[-1] == "[DONE]" and ledger.done
+
+
+@pytest.mark.parametrize("error", [
+    {"message": "too long", "type": "BadRequestError", "param": None, "code": 400},
+    # a request's own failure (vLLM's GenerationError: a grammar, a KV load), not the engine's
+    {"message": "Internal server error", "type": "InternalServerError", "param": None, "code": 500}])
+def test_a_requests_own_error_is_the_clients_and_ends_its_stream(error):
+    ledger = StreamLedger.start(COMPLETIONS, {"model": "m", "prompt": "hi", "stream": True}, 128)
+    out = b"".join(ledger.feed(sse(completion_event("A", [10], prompt=[1]), {"error": error}, "[DONE]")))
+    assert events_of(out)[1:] == [{"error": error}, "[DONE]"] and ledger.done and ledger.engine_failure is None
