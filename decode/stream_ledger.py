@@ -153,10 +153,11 @@ class StreamLedger:
         return cls(endpoint, engine_body, max_model_len, client_wants_token_ids=bool(body.get("return_token_ids")))
 
     def feed(self, data: bytes) -> Iterator[bytes]:
-        """The client's bytes for a piece of the engine's stream (events split anywhere)."""
-        self._buffer += data
-        while b"\n\n" in self._buffer:
-            raw, self._buffer = self._buffer.split(b"\n\n", 1)
+        """The client's bytes for a piece of the engine's stream (events split anywhere). A piece
+        is split once: an engine's read can hold a thousand events, and splitting one off at a
+        time copied the rest each time."""
+        *events, self._buffer = (self._buffer + data).split(b"\n\n")
+        for raw in events:
             out = self._event(raw)
             if out is not None:
                 yield out
