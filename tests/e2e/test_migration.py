@@ -10,13 +10,12 @@ tiny model's token 85 of 400); in float32 they do not (docs/faults.md).
 
 from __future__ import annotations
 
-import json
 import signal
-import threading
 import time
 
 import httpx
 import pytest
+from streamed import StreamedRequest
 
 from loadtest.fault_probes import kill_engine, migrations
 
@@ -60,56 +59,20 @@ def body(k: int, structured: bool = False) -> tuple[str, dict]:
     return "/v1/completions", {**common, "prompt": PROMPTS[k]}
 
 
-class Stream:
-    """One streamed request, read on a thread: its text, usage, events so far, and errors."""
-
-    def __init__(self, url: str, k: int, structured: bool = False):
-        self.endpoint, self.body = body(k, structured)
-        self.url, self.text, self.usage, self.events, self.errors, self.ids = url, "", None, 0, [], set()
-        self.token_ids: list[int] = []
-        self.refused: str | None = None  # the status and body of an answer that was no stream
-        self.thread = threading.Thread(target=self._read)
-        self.thread.start()
-
-    def _read(self) -> None:
-        with httpx.Client(timeout=120) as client, client.stream(
-            "POST", f"{self.url}{self.endpoint}", json=self.body
-        ) as response:
-            if response.status_code != 200:
-                self.refused = f"HTTP {response.status_code}: {response.read().decode(errors='replace')[:500]}"
-                return
-            for line in response.iter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                event = json.loads(line[len("data: "):])
-                if "error" in event:
-                    self.errors.append(event)
-                    continue
-                self.ids.add(event["id"])
-                usage = event.get("usage")
-                if usage:
-                    self.usage = {k: usage[k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
-                for choice in event["choices"]:
-                    self.text += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
-                    self.token_ids += choice.get("token_ids") or []
-                    self.events += 1
-
-    def result(self) -> tuple[str, dict | None, list, list[int]]:
-        self.thread.join(180)
-        assert self.refused is None, self.refused
-        return self.text, self.usage, self.errors, self.token_ids
+def streamed(url: str, k: int, structured: bool = False) -> StreamedRequest:
+    return StreamedRequest(url, *body(k, structured))
 
 
-def _until_each_sent_tokens(server, streams: list[Stream], timeout_s: float = 60) -> None:
-    """Until every stream has sent a few tokens; a refused one fails the test with its answer and
-    the router's last warnings."""
+def _until_each_sent_tokens(server, streams: list[StreamedRequest], timeout_s: float = 60) -> None:
+    """Until every stream has sent a few tokens; one that ended first (refused, broken) fails the
+    test with its errors and the router's last warnings."""
     deadline = time.monotonic() + timeout_s
-    while min(s.events for s in streams) < 3:
-        refused = [s.refused for s in streams if s.refused]
-        if refused or time.monotonic() > deadline:
+    while min(s.tokens for s in streams) < 3:
+        ended_early = [s.errors for s in streams if s.ended and s.tokens < 3]
+        if ended_early or time.monotonic() > deadline:
             warnings = [line for line in server.log_path.read_text().splitlines() if " WARNING " in line]
-            pytest.fail(f"streams refused: {refused}; events {[s.events for s in streams]}; the router's last "
-                        "warnings:\n" + "\n".join(warnings[-15:]))
+            pytest.fail(f"streams ended early: {ended_early}; tokens {[s.tokens for s in streams]}; the router's "
+                        "last warnings:\n" + "\n".join(warnings[-15:]))
         time.sleep(0.005)
 
 
@@ -127,7 +90,7 @@ def test_a_killed_engine_costs_no_stream_and_no_token(served_two, fault_free, st
     the stall deadline)."""
     _wait_for_two_ready(served_two)
     if structured not in fault_free:
-        fault_free[structured] = [s.result() for s in [Stream(served_two.url, k, structured)
+        fault_free[structured] = [s.result() for s in [streamed(served_two.url, k, structured)
                                                        for k in range(len(PROMPTS))]]
     expected = fault_free[structured]
     assert all(usage["completion_tokens"] == MAX_TOKENS and not errors for _, usage, errors, _ in expected)
@@ -154,18 +117,18 @@ def test_a_killed_engine_costs_no_stream_and_no_token(served_two, fault_free, st
         if migrations(served_two) > migrations_before:
             break
     else:
-        pytest.fail(f"three rounds and no stream was cut by the fault: events at the fault {at_kill}")
+        pytest.fail(f"three rounds and no stream was cut by the fault: tokens at the fault {at_kill}")
 
 
-def _fault_mid_stream(server, structured: bool, fault: str) -> tuple[list[Stream], list[int]]:
+def _fault_mid_stream(server, structured: bool, fault: str) -> tuple[list[StreamedRequest], list[int]]:
     """Starts one stream per prompt and, once each has sent tokens, kills or freezes the instance
     holding the most of them; a frozen one is thawed after its streams ended."""
-    streams = [Stream(server.url, k, structured) for k in range(len(PROMPTS))]
+    streams = [streamed(server.url, k, structured) for k in range(len(PROMPTS))]
     _until_each_sent_tokens(server, streams)
     victim = max((i for i in server.instances() if i["state"] == "ready"), key=lambda i: i["inflight"])
     assert victim["inflight"] >= 1, victim
     kill_engine(victim["url"], signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
-    at_kill = [s.events for s in streams]
+    at_kill = [s.tokens for s in streams]
     if fault == "frozen":
         try:
             for s in streams:
@@ -190,7 +153,7 @@ def test_a_drained_instance_finishes_its_streams_then_stops(served_two):
     admin = served_two.credentials.admin_headers()
     _wait_for_two_ready(served_two)
     migrations_before = migrations(served_two)
-    streams = [Stream(served_two.url, k) for k in range(len(PROMPTS))]
+    streams = [streamed(served_two.url, k) for k in range(len(PROMPTS))]
     _until_each_sent_tokens(served_two, streams)
     victim = max((i for i in served_two.instances() if i["state"] == "ready"), key=lambda i: i["inflight"])
     assert victim["inflight"] >= 1, victim
@@ -214,7 +177,7 @@ def test_a_drained_instance_finishes_its_streams_then_stops(served_two):
 def test_sigterm_drains_the_streams_in_flight_before_the_engines_stop(served_two):
     """Last in this module: it stops the server. `pdcluster down` and a pod's termination send
     SIGTERM; the router takes no new connection but its open streams end whole."""
-    stream = Stream(served_two.url, 0)
+    stream = streamed(served_two.url, 0)
     _until_each_sent_tokens(served_two, [stream])
     served_two._process.send_signal(signal.SIGTERM)
     text, usage, errors, _ = stream.result()
