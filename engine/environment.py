@@ -39,11 +39,13 @@ KV_HASH_SEED = "0"
 
 
 # The vLLM general plugins (pyproject.toml) of our engines, the only ones they name in VLLM_PLUGINS:
-# our KV event publisher in vLLM's place (engine/kv_event_publisher.py), and a compile cache key
-# without per-engine settings (engine/compile_key.py).
+# our KV event publisher in vLLM's place (engine/kv_event_publisher.py), a compile cache key
+# without per-engine settings (engine/compile_key.py), and CPU ranks kept on their own cores
+# (engine/rank_cores.py).
 KV_EVENTS_PLUGIN = "pdcluster_kv_events"
 COMPILE_KEY_PLUGIN = "pdcluster_compile_key"
-ENGINE_PLUGINS = (KV_EVENTS_PLUGIN, COMPILE_KEY_PLUGIN)
+RANK_CORES_PLUGIN = "pdcluster_rank_cores"
+ENGINE_PLUGINS = (KV_EVENTS_PLUGIN, COMPILE_KEY_PLUGIN, RANK_CORES_PLUGIN)
 KV_EVENTS_MARK = "pdcluster: kv events bound "
 """What our publisher prints, followed by its bound endpoints as JSON, once it has bound its
 sockets on ports of the system's choosing (engine/kv_event_publisher.py); the engine's host reads them
