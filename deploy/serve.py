@@ -162,7 +162,7 @@ def _tensor_parallel(args: argparse.Namespace, topology: Topology) -> TensorPara
     sizes = TensorParallel(every_pool=args.tensor_parallel_size, prefill=args.prefill_tensor_parallel_size,
                            decode=args.decode_tensor_parallel_size)
     if pd:
-        sizes.check_pd()
+        sizes.check_pd(direct=args.kv_transfer == "direct")
     return sizes
 
 
@@ -180,7 +180,8 @@ def _engine_configs(args: argparse.Namespace, models: list[tuple[Path, str]], to
         gpu_share=1 / args.engines_per_gpu,
         sleep_mode=topology.sleep_when_idle,
         start_timeout_s=args.start_timeout,
-        kv_store_timeout_s=args.store_timeout, structured_migration=args.structured_migration,
+        kv_store_timeout_s=args.store_timeout, kv_lease_s=args.kv_lease,
+        structured_migration=args.structured_migration,
         log_dir=args.engine_log_dir.resolve() if args.engine_log_dir else None,
         otlp_traces_endpoint=args.otlp_traces_endpoint,
         engine_args=engine_args,
@@ -195,7 +196,8 @@ def _router_config(args: argparse.Namespace, models: list[tuple[Path, str]], eng
         host=args.host, port=args.port, policy=args.policy, request_cost_tokens=args.request_cost_tokens,
         models=tuple(ServedModel(name=name, max_model_len=args.max_model_len, tokenizer=path)
                      for path, name in models),
-        kv_hashing=engine_configs[0].kv_hashing, allow_remote=args.address is not None,
+        kv_hashing=engine_configs[0].kv_hashing, kv_lease_s=engine_configs[0].kv_lease_s,
+        allow_remote=args.address is not None,
         remote_prefill_min_tokens=args.remote_prefill_min_tokens,
         remote_prefill_max_queued_tokens=args.remote_prefill_max_queued_tokens,
         api_keys=load_api_keys(args.api_keys_file), rate_limit_per_s=args.rate_limit, cluster_secret=secret,

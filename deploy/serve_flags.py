@@ -7,7 +7,8 @@ import argparse
 import os
 from pathlib import Path
 
-from router.config import DEFAULT_CONCURRENCY_PER_KEY
+from engine.config import NIXL_KV_LEASE_S
+from router.config import DEFAULT_CONCURRENCY_PER_KEY, HANDOVER_LEASE_SHARE
 from router.placement import DEFAULT_REMOTE_PREFILL_MIN_TOKENS
 from router.policies import DEFAULT_REQUEST_COST_TOKENS
 
@@ -252,6 +253,9 @@ def _add_kv_store_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--store-timeout", type=float, default=5.0,
                         help="longest one KV store call (lookup, read, write) may take before it counts as a miss (s)")
+    parser.add_argument("--kv-lease", type=int, default=NIXL_KV_LEASE_S,
+                        help="P/D direct: how long a prefill instance keeps a prompt's KV for its decode instance "
+                        f"(s); the router waits for a prefill at most {HANDOVER_LEASE_SHARE * 100:.0f}%% of it")
 
 
 def _add_observability_flags(parser: argparse.ArgumentParser) -> None:

@@ -25,6 +25,9 @@ def _checked_otlp_endpoint(url: str) -> str:
 
 OtlpEndpoint = Annotated[str, AfterValidator(_checked_otlp_endpoint)]
 """Where OpenTelemetry spans go, over OTLP/gRPC: http(s)://HOST:PORT."""
+NIXL_KV_LEASE_S = 120
+"""EngineConfig.kv_lease_s's default: vLLM's own 30 s is shorter than a loaded prefill instance may
+take to answer (RouterConfig.prefill_timeout_s)."""
 
 
 class KVHashing(BaseModel):
@@ -57,15 +60,23 @@ class TensorParallel(BaseModel):
         own = {Role.PREFILL: self.prefill, Role.DECODE: self.decode}.get(role)
         return own or self.every_pool
 
-    def check_pd(self) -> None:
+    def check_pd(self, direct: bool) -> None:
         """P/D hands KV over per rank: a store chunk holds one rank's KV heads and its key names
         the TP size and rank (kvstore/lmcache_engine.py), so a decode rank of another TP size would
-        find no chunk to load. Refused rather than served by recomputing every prompt."""
+        find no chunk to load. Refused rather than served by recomputing every prompt. So is a
+        `direct` hand-over between multi-rank engines on the CPU build: there vLLM's prefill
+        engine steps without pause while a prompt's KV waits for its decode, each step wakes every
+        rank, and its ranks, spinning for a second after each wake-up, took every core of this
+        machine from the decode engine, which then answered nothing (docs/tensor-parallel.md)."""
         prefill, decode = self.for_role(Role.PREFILL), self.for_role(Role.DECODE)
         if prefill != decode:
             raise ValueError(f"prefill engines of tensor-parallel size {prefill} cannot hand KV to decode engines "
                              f"of size {decode}: each rank stores and loads its own KV heads; give both pools "
                              "the same size")
+        if direct and prefill > 1 and is_cpu_build():
+            raise ValueError("--kv-transfer direct does not serve tensor-parallel engines on the CPU build: vLLM's "
+                             "prefill engine's ranks spin while a prompt's KV waits for its decode engine, which "
+                             "they starve; hand KV over through the store (--kv-transfer store)")
 
 
 class EngineConfig(BaseModel):
@@ -115,6 +126,11 @@ class EngineConfig(BaseModel):
     decode with vLLM's NixlConnector; colocated instances share nothing."""
     kv_store_timeout_s: float = Field(5.0, gt=0)
     """Longest one store call (lookup, read, write) may take before it counts as a miss."""
+    kv_lease_s: int = Field(NIXL_KV_LEASE_S, ge=2)
+    """P/D direct (no store): how long a prefill instance keeps a prompt's KV for the decode
+    instance to read (vLLM NixlConnector's `kv_lease_duration`; the decode's heartbeats extend it
+    once it has the request). A read after it ends is not an error: it returns whatever the blocks
+    hold by then. The router hands over no prefill older than most of it (RouterConfig.kv_lease_s)."""
     start_timeout_s: float = Field(300.0, gt=0)
     """Longest a start may take before the instance is declared failed."""
     keep_host_weights: bool = True

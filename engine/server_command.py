@@ -118,7 +118,8 @@ def kv_transfer_config(config: EngineConfig) -> dict:
     loads the prefix another one stored (its store hits) and a decode instance stores the prompts
     it prefills itself (a short one, a fallback) for the next. Without: vLLM's NixlConnector, the
     decode instance reading the prefill's blocks one-sided over UCX, each role as vLLM names it
-    (`kv_producer`, `kv_consumer`). Either way a failed load is recomputed, never an error."""
+    (`kv_producer`, `kv_consumer`), the prefill holding them for `kv_lease_s`. Either way a
+    failed load is recomputed, never an error."""
     shared = {"kv_load_failure_policy": "recompute"}
     if config.kv_store_endpoints:  # kvstore/settings.py StoreSettings reads the extra config
         return {**shared, "kv_role": "kv_both", "kv_connector": "StoreConnector",
@@ -126,7 +127,8 @@ def kv_transfer_config(config: EngineConfig) -> dict:
                 "kv_connector_extra_config": {"endpoints": list(config.kv_store_endpoints),
                                               "timeout_s": config.kv_store_timeout_s}}
     return {**shared, "kv_role": config.role.direct_kv_role, "kv_connector": "NixlConnector",
-            "kv_buffer_device": "cpu" if is_cpu_build() else "cuda"}
+            "kv_buffer_device": "cpu" if is_cpu_build() else "cuda",
+            "kv_connector_extra_config": {"kv_lease_duration": config.kv_lease_s}}
 
 
 def server_env(config: EngineConfig, host: str, instance_id: str, keys: EngineKeys,

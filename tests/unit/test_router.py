@@ -223,6 +223,25 @@ async def test_a_prefill_instance_with_too_much_queued_leaves_the_prefill_to_dec
         await forwarder.close()
 
 
+async def test_no_prefill_is_waited_for_past_most_of_its_kv_lease():
+    """P/D direct: the prefill instance keeps a prompt's KV for the lease, from its prefill's end; a
+    hand-over waited for longer could reach the decode instance after the blocks were freed, and its
+    reads would return whatever they hold by then. Past the share of the lease, however long
+    prefill_timeout_s, the decode instance prefills itself."""
+    hung = SocketStandIn("hang", "prefill-0")
+    forwarder, decode = pd_forwarder(hung.instance(PREFILL), prefill_timeout_s=600, kv_lease_s=1)
+    body, request = {"model": "m", "prompt": "p"}, RoutingRequest((), 600, 32)
+    try:
+        assert forwarder.config.prefill_deadline_s == 0.75
+        async with asyncio.timeout(30):  # far less than prefill_timeout_s
+            placement, sent, computes = await forwarder.prepare("/v1/completions", body, request, [decode])
+        assert (placement.reason, sent, computes) == ("remote", body, 600)  # no kv_transfer_params: local
+        assert hung.requests == 1
+    finally:
+        await forwarder.close()
+        hung.close()
+
+
 def test_placement_is_one_pure_step():
     """Colocated instances prefill themselves; a decode instance gets a remote prefill unless the
     uncached prompt is short, no prefill instance is ready, or the chosen one is too busy."""

@@ -26,8 +26,8 @@ def test_each_pool_spans_its_own_size_or_every_pools():
     sizes = TensorParallel(every_pool=2, decode=4)
     assert [sizes.for_role(role) for role in Role] == [2, 2, 4]
     with pytest.raises(ValueError, match="each rank stores and loads its own KV heads"):
-        sizes.check_pd()
-    TensorParallel(every_pool=4, decode=4).check_pd()
+        sizes.check_pd(direct=False)
+    TensorParallel(every_pool=4, decode=4).check_pd(direct=False)
 
 
 def test_the_engine_command_names_its_pools_size_and_vllms_multiprocessing_executor(tiny_model):
@@ -76,6 +76,8 @@ def test_shards_go_rank_to_rank_and_a_whole_checkpoint_to_every_rank(tiny_model)
     (["--prefill", "1", "--decode", "1", "--prefill-tensor-parallel-size", "2"],
      "prefill engines of tensor-parallel size 2 cannot hand KV to decode engines of size 1"),
     (["--decode-tensor-parallel-size", "2"], "are for a P/D topology's pools"),
+    (["--prefill", "1", "--decode", "1", "--tensor-parallel-size", "2", "--kv-transfer", "direct"],
+     "--kv-transfer direct does not serve tensor-parallel engines on the CPU build"),
 ])
 def test_serve_refuses_sizes_it_cannot_serve_before_starting_anything(tiny_model, tmp_path, flags, message):
     done = subprocess.run([sys.executable, "-m", "deploy.cli", "serve", "--model", str(tiny_model),
