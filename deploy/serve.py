@@ -22,6 +22,7 @@ from engine.config import EngineConfig, TensorParallel
 from engine.engine_args import EngineArgs
 from engine.environment import is_cpu_build, is_loopback, use_ray
 from engine.models import BUILDERS, default_model_root, is_complete
+from engine.role_spec import Role
 from router.config import RouterConfig, ServedModel
 from security.credentials import ClusterCredentials, CredentialsError, read_private
 
@@ -162,7 +163,12 @@ def _tensor_parallel(args: argparse.Namespace, topology: Topology) -> TensorPara
     sizes = TensorParallel(every_pool=args.tensor_parallel_size, prefill=args.prefill_tensor_parallel_size,
                            decode=args.decode_tensor_parallel_size)
     if pd:
-        sizes.check_pd(direct=args.kv_transfer == "direct")
+        sizes.check_pd()
+    # A CPU prefill engine's ranks spin while a prompt's KV waits for NIXL reads (docs/tensor-parallel.md).
+    if pd and args.kv_transfer == "direct" and args.address is None and is_cpu_build() and sizes.for_role(Role.PREFILL) > 1:
+        raise ValueError("--kv-transfer direct does not serve tensor-parallel engines on the CPU build: the prefill "
+                         "engine's ranks spin while a prompt's KV waits for the decode engine, which they starve; "
+                         "hand KV over through the store (--kv-transfer store)")
     return sizes
 
 
@@ -196,8 +202,7 @@ def _router_config(args: argparse.Namespace, models: list[tuple[Path, str]], eng
         host=args.host, port=args.port, policy=args.policy, request_cost_tokens=args.request_cost_tokens,
         models=tuple(ServedModel(name=name, max_model_len=args.max_model_len, tokenizer=path)
                      for path, name in models),
-        kv_hashing=engine_configs[0].kv_hashing, kv_lease_s=engine_configs[0].kv_lease_s,
-        allow_remote=args.address is not None,
+        kv_hashing=engine_configs[0].kv_hashing, allow_remote=args.address is not None,
         remote_prefill_min_tokens=args.remote_prefill_min_tokens,
         remote_prefill_max_queued_tokens=args.remote_prefill_max_queued_tokens,
         api_keys=load_api_keys(args.api_keys_file), rate_limit_per_s=args.rate_limit, cluster_secret=secret,

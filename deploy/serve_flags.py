@@ -8,7 +8,8 @@ import os
 from pathlib import Path
 
 from engine.config import NIXL_KV_LEASE_S
-from router.config import DEFAULT_CONCURRENCY_PER_KEY, HANDOVER_LEASE_SHARE
+from prefill.handoff import HANDOVER_LEASE_SHARE
+from router.config import DEFAULT_CONCURRENCY_PER_KEY
 from router.placement import DEFAULT_REMOTE_PREFILL_MIN_TOKENS
 from router.policies import DEFAULT_REQUEST_COST_TOKENS
 

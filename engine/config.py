@@ -28,6 +28,10 @@ OtlpEndpoint = Annotated[str, AfterValidator(_checked_otlp_endpoint)]
 NIXL_KV_LEASE_S = 120
 """EngineConfig.kv_lease_s's default: vLLM's own 30 s is shorter than a loaded prefill instance may
 take to answer (RouterConfig.prefill_timeout_s)."""
+MIN_KV_LEASE_S = 12
+"""The shortest lease: a decode instance heartbeats every sixth of it, at most (vLLM throttles
+them), so that its first may come a sixth of the lease after it took the request in; past 12 s
+a heartbeat's 2 s and the router's quarter leave room."""
 
 
 class KVHashing(BaseModel):
@@ -60,23 +64,15 @@ class TensorParallel(BaseModel):
         own = {Role.PREFILL: self.prefill, Role.DECODE: self.decode}.get(role)
         return own or self.every_pool
 
-    def check_pd(self, direct: bool) -> None:
+    def check_pd(self) -> None:
         """P/D hands KV over per rank: a store chunk holds one rank's KV heads and its key names
         the TP size and rank (kvstore/lmcache_engine.py), so a decode rank of another TP size would
-        find no chunk to load. Refused rather than served by recomputing every prompt. So is a
-        `direct` hand-over between multi-rank engines on the CPU build: there vLLM's prefill
-        engine steps without pause while a prompt's KV waits for its decode, each step wakes every
-        rank, and its ranks, spinning for a second after each wake-up, took every core of this
-        machine from the decode engine, which then answered nothing (docs/tensor-parallel.md)."""
+        find no chunk to load. Refused rather than served by recomputing every prompt."""
         prefill, decode = self.for_role(Role.PREFILL), self.for_role(Role.DECODE)
         if prefill != decode:
             raise ValueError(f"prefill engines of tensor-parallel size {prefill} cannot hand KV to decode engines "
                              f"of size {decode}: each rank stores and loads its own KV heads; give both pools "
                              "the same size")
-        if direct and prefill > 1 and is_cpu_build():
-            raise ValueError("--kv-transfer direct does not serve tensor-parallel engines on the CPU build: vLLM's "
-                             "prefill engine's ranks spin while a prompt's KV waits for its decode engine, which "
-                             "they starve; hand KV over through the store (--kv-transfer store)")
 
 
 class EngineConfig(BaseModel):
@@ -126,11 +122,12 @@ class EngineConfig(BaseModel):
     decode with vLLM's NixlConnector; colocated instances share nothing."""
     kv_store_timeout_s: float = Field(5.0, gt=0)
     """Longest one store call (lookup, read, write) may take before it counts as a miss."""
-    kv_lease_s: int = Field(NIXL_KV_LEASE_S, ge=2)
+    kv_lease_s: int = Field(NIXL_KV_LEASE_S, ge=MIN_KV_LEASE_S)
     """P/D direct (no store): how long a prefill instance keeps a prompt's KV for the decode
     instance to read (vLLM NixlConnector's `kv_lease_duration`; the decode's heartbeats extend it
     once it has the request). A read after it ends is not an error: it returns whatever the blocks
-    hold by then. The router hands over no prefill older than most of it (RouterConfig.kv_lease_s)."""
+    hold by then. The engine's description carries it (`direct_kv_lease_s`), and the router waits
+    for its prefills only part of it (prefill/handoff.py)."""
     start_timeout_s: float = Field(300.0, gt=0)
     """Longest a start may take before the instance is declared failed."""
     keep_host_weights: bool = True
@@ -162,6 +159,12 @@ class EngineConfig(BaseModel):
     def runs_kv_connector(self) -> bool:
         """P/D roles always; a colocated engine when it shares a store (serve --shared-store)."""
         return self.role.kv_transfer or bool(self.kv_store_endpoints)
+
+    @property
+    def direct_kv_lease_s(self) -> int | None:
+        """How long it holds a prompt's KV for a decode engine's NIXL reads; None where it hands
+        none over that way (a store, or no KV connector)."""
+        return self.kv_lease_s if self.runs_kv_connector and not self.kv_store_endpoints else None
 
     @property
     def block_size(self) -> int:

@@ -26,7 +26,13 @@ from pathlib import Path
 
 from engine import node_caches
 from engine.config import EngineConfig
-from engine.environment import COMPILE_KEY_PLUGIN, KV_EVENTS_PLUGIN, is_cpu_build, listening_socket
+from engine.environment import (
+    COMPILE_KEY_PLUGIN,
+    KV_EVENTS_PLUGIN,
+    RANK_CORES_PLUGIN,
+    is_cpu_build,
+    listening_socket,
+)
 from engine.lifecycle import EngineDescription, EngineStartError, InstanceState, StartTimeline
 from engine.process import group_shared_memory, spawn_group, terminate_group
 from engine.server_api import ServerAPI
@@ -34,6 +40,7 @@ from engine.server_command import (
     LISTEN_FD_ENV,
     compile_key_plugin_installed,
     kv_events_plugin_installed,
+    rank_cores_plugin_installed,
     server_command,
     server_env,
 )
@@ -111,6 +118,7 @@ class EngineHost:
             last_stage=self.timeline.marks[-1][0] if self.timeline.marks else "",
             elapsed_s=time.time() - self.timeline.started_at,
             tensor_parallel_size=self.config.tensor_parallel_size, kv_store=bool(self.config.kv_store_endpoints),
+            kv_lease_s=self.config.direct_kv_lease_s,
         )
 
     async def preimport(self) -> dict:
@@ -188,6 +196,9 @@ class EngineHost:
         if self.config.kv_events and not kv_events_plugin_installed():
             raise EngineStartError(f"vLLM's plugin {KV_EVENTS_PLUGIN} is not installed (reinstall pdcluster): "
                                    "vLLM's own KV event publisher would serve the engine's prompts to anyone")
+        if self.config.direct_kv_lease_s and is_cpu_build() and not rank_cores_plugin_installed():
+            log.warning("vLLM's plugin %s is not installed (reinstall pdcluster): %s will compute on the node's "
+                        "last core, not on its own", RANK_CORES_PLUGIN, self.instance_id)
         if not self.config.enforce_eager and not compile_key_plugin_installed():
             log.warning("vLLM's plugin %s is not installed (reinstall pdcluster): %s keys its compile by its "
                         "own port and cores, and no other start will read it", COMPILE_KEY_PLUGIN, self.instance_id)

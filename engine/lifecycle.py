@@ -74,6 +74,9 @@ class EngineDescription:
     kv_store: bool = False
     """It saves and loads KV through the cluster's store shards (P/D through the store, or
     `--shared-store`): fixed at its start, so only a fleet with a store may adopt it."""
+    kv_lease_s: float | None = None
+    """P/D direct: how long it holds a prompt's KV for a decode engine (EngineConfig.kv_lease_s);
+    None where it hands none over that way. Every router reads it here, its own or adopted."""
 
     def serves(self, served: set[tuple[str, str]]) -> bool:
         """Whether it is an engine of one of `served`'s (checkpoint, served name) pairs."""

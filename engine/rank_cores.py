@@ -8,7 +8,8 @@ computes on that one core (on a 2-core machine the prefill's and the decode's bo
 TP=2 engine's two ranks on one). vLLM uses that topology for nothing else (0.26, 0.32). A vLLM
 general plugin (entry point `pdcluster_rank_cores`, named in every engine's VLLM_PLUGINS) has it
 name no core in engines of ours (those started with their keys in their environment): the
-connector then leaves the thread's binding as it was."""
+connector then leaves the thread's binding as it was. On a CPU server of several NUMA nodes that
+gives up the core vLLM meant for KV loads: a rank's loads run on its own cores, as its compute does."""
 
 from __future__ import annotations
 

@@ -16,6 +16,7 @@ from engine.environment import (
     ENGINE_PLUGINS,
     GRAMMAR_LOGITS_PROCESSOR,
     KV_EVENTS_PLUGIN,
+    RANK_CORES_PLUGIN,
     engine_process_env,
     free_port,
     is_cpu_build,
@@ -33,6 +34,8 @@ KV_EVENTS_PLUGIN_TARGET = "engine.kv_event_publisher:register"
 """What the entry point KV_EVENTS_PLUGIN names (pyproject.toml)."""
 COMPILE_KEY_PLUGIN_TARGET = "engine.compile_key:register"
 """What the entry point COMPILE_KEY_PLUGIN names (pyproject.toml)."""
+RANK_CORES_PLUGIN_TARGET = "engine.rank_cores:register"
+"""What the entry point RANK_CORES_PLUGIN names (pyproject.toml)."""
 PLAN_KEY = "pdcluster_gpu_memory_utilization"
 """What the engine's `additional_config` holds only so that vLLM's startup plan is kept per memory
 utilization (vLLM reads nothing of it)."""
@@ -56,6 +59,12 @@ def compile_key_plugin_installed() -> bool:
     """Whether vLLM will find our compile key (engine/compile_key.py): without it an engine still
     serves, but keys its compile by its port and cores, which no other start reads."""
     return plugin_installed(COMPILE_KEY_PLUGIN, COMPILE_KEY_PLUGIN_TARGET)
+
+
+def rank_cores_plugin_installed() -> bool:
+    """Whether vLLM will find engine/rank_cores.py: without it a CPU engine with vLLM's NIXL
+    connector still serves, but computes on the node's last core, whatever cores it was given."""
+    return plugin_installed(RANK_CORES_PLUGIN, RANK_CORES_PLUGIN_TARGET)
 
 
 def server_command(config: EngineConfig, host: str, port: int, instance_id: str) -> list[str]:

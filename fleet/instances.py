@@ -58,6 +58,8 @@ class Instance:
     """The served model name: only requests for it come here."""
     tensor_parallel_size: int = dataclasses.field(default=1, kw_only=True)
     """Devices (ranks) its engine spans: one instance all the same, to route to and to count."""
+    kv_lease_s: float | None = dataclasses.field(default=None, kw_only=True)
+    """P/D direct: how long its engine holds a prompt's KV for a decode (EngineDescription)."""
     streams: set[StreamLedger] = dataclasses.field(default_factory=set, compare=False, repr=False)
     """The migratable streams the router relays from it now, a continued one from the instance it
     went on to: which streams a fault there hits (GET /admin/instances lists each one's id and
@@ -92,7 +94,7 @@ def described_instance(description: EngineDescription, role: RoleSpec, credentia
                     kv_events_endpoint=description.kv_events_endpoint,
                     kv_events_replay_endpoint=description.kv_events_replay_endpoint,
                     model=description.served_model_name, access=access,
-                    tensor_parallel_size=description.tensor_parallel_size)
+                    tensor_parallel_size=description.tensor_parallel_size, kv_lease_s=description.kv_lease_s)
 
 
 class PendingPrefill:

@@ -9,6 +9,12 @@ finds the KV by lookup). Degrade, don't fail: an error or a timeout yields no ha
 decode instance prefills itself; a prefill instance that fails or times out
 `circuit_failures` times in a row gets no prefill for `circuit_s` (one that hangs while passing
 its health checks costs one timeout, not one per request), then one request tries it again.
+
+With NixlConnector the prefill instance holds the prompt's blocks for its KV lease from the
+prefill's end (EngineConfig.kv_lease_s); a decode read after that returns whatever the blocks hold
+by then, silently wrong. So the wait for such a prefill ends at a share of its lease too
+(`PrefillHop.deadline_s`): the rest is the decode instance's, to take the request in and send
+its first heartbeat, which extends the lease.
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ PREFILL_DROPS = ("stream", "stream_options", "min_tokens", "max_completion_token
 # What asks vLLM's connectors (ours and NixlConnector alike) to keep a prompt's KV for a decode
 # elsewhere.
 REMOTE_DECODE = {"do_remote_decode": True}
+HANDOVER_LEASE_SHARE = 0.75
+"""Of a prefill instance's KV lease, what its prefill and answer may take."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,11 +86,17 @@ class PrefillHop:
             finally:
                 queued.done()
 
+    def deadline_s(self, instance: Instance) -> float:
+        """Longest wait for `instance`'s prefill: the timeout, and a share of its KV lease if it has one."""
+        if instance.kv_lease_s is None:
+            return self.timeout_s
+        return min(self.timeout_s, instance.kv_lease_s * HANDOVER_LEASE_SHARE)
+
     async def _prefilled(self, instance: Instance, endpoint: str, body: dict,
                          trace_headers: Mapping[str, str] | None) -> KVHandoff | None:
         started = time.monotonic()
         try:
-            async with asyncio.timeout(self.timeout_s):
+            async with asyncio.timeout(self.deadline_s(instance)):
                 async with self.session().post(f"{instance.url}{endpoint}", json=prefill_body(body),
                                                **instance.request_options(dict(trace_headers or {}))) as response:
                     answer = await response.json(content_type=None)

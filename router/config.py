@@ -7,7 +7,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
-from engine.config import NIXL_KV_LEASE_S, KVHashing, OtlpEndpoint
+from engine.config import KVHashing, OtlpEndpoint
 from engine.environment import is_loopback
 from router.placement import DEFAULT_REMOTE_PREFILL_MIN_TOKENS
 from router.policies import DEFAULT_REQUEST_COST_TOKENS
@@ -28,11 +28,6 @@ class ServedModel(BaseModel):
     max_model_len: int = Field(ge=1)
     tokenizer: Path | None = None
     """Model folder whose tokenizer the router hashes prompts with; None routes on load only."""
-
-
-HANDOVER_LEASE_SHARE = 0.75
-"""Of a prefill's KV lease, what the prefill and its answer may take (the rest is the decode
-instance's, to take the request in and start its reads, which extend the lease)."""
 
 
 class RouterConfig(BaseModel):
@@ -86,10 +81,8 @@ class RouterConfig(BaseModel):
     yet prefilled, the decode instance prefills locally: shorter TTFT while the prefill pool is
     the bottleneck, at the cost of decode steps that wait behind that prefill. None: always remote."""
     prefill_timeout_s: float = Field(60.0, gt=0)
-    """P/D: longest wait for a prefill instance; past it the decode instance prefills locally."""
-    kv_lease_s: float = Field(NIXL_KV_LEASE_S, gt=0)
-    """P/D direct: how long a prefill instance keeps a prompt's KV for its decode instance (the
-    engines' EngineConfig.kv_lease_s): it bounds the wait for a prefill too (`prefill_deadline_s`)."""
+    """P/D: longest wait for a prefill instance; past it the decode instance prefills locally.
+    Shorter for a prefill instance with a KV lease (prefill/handoff.py `PrefillHop.deadline_s`)."""
     prefill_circuit_failures: int = Field(2, ge=1)
     """P/D: failed or timed-out remote prefills in a row after which an instance gets none..."""
     prefill_circuit_s: float = Field(30.0, gt=0)
@@ -179,15 +172,6 @@ class RouterConfig(BaseModel):
     def served(self, name: str) -> ServedModel | None:
         """The served model clients call `name`, if any."""
         return next((m for m in self.models if m.name == name), None)
-
-    @property
-    def prefill_deadline_s(self) -> float:
-        """Longest wait for a prefill instance's answer: `prefill_timeout_s`, and at most the share
-        of the KV lease that leaves the decode instance time to take the request in. The lease
-        runs from the prefill's end, which is before its answer: a hand-over within this deadline
-        is read while the prefill still holds the blocks, never after (then it reads whatever they
-        hold by then, silently wrong)."""
-        return min(self.prefill_timeout_s, self.kv_lease_s * HANDOVER_LEASE_SHARE)
 
     @property
     def block_size(self) -> int:

@@ -63,7 +63,7 @@ class Forwarder:
         self.queue = queue
         self.first_tokens = LatencyWindow()
         self.placements = PlacementLog()
-        self.prefills = PrefillHop(registry, lambda: self.session, config.prefill_deadline_s,
+        self.prefills = PrefillHop(registry, lambda: self.session, config.prefill_timeout_s,
                                    config.prefill_circuit_failures, config.prefill_circuit_s)
         self.relay = StreamRelay(registry, lambda: self.session, config.stream_stall_s, config.max_migrations)
         self.timeout = aiohttp.ClientTimeout(

@@ -229,10 +229,12 @@ async def test_no_prefill_is_waited_for_past_most_of_its_kv_lease():
     reads would return whatever they hold by then. Past the share of the lease, however long
     prefill_timeout_s, the decode instance prefills itself."""
     hung = SocketStandIn("hang", "prefill-0")
-    forwarder, decode = pd_forwarder(hung.instance(PREFILL), prefill_timeout_s=600, kv_lease_s=1)
+    prefill = hung.instance(PREFILL)
+    prefill.kv_lease_s = 1  # as its engine's description says (EngineConfig.kv_lease_s)
+    forwarder, decode = pd_forwarder(prefill, prefill_timeout_s=600)
     body, request = {"model": "m", "prompt": "p"}, RoutingRequest((), 600, 32)
     try:
-        assert forwarder.config.prefill_deadline_s == 0.75
+        assert forwarder.prefills.deadline_s(prefill) == 0.75
         async with asyncio.timeout(30):  # far less than prefill_timeout_s
             placement, sent, computes = await forwarder.prepare("/v1/completions", body, request, [decode])
         assert (placement.reason, sent, computes) == ("remote", body, 600)  # no kv_transfer_params: local

@@ -26,8 +26,8 @@ def test_each_pool_spans_its_own_size_or_every_pools():
     sizes = TensorParallel(every_pool=2, decode=4)
     assert [sizes.for_role(role) for role in Role] == [2, 2, 4]
     with pytest.raises(ValueError, match="each rank stores and loads its own KV heads"):
-        sizes.check_pd(direct=False)
-    TensorParallel(every_pool=4, decode=4).check_pd(direct=False)
+        sizes.check_pd()
+    TensorParallel(every_pool=4, decode=4).check_pd()
 
 
 def test_the_engine_command_names_its_pools_size_and_vllms_multiprocessing_executor(tiny_model):
