@@ -29,9 +29,9 @@ NIXL_KV_LEASE_S = 120
 """EngineConfig.kv_lease_s's default: vLLM's own 30 s is shorter than a loaded prefill instance may
 take to answer (RouterConfig.prefill_timeout_s)."""
 MIN_KV_LEASE_S = 12
-"""The shortest lease: a decode instance heartbeats every sixth of it, at most (vLLM throttles
-them), so that its first may come a sixth of the lease after it took the request in; past 12 s
-a heartbeat's 2 s and the router's quarter leave room."""
+"""The shortest lease: the router's wait for the prefill (75% of it, prefill/handoff.py) and the
+decode engine's first heartbeat (vLLM sends them every sixth of the lease at most) leave a twelfth
+of it as slack, 1 s at 12 s."""
 
 
 class KVHashing(BaseModel):
