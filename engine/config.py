@@ -161,10 +161,15 @@ class EngineConfig(BaseModel):
         return self.role.kv_transfer or bool(self.kv_store_endpoints)
 
     @property
+    def runs_nixl(self) -> bool:
+        """It hands KV over directly with vLLM's NixlConnector: a P/D role without a store."""
+        return self.runs_kv_connector and not self.kv_store_endpoints
+
+    @property
     def direct_kv_lease_s(self) -> int | None:
         """How long it holds a prompt's KV for a decode engine's NIXL reads; None where it hands
-        none over that way (a store, or no KV connector)."""
-        return self.kv_lease_s if self.runs_kv_connector and not self.kv_store_endpoints else None
+        none over that way."""
+        return self.kv_lease_s if self.runs_nixl else None
 
     @property
     def block_size(self) -> int:

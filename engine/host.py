@@ -196,7 +196,7 @@ class EngineHost:
         if self.config.kv_events and not kv_events_plugin_installed():
             raise EngineStartError(f"vLLM's plugin {KV_EVENTS_PLUGIN} is not installed (reinstall pdcluster): "
                                    "vLLM's own KV event publisher would serve the engine's prompts to anyone")
-        if self.config.direct_kv_lease_s and is_cpu_build() and not rank_cores_plugin_installed():
+        if self.config.runs_nixl and is_cpu_build() and not rank_cores_plugin_installed():
             log.warning("vLLM's plugin %s is not installed (reinstall pdcluster): %s will compute on the node's "
                         "last core, not on its own", RANK_CORES_PLUGIN, self.instance_id)
         if not self.config.enforce_eager and not compile_key_plugin_installed():

@@ -172,6 +172,6 @@ def server_env(config: EngineConfig, host: str, instance_id: str, keys: EngineKe
     if config.otlp_traces_endpoint:  # vLLM's spans name their engine; gRPC, as the router's
         env.update(OTEL_SERVICE_NAME="pdcluster-engine", OTEL_EXPORTER_OTLP_TRACES_PROTOCOL="grpc",
                    OTEL_RESOURCE_ATTRIBUTES=f"pdcluster.instance_id={instance_id},pdcluster.role={config.role.name}")
-    if config.runs_kv_connector and not config.kv_store_endpoints:  # vLLM's NixlConnector (kv_transfer_config)
+    if config.runs_nixl:  # its side channel (kv_transfer_config)
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port(host))
     return env

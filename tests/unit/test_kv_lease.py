@@ -16,7 +16,7 @@ from decode.role import DECODE
 from deploy.serve import _engine_args, _engine_configs
 from deploy.serve_flags import add_serve_parser
 from deploy.topology import Topology
-from engine.config import EngineConfig
+from engine.config import NIXL_KV_LEASE_S, EngineConfig
 from engine.environment import free_port
 from engine.host import EngineHost
 from engine.role_spec import Role
@@ -25,8 +25,10 @@ from fleet.instances import InstanceRegistry, described_instance
 from loadtest.engine_standin import HOST, StandInIdentity
 from prefill.handoff import PrefillHop
 from prefill.role import PREFILL
-from router.config import RouterConfig, ServedModel
+from router.config import RouterConfig
 from security.credentials import ClusterCredentials
+
+PREFILL_TIMEOUT_S = RouterConfig.model_fields["prefill_timeout_s"].default
 
 
 def engine_config(tiny_model, *flags: str) -> EngineConfig:
@@ -56,11 +58,11 @@ def routers_wait(config: EngineConfig) -> float:
     credentials = ClusterCredentials.generate()
     stand_in = StandInIdentity("prefill-0", free_port(HOST), credentials)
     instance = described_instance(stand_in.description(role=Role.PREFILL, kv_lease_s=lease), PREFILL, credentials)
-    timeout = RouterConfig(models=(ServedModel(name="tiny", max_model_len=4096),)).prefill_timeout_s
-    return PrefillHop(InstanceRegistry(), lambda: None, timeout, 2, 30).deadline_s(instance)
+    return PrefillHop(InstanceRegistry(), lambda: None, PREFILL_TIMEOUT_S, 2, 30).deadline_s(instance)
 
 
-@pytest.mark.parametrize("flags, lease, wait", [((), 120, 60.0), (("--kv-lease", "40"), 40, 30.0)])
+@pytest.mark.parametrize("flags, lease, wait", [((), NIXL_KV_LEASE_S, PREFILL_TIMEOUT_S),
+                                                    (("--kv-lease", "40"), 40, 30.0)])
 def test_both_pools_hold_kv_for_the_lease_and_routers_wait_for_a_prefill_within_it(tiny_model, flags, lease, wait):
     config = engine_config(tiny_model, "--kv-transfer", "direct", *flags)
     assert [vllms_lease(config.model_copy(update={"role": role})) for role in (PREFILL, DECODE)] == [lease, lease]
@@ -70,7 +72,7 @@ def test_both_pools_hold_kv_for_the_lease_and_routers_wait_for_a_prefill_within_
 def test_a_prefill_through_the_store_is_waited_for_as_long_as_the_timeout(tiny_model):
     config = engine_config(tiny_model, "--kv-transfer", "store", "--kv-lease", "40")
     stored = config.model_copy(update={"role": PREFILL, "kv_store_endpoints": ("tcp://127.0.0.1:7001",)})
-    assert routers_wait(stored) == 60.0  # the store keeps the KV: no lease to outrun
+    assert routers_wait(stored) == PREFILL_TIMEOUT_S  # the store keeps the KV: no lease to outrun
 
 
 def test_a_lease_shorter_than_vllms_heartbeats_allow_is_refused(tiny_model):
