@@ -3,7 +3,7 @@
 process, its API (`server_api`), what it prints (`server_output`), its start-up timeline, its
 health, the engine token on every route via `http_auth`, KV events on the cluster's keys via
 `kv_event_publisher`, a compile cache key alike across engines via `compile_key`, each CPU rank kept
-on its own cores via `rank_cores`); the weight plane that
+on its own cores and waiting for work without spinning via `rank_cores`); the weight plane that
 fills an engine from disk (`checkpoint`) or from a warm peer (`weights`, `cuda_ipc`,
 `device_checksum`), inside the worker (`worker_extension`; `quantization`: which quantized
 formats are served, and what their reload needs); a node's start caches, exported to and installed

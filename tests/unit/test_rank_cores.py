@@ -1,12 +1,17 @@
-"""A CPU rank's compute stays on its own cores in a directly connected P/D engine (engine/rank_cores.py):
-vLLM's NixlConnector worker moves the thread that creates it onto the cores `discover_numa_topology`
-names, the last of each NUMA node, whatever binding the host gave the rank."""
+"""CPU ranks share their cores (engine/rank_cores.py): in a directly connected P/D engine a rank's
+compute stays where the host bound it (vLLM's NixlConnector worker moves the thread that creates it
+onto the cores `discover_numa_topology` names, the last of each NUMA node), and a rank waiting for
+work on vLLM's message queue does not spin on a core its peers compute on."""
 
 from __future__ import annotations
 
 import os
+import threading
+import time
 
 import pytest
+from vllm.distributed.device_communicators import shm_broadcast
+from vllm.distributed.device_communicators.shm_broadcast import MessageQueue, SpinCondition
 from vllm.platforms import current_platform
 from vllm.plugins import DEFAULT_PLUGINS_GROUP, load_plugins_by_group
 
@@ -19,14 +24,60 @@ from security.credentials import ClusterCredentials
 pytestmark = pytest.mark.skipif(not is_cpu_build(), reason="vLLM's NIXL worker moves no thread on CUDA")
 
 
-def test_a_direct_pd_engine_of_ours_reserves_no_core_for_nixl(tmp_path, monkeypatch):
-    (tmp_path / "config.json").write_text("{}")
+@pytest.fixture
+def in_an_engine_of_ours(tmp_path, monkeypatch):
+    """This process as one of an engine's, with the plugin loaded as vLLM loads it there; what the
+    plugin changes in vLLM is put back afterwards."""
     platform = type(current_platform)
-    monkeypatch.setattr(platform, "discover_numa_topology", platform.discover_numa_topology)  # undone after
-    assert current_platform.discover_numa_topology()  # vLLM's: this machine's last core, NIXL's pick
+    monkeypatch.setattr(platform, "discover_numa_topology", platform.discover_numa_topology)
+    monkeypatch.setattr(SpinCondition.__init__, "__defaults__", SpinCondition.__init__.__defaults__)
+    read_timeout = MessageQueue.ReadTimeoutWithWarnings
+    monkeypatch.setattr(read_timeout, "timeout_ms", read_timeout.timeout_ms)
+    (tmp_path / "config.json").write_text("{}")
     config = EngineConfig(model=tmp_path, served_model_name="m", role=DECODE, cpu_cores="0")
     keys = ClusterCredentials.generate().engine_host_keys("decode-0").new_process("127.0.0.1")
     monkeypatch.setattr(os, "environ", server_env(config, "127.0.0.1", "decode-0", keys, None))
     assert rank_cores_plugin_installed()  # what a host checks before it starts such an engine
-    load_plugins_by_group(DEFAULT_PLUGINS_GROUP)[RANK_CORES_PLUGIN]()  # as vLLM loads it in the engine's processes
+    return lambda: load_plugins_by_group(DEFAULT_PLUGINS_GROUP)[RANK_CORES_PLUGIN]()
+
+
+def test_a_direct_pd_engine_of_ours_reserves_no_core_for_nixl(in_an_engine_of_ours):
+    assert current_platform.discover_numa_topology()  # vLLM's: this machine's last core, NIXL's pick
+    in_an_engine_of_ours()
     assert current_platform.discover_numa_topology() == []  # the NIXL worker then moves no thread
+
+
+def reader_wait_while_writer_is_quiet(quiet_s: float, monkeypatch) -> tuple[int, int]:
+    """A rank's read of vLLM's message queue while its writer is quiet for `quiet_s`, the message it
+    waited for then arriving: how often the reader gave up the core to spin on (`sched_yield`), and
+    how often it slept on the queue's notify socket (a poll with a timeout)."""
+    spins, polls = [], []
+    monkeypatch.setattr(shm_broadcast, "sched_yield", lambda: spins.append(1))
+    writer = MessageQueue(n_reader=1, n_local_reader=1)
+    reader = MessageQueue.create_from_handle(writer.export_handle(), rank=0)
+    ready = threading.Thread(target=reader.wait_until_ready)
+    ready.start()
+    writer.wait_until_ready()
+    ready.join(timeout=30)
+    poll = reader._spin_condition.poller.poll
+    monkeypatch.setattr(reader._spin_condition.poller, "poll", lambda timeout: polls.append(1) or poll(timeout))
+    writer.enqueue("first")
+    assert reader.dequeue(timeout=30) == "first"
+    spins.clear()
+    received = []
+    waiting = threading.Thread(target=lambda: received.append(reader.dequeue(timeout=30)))
+    waiting.start()
+    time.sleep(quiet_s)
+    writer.enqueue("second")
+    waiting.join(timeout=30)
+    assert received == ["second"]
+    return len(spins), len(polls)
+
+
+def test_a_rank_of_ours_waits_for_work_without_spinning(in_an_engine_of_ours, monkeypatch):
+    spins, _ = reader_wait_while_writer_is_quiet(0.5, monkeypatch)
+    assert spins > 100  # vLLM's reader spins for a second after each message
+    in_an_engine_of_ours()
+    spins, polls = reader_wait_while_writer_is_quiet(0.5, monkeypatch)
+    assert spins == 0
+    assert polls <= 0.1 / 0.001 + 0.4 / 0.020 + 10  # a 1 ms poll for 0.1 s, then 20 ms ones
