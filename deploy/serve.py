@@ -164,10 +164,10 @@ def _tensor_parallel(args: argparse.Namespace, topology: Topology) -> TensorPara
                            decode=args.decode_tensor_parallel_size)
     if pd:
         sizes.check_pd()
-    # A CPU TP prefill engine's first NIXL transfers stall for seconds to minutes (docs/tensor-parallel.md).
+    # Between CPU TP engines a first NIXL read stalls for seconds to minutes (docs/tensor-parallel.md).
     if pd and args.kv_transfer == "direct" and args.address is None and is_cpu_build() and sizes.for_role(Role.PREFILL) > 1:
-        raise ValueError("--kv-transfer direct does not serve tensor-parallel engines on the CPU build: the prefill "
-                         "engine's first KV hand-overs stall there for seconds to minutes; "
+        raise ValueError("--kv-transfer direct does not serve tensor-parallel engines on the CPU build: a decode "
+                         "rank's first KV reads stall there for seconds to minutes; "
                          "hand KV over through the store (--kv-transfer store)")
     return sizes
 

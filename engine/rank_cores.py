@@ -1,4 +1,4 @@
-"""CPU ranks share their cores: none is moved onto another's core, none spins while it waits.
+"""CPU ranks share their cores: none is moved onto another's core, none spins waiting for work.
 
 Two habits of vLLM's that suit a GPU server's many host cores starve an engine on a CPU server, where
 every core computes. A vLLM general plugin (entry point `pdcluster_rank_cores`, named in every
@@ -11,17 +11,18 @@ environment) on the CPU build:
   directly connected P/D engine on a node computed on that one core. The topology names no core
   here (vLLM uses it for nothing else, 0.26 and 0.32), so the binding stays as the host gave it.
 - A tensor-parallel engine's processes pass work through vLLM's shared-memory message queue, whose
-  reader spins (`sched_yield`) for a second after each message before it waits on a notify
-  socket, and a woken reader misses about every other notification (it then sleeps out a 5 s
-  recheck). A prefill engine holding a prompt's KV for NIXL reads steps every millisecond, so its
-  ranks spun without pause and starved the decode engine (P/D direct at TP=2 hung); a decoding
-  TP=2 engine's ranks spun beside its own engine core. Here readers never spin and recheck the
-  queue every millisecond while work flows (IDLE_AFTER_S), then every IDLE_RECHECK_MS: a missed
-  notification costs at most a millisecond of a busy engine, an idle rank wakes 50 times a second.
+  reader spins (`sched_yield`) for a second after each message, longer than any gap between steps,
+  so a TP engine's ranks and engine core spin from a request's first token to its last; only then
+  does a reader wait on a notify socket, which drops notifications (vLLM rechecks every 5 s for
+  that). Here the queue's readers never spin: they poll, rechecking every BUSY_RECHECK_MS for their
+  first IDLE_AFTER_S of waiting and every IDLE_RECHECK_MS after, so a lost notification costs a
+  millisecond within a step and at most IDLE_RECHECK_MS in a long wait, and an idle rank wakes 50
+  times a second. (A writer still yields in a loop while the queue's ring is full.)
   docs/tensor-parallel.md has the measurements."""
 
 from __future__ import annotations
 
+import functools
 import time
 
 from security.credentials import EngineKeys
@@ -41,7 +42,8 @@ def wait_without_spinning() -> None:
     while they have waited under IDLE_AFTER_S for the next message, IDLE_RECHECK_MS after that."""
     from vllm.distributed.device_communicators import shm_broadcast
 
-    shm_broadcast.SpinCondition.__init__.__defaults__ = (0.0,)  # busy_loop_s, which vLLM never passes
+    spin_condition = shm_broadcast.SpinCondition
+    spin_condition.__init__ = functools.partialmethod(spin_condition.__init__, busy_loop_s=0.0)
     read_timeout = shm_broadcast.MessageQueue.ReadTimeoutWithWarnings
     vllm_timeout_ms = read_timeout.timeout_ms
 
