@@ -22,7 +22,7 @@ from engine.environment import (
     is_cpu_build,
 )
 from engine.role_spec import KV_CONNECTOR_ENV, KV_CONNECTOR_VLLM_ARGS
-from engine.worker_extension import WEIGHTS_DIR_ENV, WEIGHTS_FILE_ENV
+from engine.weights import WEIGHTS_DIR_ENV, WEIGHTS_FILE_ENV
 from security.credentials import EngineKeys
 
 SERVER_MODULE = "engine.serving"

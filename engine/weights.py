@@ -43,6 +43,11 @@ from transport.nixl import add_peer, new_agent, transfer
 logger = logging.getLogger(__name__)
 
 WEIGHTS_FILE_PREFIX = "pdcluster-weights-"
+# Set by the engine's host (engine/server_command.py): the node's folder of weights files, and where
+# the worker (engine/worker_extension.py) keeps the host copy of its weights that its node's peers
+# may map (a name of the host's making, never a caller's; unset: no copy).
+WEIGHTS_DIR_ENV = "PDCLUSTER_WEIGHTS_DIR"
+WEIGHTS_FILE_ENV = "PDCLUSTER_WEIGHTS_FILE"
 _WEIGHTS_FILE_NAME = re.compile(rf"{WEIGHTS_FILE_PREFIX}[0-9a-f]{{32}}")
 
 

@@ -46,6 +46,8 @@ from engine.checkpoint import host_tensors, read_from_disk, stream_to_device
 from engine.cuda_ipc import IpcTensor
 from engine.quantization import keep_int8_handle_scales
 from engine.weights import (
+    WEIGHTS_DIR_ENV,
+    WEIGHTS_FILE_ENV,
     WeightExporter,
     WeightIntegrityError,
     WeightSet,
@@ -58,12 +60,6 @@ from engine.weights import (
 from security.credentials import EngineKeys
 from transport.listener_warden import seal_tcp_listeners
 from transport.nixl import quiet_progress_threads
-
-# Set by the engine's host (engine/host.py): the node's folder of weights files, and where this
-# worker keeps the host copy of its weights that its node's peers may map (a name of the host's
-# making, never a caller's; unset: no copy).
-WEIGHTS_DIR_ENV = "PDCLUSTER_WEIGHTS_DIR"
-WEIGHTS_FILE_ENV = "PDCLUSTER_WEIGHTS_FILE"
 
 # vLLM loads this module when it builds the worker, before the worker's KV connector makes its
 # NIXL agents: from here on they do not spin a core each (transport/nixl.py says why).
