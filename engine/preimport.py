@@ -18,11 +18,23 @@ import importlib
 import os
 import sys
 
+from engine.environment import ENGINE_CORE_FORK_ENV
+
 PREIMPORTED_MARK = "pdcluster: imported, waiting for the start"
 """The line the process prints once its imports are done (EngineHost marks the stage on it)."""
 
-ENGINE_CORE_MODULES = ("vllm.v1.engine.core", "vllm.v1.worker.gpu_worker")
+ENGINE_CORE_MODULES = ("vllm.v1.engine.core",)
 """What a forked engine core runs that the server module does not import."""
+WORKER_MODULES = ("vllm.v1.worker.gpu_worker",)
+"""What forked workers (on CUDA) run besides."""
+
+
+def forked_children_modules() -> tuple[str, ...]:
+    """The modules of the children vLLM will fork from this process (engine/server_command.py
+    `server_env` says which it forks)."""
+    workers = os.environ.get("VLLM_WORKER_MULTIPROC_METHOD") == "fork"
+    core = workers or ENGINE_CORE_FORK_ENV in os.environ
+    return (ENGINE_CORE_MODULES if core else ()) + (WORKER_MODULES if workers else ())
 
 
 def main(argv: list[str]) -> int:
@@ -30,12 +42,10 @@ def main(argv: list[str]) -> int:
         print("usage: python -m engine.preimport SERVER_MODULE [ARGS...]", file=sys.stderr)
         return 2
     server = importlib.import_module(argv[0])
-    # vLLM forks its engine core from the server process with "fork" (the CPU build insists on
-    # spawn: the core then imports vLLM again) and only while CUDA is not initialized here, which
-    # importing does not do.
-    if os.environ.get("VLLM_WORKER_MULTIPROC_METHOD") == "fork":
-        for module in ENGINE_CORE_MODULES:
-            importlib.import_module(module)
+    # A child vLLM forks (only while CUDA is not initialized here, which importing does not do)
+    # finds its modules imported; a spawned one imports vLLM again.
+    for module in forked_children_modules():
+        importlib.import_module(module)
     print(PREIMPORTED_MARK, flush=True)
     if not sys.stdin.readline():  # end of input: nobody will start this server
         return 0

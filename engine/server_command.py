@@ -13,6 +13,7 @@ from pathlib import Path
 from engine.config import EngineConfig
 from engine.environment import (
     COMPILE_KEY_PLUGIN,
+    ENGINE_CORE_FORK_ENV,
     ENGINE_PLUGINS,
     GRAMMAR_LOGITS_PROCESSOR,
     KV_EVENTS_PLUGIN,
@@ -149,13 +150,18 @@ def server_env(config: EngineConfig, host: str, instance_id: str, keys: EngineKe
     env["VLLM_SERVER_DEV_MODE"] = "1"
     env.update(keys.as_env())
     env["VLLM_PLUGINS"] = ",".join(ENGINE_PLUGINS)  # ours alone
-    if not is_cpu_build() and not config.otlp_traces_endpoint:
+    if not config.otlp_traces_endpoint:
         # The engine core forked from the server process, which imported it ahead
-        # (engine/preimport.py), not spawned to import vLLM again: vLLM's own default, which its
-        # command line turns to spawn. The CPU build insists on spawn (platforms/cpu.py); with
-        # tracing the server sets up its exporter's threads before it starts the core, and a fork
-        # of those is not what vLLM runs: spawn then too.
-        env["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
+        # (engine/preimport.py), not spawned to import vLLM again (~7 s of a CPU start). On CUDA
+        # the workers too: vLLM's own default, which its command line turns to spawn. The CPU
+        # build spawns every child (platforms/cpu.py) as it gives each worker its OpenMP binding in
+        # the environment the worker starts with: there engine/serving.py forks the core alone.
+        # With tracing the server sets up its exporter's threads before it starts the core, and a
+        # fork of those is not what vLLM runs: spawn then.
+        if is_cpu_build():
+            env[ENGINE_CORE_FORK_ENV] = "1"
+        else:
+            env["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
     # vLLM's startup plan: the KV cache size its first start on this GPU type, configuration and
     # memory utilization (server_command) measured, kept under VLLM_CACHE_ROOT beside the compile
     # cache, is reused by the starts after it, which skip profiling the CUDA graphs' memory (0-10 s

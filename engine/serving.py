@@ -16,6 +16,8 @@ factory beside `setup_server` are where vLLM 0.26 and 0.32 alike take them.
 
 from __future__ import annotations
 
+import functools
+import multiprocessing
 import os
 import socket
 import sys
@@ -23,6 +25,7 @@ import sys
 from vllm.entrypoints.openai import api_server  # the seconds of imports a pre-imported process saves
 
 from engine.engine_args import vllm_serve_cli
+from engine.environment import ENGINE_CORE_FORK_ENV
 from engine.server_command import LISTEN_FD_ENV
 from security.credentials import EngineKeys, bearer_matches
 from transport.listener_guard import ListenerLimits, guarded_protocol
@@ -32,9 +35,9 @@ def inherited_listener() -> socket.socket:
     """The listening socket the host handed over."""
     descriptor = int(os.environ[LISTEN_FD_ENV])
     listener = socket.socket(fileno=descriptor)
-    # vLLM's engine core and workers need none of it: not across an exec (the CPU build spawns
-    # them), nor a fork (on CUDA), where a copy would keep the port taking connections after the
-    # server died
+    # vLLM's engine core and workers need none of it: not across an exec (a spawned child), nor a
+    # fork (the engine core; on CUDA the workers too), where a copy would keep the port taking
+    # connections after the server died
     os.set_inheritable(descriptor, False)
     os.register_at_fork(after_in_child=listener.close)
     return listener
@@ -44,6 +47,17 @@ def _use_socket(listener: socket.socket) -> None:
     """Make vLLM's server serve on `listener` instead of binding its own."""
     module = sys.modules[api_server.setup_server.__module__]
     module.create_server_socket = lambda address, *, reuse_port=False: listener
+
+
+def _fork_the_engine_core() -> None:
+    """Where vLLM would spawn every child (the CPU build, platforms/cpu.py: a worker's OpenMP
+    binding is the environment it is exec'd with), the engine core, which computes nothing, is
+    forked from this process all the same, its imports done; the workers it starts still spawn."""
+    if ENGINE_CORE_FORK_ENV not in os.environ:
+        return
+    from vllm.v1.engine import utils as engine_utils
+
+    engine_utils.get_mp_context = functools.partial(multiprocessing.get_context, "fork")
 
 
 def serve(server_args: list[str]) -> None:
@@ -63,6 +77,7 @@ def serve(server_args: list[str]) -> None:
     validate_parsed_serve_args(args)
     keys = EngineKeys.load()
     _use_socket(inherited_listener())
+    _fork_the_engine_core()
     token = keys.engine_token
 
     def proves(headers: list[tuple[bytes, bytes]]) -> bool:

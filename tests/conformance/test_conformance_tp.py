@@ -104,13 +104,36 @@ def test_a_tp2_standby_activated_from_a_tp2_peer_answers_as_plain_vllm(engines):
     assert_conforms(standby.access, MODEL, want)
 
 
+def test_the_engine_core_is_forked_from_its_server_and_the_ranks_spawned(engines):
+    """The core inherits the server's imports (engine/serving.py), each rank starts a new
+    interpreter with the OpenMP binding vLLM puts in its environment."""
+    (hosts, _) = engines
+    ranks = _ranks(psutil.Process(hosts["peer"].describe().pid))
+    (core,) = {rank.parent() for rank in ranks}
+    # A forked child shares its parent's heap until either writes a page (hundreds of MiB of
+    # imports here); a spawned interpreter shares no anonymous memory with anyone.
+    assert _heap_shared_mib(core) > 32, _heap_shared_mib(core)
+    assert [_heap_shared_mib(rank) for rank in ranks] == [0] * TP
+
+
+def _heap_shared_mib(process: psutil.Process) -> int:
+    """MiB of the process's anonymous memory that another process maps too, written since."""
+    return sum(m.shared_dirty for m in process.memory_maps() if m.path in ("[heap]", "[anon]")) >> 20
+
+
+def _ranks(server: psutil.Process) -> list[psutil.Process]:
+    tree = [server, *server.children(recursive=True)]
+    ranks = [p for p in tree if "Worker" in " ".join(p.cmdline()) or "Worker" in p.name()]
+    assert len(ranks) == TP, [(p.name(), p.cmdline()) for p in tree]
+    return ranks
+
+
 def test_a_rank_that_dies_takes_its_whole_engine_down(engines):
     (hosts, _) = engines
     standby = hosts["standby"]
     server = psutil.Process(standby.describe().pid)
     tree = [server, *server.children(recursive=True)]
-    ranks = [p for p in tree if "Worker" in " ".join(p.cmdline()) or "Worker" in p.name()]
-    assert len(ranks) == TP, [(p.name(), p.cmdline()) for p in tree]
+    ranks = _ranks(server)
     os.kill(ranks[-1].pid, signal.SIGKILL)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and any(map(_running, tree)):

@@ -39,7 +39,7 @@ def _gated(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> sub
 
 @pytest.mark.parametrize("method", ["spawn", pytest.param("fork", marks=pytest.mark.slow)])  # fork: vLLM's core imported
 def test_the_server_runs_only_when_told_and_its_children_run(tmp_path, method):
-    """Spawned (vLLM's engine core on the CPU build) or forked (on CUDA) children both run."""
+    """Spawned (vLLM's workers on the CPU build) or forked (its engine core) children both run."""
     out, child_out = tmp_path / "out.json", tmp_path / "child.txt"
     process = _gated(tmp_path, str(out), str(child_out), method,
                      env={"VLLM_WORKER_MULTIPROC_METHOD": method})
