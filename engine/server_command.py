@@ -152,7 +152,7 @@ def server_env(config: EngineConfig, host: str, instance_id: str, keys: EngineKe
     env["VLLM_PLUGINS"] = ",".join(ENGINE_PLUGINS)  # ours alone
     if not config.otlp_traces_endpoint:
         # The engine core forked from the server process, which imported it ahead
-        # (engine/preimport.py), not spawned to import vLLM again (~7 s of a CPU start). On CUDA
+        # (engine/preimport.py), not spawned to import vLLM again (~8 s of a CPU start). On CUDA
         # the workers too: vLLM's own default, which its command line turns to spawn. The CPU
         # build spawns every child (platforms/cpu.py) as it gives each worker its OpenMP binding in
         # the environment the worker starts with: there engine/serving.py forks the core alone.

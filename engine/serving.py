@@ -49,14 +49,17 @@ def _use_socket(listener: socket.socket) -> None:
     module.create_server_socket = lambda address, *, reuse_port=False: listener
 
 
-def _fork_the_engine_core() -> None:
+def _fork_the_engine_core(server_args: list[str]) -> None:
     """Where vLLM would spawn every child (the CPU build, platforms/cpu.py: a worker's OpenMP
     binding is the environment it is exec'd with), the engine core, which computes nothing, is
-    forked from this process all the same, its imports done; the workers it starts still spawn."""
-    if ENGINE_CORE_FORK_ENV not in os.environ:
+    forked from this process all the same, its imports done; the workers it starts still spawn.
+    Not with `--numa-bind`, which vLLM applies by exec'ing its children under numactl."""
+    if ENGINE_CORE_FORK_ENV not in os.environ or "--numa-bind" in server_args:
         return
     from vllm.v1.engine import utils as engine_utils
 
+    if not hasattr(engine_utils, "get_mp_context"):  # else the patch would silently do nothing
+        raise RuntimeError("vLLM starts its engine core elsewhere now: engine/serving.py must follow")
     engine_utils.get_mp_context = functools.partial(multiprocessing.get_context, "fork")
 
 
@@ -77,7 +80,7 @@ def serve(server_args: list[str]) -> None:
     validate_parsed_serve_args(args)
     keys = EngineKeys.load()
     _use_socket(inherited_listener())
-    _fork_the_engine_core()
+    _fork_the_engine_core(server_args)
     token = keys.engine_token
 
     def proves(headers: list[tuple[bytes, bytes]]) -> bool:

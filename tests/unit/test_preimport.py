@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.preimport import PREIMPORTED_MARK
+from engine.environment import ENGINE_CORE_FORK_ENV
+from engine.preimport import ENGINE_CORE_MODULES, PREIMPORTED_MARK, WORKER_MODULES, forked_children_modules
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVER = '''
@@ -68,8 +69,21 @@ def test_end_of_input_ends_the_process_without_running_the_server(tmp_path):
 
 def test_the_engine_host_imports_neither_vllm_nor_torch():
     """The host (a Ray actor) only launches the server process, which imports them; imported in the
-    actor too they would add ~8 s on two cores to every start before the server's own imports."""
+    actor too they would add ~10 s on two cores to every start before the server's own imports."""
     code = "import sys, engine.host; print(sorted({'vllm', 'torch'} & set(sys.modules)))"
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(("env", "modules"), [
+    ({}, ()),
+    ({ENGINE_CORE_FORK_ENV: "1"}, ENGINE_CORE_MODULES),  # the CPU build: the core forked, its workers spawned
+    ({"VLLM_WORKER_MULTIPROC_METHOD": "fork"}, ENGINE_CORE_MODULES + WORKER_MODULES),  # CUDA: both forked
+])
+def test_a_server_imports_ahead_what_its_forked_children_run(monkeypatch, env, modules):
+    for name in (ENGINE_CORE_FORK_ENV, "VLLM_WORKER_MULTIPROC_METHOD"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert forked_children_modules() == modules
