@@ -153,10 +153,8 @@ def server_env(config: EngineConfig, host: str, instance_id: str, keys: EngineKe
     if not config.otlp_traces_endpoint:
         # The engine core forked from the server process, which imported it ahead
         # (engine/preimport.py), not spawned to import vLLM again (~8 s of a CPU start). On CUDA
-        # the workers too: vLLM's own default, which its command line turns to spawn. The CPU
-        # build spawns every child (platforms/cpu.py) as it gives each worker its OpenMP binding in
-        # the environment the worker starts with: there engine/serving.py forks the core alone.
-        # With tracing the server sets up its exporter's threads before it starts the core, and a
+        # the workers too: vLLM's own default, which its command line turns to spawn; on the CPU
+        # build the core alone (engine/serving.py says why). With tracing the server sets up its exporter's threads before it starts the core, and a
         # fork of those is not what vLLM runs: spawn then.
         if is_cpu_build():
             env[ENGINE_CORE_FORK_ENV] = "1"
