@@ -68,7 +68,7 @@ class ListenerWarden:
         self._ports: set[int] = set()
         self._settled: set[int] = set()  # socket inodes judged for good: not ours to shed, or greeted
         self._first_seen: dict[int, float] = {}  # silent accepted connections: inode -> first seen
-        self._others = 0  # descriptors besides silent connections, at the last sweep
+        self._others = 0  # descriptors besides silent connections, at the last sweep (or watch)
         self._count, self._next_full, self._next_sweep, self._next_log, self._logged = -1, 0.0, 0.0, 0.0, 0
 
     def watch(self, listeners: dict[int, tuple[int, int]]) -> None:
@@ -81,6 +81,9 @@ class ListenerWarden:
             self.listeners.update(listeners)
             self._ports = {port for _, port in self.listeners.values()}
             self._next_full = 0.0
+            # Counted now, not left for the first sweep: a tick before it would take a process's
+            # own descriptors (a vLLM worker holds hundreds) for silent connections and pause.
+            self._others = len(os.listdir("/proc/self/fd")) - len(self._first_seen)
 
     def _run(self) -> None:
         next_error_log = 0.0
