@@ -28,9 +28,11 @@ from loadtest.local_cluster import LocalServer
 
 pytestmark = pytest.mark.slow
 MODEL, TP, DTYPE = "tiny", 2, "float32"
-# Nearly the engines' whole context (4096): a tiny TP=2 engine generates 120-190 tokens a second
-# here, and one try found all 16 tokens of a short answer sent before the router's first read.
-MAX_TOKENS = 4000
+# Long enough to find the generating engine and kill one of its ranks mid-stream: 5 s or more at
+# the fastest a tiny TP=2 engine generated here (190 tokens a second; 25-40 beside a replacement
+# engine's start), where one try found all 16 tokens of a short answer sent before the router's
+# first read. Every token more is paid twice, by plain vLLM and by the continuation.
+MAX_TOKENS = 1000
 BODY = {"model": MODEL, "prompt": "The history of the river Thames begins", "max_tokens": MAX_TOKENS,
         "temperature": 0, "ignore_eos": True, "return_token_ids": True}
 
