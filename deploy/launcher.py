@@ -195,15 +195,20 @@ class Launcher:
         live = (
             Live(self._progress_table(actors, {}), console=self.console, transient=True) if progress else None
         )
-        with live or contextlib.nullcontext():
-            while not all(task.done() for task in starts.values()):
-                if time.monotonic() > deadline:
-                    waiting = sorted(iid for iid, task in starts.items() if not task.done())
-                    raise TimeoutError(f"engines not started in time (no node for their role?): {waiting}; "
-                                       "raise --placement-timeout")
-                if live is not None:
-                    live.update(self._progress_table(actors, await self._describe_all(actors)))
-                await asyncio.wait(list(starts.values()), timeout=0.5)
+        try:
+            with live or contextlib.nullcontext():
+                while not all(task.done() for task in starts.values()):
+                    if time.monotonic() > deadline:
+                        waiting = sorted(iid for iid, task in starts.items() if not task.done())
+                        raise TimeoutError(f"engines not started in time (no node for their role?): {waiting}; "
+                                           "raise --placement-timeout")
+                    if live is not None:
+                        live.update(self._progress_table(actors, await self._describe_all(actors)))
+                    await asyncio.wait(list(starts.values()), timeout=0.5)
+        except BaseException:  # timed out, or cancelled (a shutdown): no start left to fail unheard
+            for task in starts.values():
+                task.cancel()
+            raise
         failed = {iid: task.exception() for iid, task in starts.items() if task.exception()}
         for instance_id, exc in failed.items():  # their engines are stopped already; end the actors too
             ray.kill(self._actors.pop(instance_id))
