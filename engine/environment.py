@@ -46,10 +46,10 @@ KV_EVENTS_PLUGIN = "pdcluster_kv_events"
 COMPILE_KEY_PLUGIN = "pdcluster_compile_key"
 RANK_CORES_PLUGIN = "pdcluster_rank_cores"
 ENGINE_PLUGINS = (KV_EVENTS_PLUGIN, COMPILE_KEY_PLUGIN, RANK_CORES_PLUGIN)
-ENGINE_CORE_FORK_ENV = "PDC_FORK_ENGINE_CORE"
-"""Set in a CPU engine's server environment: vLLM's engine core is forked from the server process,
-where vLLM would spawn it (engine/serving.py). On CUDA VLLM_WORKER_MULTIPROC_METHOD=fork does
-that, and forks the workers too (engine/server_command.py `server_env`)."""
+ENGINE_CHILDREN_FORK_ENV = "PDC_FORK_ENGINE_CHILDREN"
+"""Set in a CPU engine's server environment: vLLM's engine core and workers are forked from the
+server process, where vLLM would spawn them (engine/serving.py). On CUDA
+VLLM_WORKER_MULTIPROC_METHOD=fork does that (engine/server_command.py `server_env`)."""
 KV_EVENTS_MARK = "pdcluster: kv events bound "
 """What our publisher prints, followed by its bound endpoints as JSON, once it has bound its
 sockets on ports of the system's choosing (engine/kv_event_publisher.py); the engine's host reads them

@@ -18,23 +18,24 @@ import importlib
 import os
 import sys
 
-from engine.environment import ENGINE_CORE_FORK_ENV
+from engine.environment import ENGINE_CHILDREN_FORK_ENV
 
 PREIMPORTED_MARK = "pdcluster: imported, waiting for the start"
 """The line the process prints once its imports are done (EngineHost marks the stage on it)."""
 
 ENGINE_CORE_MODULES = ("vllm.v1.engine.core",)
 """What a forked engine core runs that the server module does not import."""
-WORKER_MODULES = ("vllm.v1.worker.gpu_worker",)
-"""What forked workers (on CUDA) run besides."""
+CUDA_WORKER_MODULES = ("vllm.v1.worker.gpu_worker",)
+CPU_WORKER_MODULES = ("vllm.v1.worker.cpu_worker",)
+"""What forked workers run besides, on each build."""
 
 
 def forked_children_modules() -> tuple[str, ...]:
-    """The modules of the children vLLM will fork from this process (engine/server_command.py
-    `server_env` says which it forks)."""
-    workers = os.environ.get("VLLM_WORKER_MULTIPROC_METHOD") == "fork"
-    core = workers or ENGINE_CORE_FORK_ENV in os.environ
-    return (ENGINE_CORE_MODULES if core else ()) + (WORKER_MODULES if workers else ())
+    """The modules of the children vLLM will fork from this process, the engine core and its
+    workers (engine/server_command.py `server_env` says on which build and how)."""
+    if os.environ.get("VLLM_WORKER_MULTIPROC_METHOD") == "fork":
+        return ENGINE_CORE_MODULES + CUDA_WORKER_MODULES
+    return ENGINE_CORE_MODULES + CPU_WORKER_MODULES if ENGINE_CHILDREN_FORK_ENV in os.environ else ()
 
 
 def main(argv: list[str]) -> int:

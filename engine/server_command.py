@@ -13,7 +13,7 @@ from pathlib import Path
 from engine.config import EngineConfig
 from engine.environment import (
     COMPILE_KEY_PLUGIN,
-    ENGINE_CORE_FORK_ENV,
+    ENGINE_CHILDREN_FORK_ENV,
     ENGINE_PLUGINS,
     GRAMMAR_LOGITS_PROCESSOR,
     KV_EVENTS_PLUGIN,
@@ -151,13 +151,14 @@ def server_env(config: EngineConfig, host: str, instance_id: str, keys: EngineKe
     env.update(keys.as_env())
     env["VLLM_PLUGINS"] = ",".join(ENGINE_PLUGINS)  # ours alone
     if not config.otlp_traces_endpoint:
-        # The engine core forked from the server process, which imported it ahead
-        # (engine/preimport.py), not spawned to import vLLM again (~8 s of a CPU start). On CUDA
-        # the workers too: vLLM's own default, which its command line turns to spawn; on the CPU
-        # build the core alone (engine/serving.py says why). With tracing the server sets up its exporter's threads before it starts the core, and a
-        # fork of those is not what vLLM runs: spawn then.
+        # The engine core and its workers forked from the server process, which imported them
+        # ahead (engine/preimport.py), not spawned to import vLLM again (~8 s each on CPU). On
+        # CUDA vLLM's own default, which its command line turns to spawn; the CPU build, which
+        # spawns every child, is made to fork by the server (engine/serving.py). With tracing the
+        # server sets up its exporter's threads before it starts the core, and a fork of those is
+        # not what vLLM runs: spawn then.
         if is_cpu_build():
-            env[ENGINE_CORE_FORK_ENV] = "1"
+            env[ENGINE_CHILDREN_FORK_ENV] = "1"
         else:
             env["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
     # vLLM's startup plan: the KV cache size its first start on this GPU type, configuration and

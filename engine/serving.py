@@ -21,11 +21,12 @@ import multiprocessing
 import os
 import socket
 import sys
+from collections.abc import Mapping
 
 from vllm.entrypoints.openai import api_server  # the seconds of imports a pre-imported process saves
 
 from engine.engine_args import vllm_serve_cli
-from engine.environment import ENGINE_CORE_FORK_ENV
+from engine.environment import ENGINE_CHILDREN_FORK_ENV
 from engine.server_command import LISTEN_FD_ENV
 from security.credentials import EngineKeys, bearer_matches
 from transport.listener_guard import ListenerLimits, guarded_protocol
@@ -49,18 +50,63 @@ def _use_socket(listener: socket.socket) -> None:
     module.create_server_socket = lambda address, *, reuse_port=False: listener
 
 
-def _fork_the_engine_core(server_args: list[str]) -> None:
+def _fork_the_engine_children(server_args: list[str]) -> None:
     """Where vLLM would spawn every child (the CPU build, platforms/cpu.py: a worker's OpenMP
-    binding is the environment it is exec'd with), the engine core, which computes nothing, is
-    forked from this process all the same, its imports done; the workers it starts still spawn.
-    Not with `--numa-bind`, which vLLM applies by exec'ing its children under numactl."""
-    if ENGINE_CORE_FORK_ENV not in os.environ or "--numa-bind" in server_args:
+    binding is the environment it is exec'd with), the engine core is forked from this process all
+    the same, its imports done, and so are the workers where they can be (`_workers_fork`), each
+    then binding itself to the cores that environment names (`_on_its_cores`). Not with
+    `--numa-bind`, which vLLM applies by exec'ing its children under numactl."""
+    if ENGINE_CHILDREN_FORK_ENV not in os.environ or "--numa-bind" in server_args:
         return
     from vllm.v1.engine import utils as engine_utils
+    from vllm.v1.executor import multiproc_executor
 
-    if not hasattr(engine_utils, "get_mp_context"):  # else the patch would silently do nothing
-        raise RuntimeError("vLLM starts its engine core elsewhere now: engine/serving.py must follow")
-    engine_utils.get_mp_context = functools.partial(multiprocessing.get_context, "fork")
+    if not hasattr(engine_utils, "get_mp_context") or not hasattr(multiproc_executor, "get_mp_context"):
+        raise RuntimeError("vLLM starts its engine core or workers elsewhere now: engine/serving.py must follow")
+    fork = functools.partial(multiprocessing.get_context, "fork")
+    engine_utils.get_mp_context = fork
+    if _workers_fork(server_args):
+        multiproc_executor.get_mp_context = fork
+        worker = multiproc_executor.WorkerProc
+        worker.worker_main = staticmethod(_on_its_cores(worker.worker_main))
+
+
+def _workers_fork(server_args: list[str]) -> bool:
+    """Whether a CPU engine's workers can be forked rather than spawned: not with a KV connector.
+    vLLM's check of the connector imports it into this process (LMCache: numba, llvmlite), and a
+    worker's start scans every module it has for kernels to replace, failing on llvmlite's library
+    object (`vars(llvmlite.binding.ffi.lib)` is no dict; vLLM 0.32 triton_utils/dispatcher.py)."""
+    return not any(arg.startswith("--kv-transfer-config") for arg in server_args)
+
+
+def _on_its_cores(worker_main):
+    """A forked CPU worker's `worker_main`, run on the cores vLLM named for it in the environment it
+    set for the fork, which the OpenMP runtime loaded before the fork never reads: the process
+    pinned to them, torch's threads one a core."""
+    @functools.wraps(worker_main)
+    def on_its_cores(*args, **kwargs):
+        if cores := omp_cores(os.environ):
+            import torch
+
+            os.sched_setaffinity(0, cores)
+            torch.set_num_threads(len(cores))
+        return worker_main(*args, **kwargs)
+    return on_its_cores
+
+
+def omp_cores(env: Mapping[str, str]) -> set[int]:
+    """The cores vLLM names in `env` for a worker it starts, in the variable of the OpenMP runtime
+    it finds preloaded, as vLLM picks it (utils/ompmultiprocessing.py `configure_omp_envs`): Intel's
+    KMP_AFFINITY "...,proclist=[0,1]", GNU's GOMP_CPU_AFFINITY "0 1", else OMP_PLACES "{0,1}".
+    Empty when vLLM binds none (VLLM_CPU_OMP_THREADS_BIND=nobind)."""
+    preloaded = env.get("LD_PRELOAD", "")
+    if "libiomp" in preloaded or "libomp" in preloaded:
+        listed = env.get("KMP_AFFINITY", "").partition("proclist=[")[2].partition("]")[0]
+    elif "libgomp" in preloaded:
+        listed = env.get("GOMP_CPU_AFFINITY", "")
+    else:
+        listed = env.get("OMP_PLACES", "").strip("{}")
+    return {int(core) for core in listed.replace(",", " ").split()}
 
 
 def serve(server_args: list[str]) -> None:
@@ -80,7 +126,7 @@ def serve(server_args: list[str]) -> None:
     validate_parsed_serve_args(args)
     keys = EngineKeys.load()
     _use_socket(inherited_listener())
-    _fork_the_engine_core(server_args)
+    _fork_the_engine_children(server_args)
     token = keys.engine_token
 
     def proves(headers: list[tuple[bytes, bytes]]) -> bool:

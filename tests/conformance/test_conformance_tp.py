@@ -104,18 +104,19 @@ def test_a_tp2_standby_activated_from_a_tp2_peer_answers_as_plain_vllm(engines):
     assert_conforms(standby.access, MODEL, want)
 
 
-def test_the_engine_core_is_forked_from_its_server_and_the_ranks_spawned(engines):
-    """The core inherits the server's imports (engine/serving.py); each rank is a new interpreter,
-    so that vLLM's OpenMP binding, set in the environment it starts with, takes hold."""
+def test_the_engine_core_and_its_ranks_are_forked_from_their_server_each_rank_on_its_cores(engines):
+    """The core and the ranks inherit the server's imports (engine/serving.py), and each rank runs
+    on the cores vLLM named for it (one each here), as a spawned rank's OpenMP binding would."""
     (hosts, _) = engines
     ranks = _ranks(psutil.Process(hosts["peer"].describe().pid))
     (core,) = {rank.parent() for rank in ranks}
     # A forked child shares its parent's heap until either writes a page (~220 MiB of imports
     # here, after both ran a full garbage collection); a spawned interpreter shares no anonymous
     # memory with anyone.
-    core_shares_mib = _heap_shared_mib(core)
-    assert core_shares_mib > 32, core_shares_mib
-    assert [_heap_shared_mib(rank) for rank in ranks] == [0] * TP
+    shared_mib = [_heap_shared_mib(process) for process in (core, *ranks)]
+    assert min(shared_mib) > 32, shared_mib
+    affinities = [rank.cpu_affinity() for rank in ranks]
+    assert [len(cores) for cores in affinities] == [1] * TP and len({c for cores in affinities for c in cores}) == TP
 
 
 def _heap_shared_mib(process: psutil.Process) -> int:

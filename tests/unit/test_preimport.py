@@ -11,8 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from engine.environment import ENGINE_CORE_FORK_ENV
-from engine.preimport import ENGINE_CORE_MODULES, PREIMPORTED_MARK, WORKER_MODULES, forked_children_modules
+from engine.environment import ENGINE_CHILDREN_FORK_ENV
+from engine.preimport import (
+    CPU_WORKER_MODULES,
+    CUDA_WORKER_MODULES,
+    ENGINE_CORE_MODULES,
+    PREIMPORTED_MARK,
+    forked_children_modules,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVER = '''
@@ -78,12 +84,24 @@ def test_the_engine_host_imports_neither_vllm_nor_torch():
 
 @pytest.mark.parametrize(("env", "modules"), [
     ({}, ()),
-    ({ENGINE_CORE_FORK_ENV: "1"}, ENGINE_CORE_MODULES),  # the CPU build: the core forked, its workers spawned
-    ({"VLLM_WORKER_MULTIPROC_METHOD": "fork"}, ENGINE_CORE_MODULES + WORKER_MODULES),  # CUDA: both forked
+    ({ENGINE_CHILDREN_FORK_ENV: "1"}, ENGINE_CORE_MODULES + CPU_WORKER_MODULES),  # the CPU build
+    ({"VLLM_WORKER_MULTIPROC_METHOD": "fork"}, ENGINE_CORE_MODULES + CUDA_WORKER_MODULES),  # CUDA
 ])
 def test_a_server_imports_ahead_what_its_forked_children_run(monkeypatch, env, modules):
-    for name in (ENGINE_CORE_FORK_ENV, "VLLM_WORKER_MULTIPROC_METHOD"):
+    for name in (ENGINE_CHILDREN_FORK_ENV, "VLLM_WORKER_MULTIPROC_METHOD"):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     assert forked_children_modules() == modules
+
+
+@pytest.mark.parametrize(("env", "cores"), [
+    ({"OMP_PLACES": "{2,3}", "OMP_NUM_THREADS": "2"}, {2, 3}),  # no runtime preloaded
+    ({"LD_PRELOAD": "/torch/lib/libgomp.so.1", "GOMP_CPU_AFFINITY": "1", "OMP_PLACES": "{0}"}, {1}),
+    ({"LD_PRELOAD": "libiomp5.so", "KMP_AFFINITY": "granularity=fine,explicit,proclist=[4,5]"}, {4, 5}),
+    ({"VLLM_CPU_OMP_THREADS_BIND": "nobind"}, set()),
+])
+def test_a_forked_cpu_worker_finds_its_cores_where_vllm_set_them_for_its_openmp_runtime(env, cores):
+    from engine.serving import omp_cores
+
+    assert omp_cores(env) == cores
