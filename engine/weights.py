@@ -38,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from transport.nixl import add_peer, new_agent, transfer
+from transport.nixl import NixlTimeoutError, add_peer, new_agent, transfer
 
 logger = logging.getLogger(__name__)
 
@@ -341,21 +341,42 @@ def fetch_from_peer(
                                 time.perf_counter() - transferred)
 
 
+FIRST_READ_BYTES = 4096
+FIRST_READ_TIMEOUT_S = 10.0
+FIRST_READ_TRIES = 3
+"""A read from a peer starts with its first FIRST_READ_BYTES, and one not done in
+FIRST_READ_TIMEOUT_S is tried again by a new agent (a new connection), FIRST_READ_TRIES times in
+all, before the whole read: a weight read between two agents of one machine was seen never to
+complete, in two CI runs and no other (docs/tensor-parallel.md), and a read of gigabytes cannot
+tell a stalled connection from a slow one."""
+
+
 def _nixl_read(remote: dict, buffer: np.ndarray, timeout_s: float) -> np.ndarray:
     """One-sided READ of the peer's registered buffer into `buffer`, bounded by `timeout_s`."""
     if buffer.nbytes != remote["nbytes"]:
         raise WeightTransferError(
             f"the peer offers {remote['nbytes']} bytes, the manifest says {buffer.nbytes}"
         )
-    agent = new_agent("pdc-fetch")
-    registration = agent.register_memory([(buffer.ctypes.data, buffer.nbytes, 0, "")], "DRAM")
-    try:
-        peer = add_peer(agent, base64.b64decode(remote["metadata"]))
-        transfer(agent, "READ", [(buffer.ctypes.data, buffer.nbytes)], [(remote["address"], buffer.nbytes)],
-                 peer, timeout_s)
-        agent.remove_remote_agent(peer)
-        return buffer
-    except Exception as exc:  # NixlTransferError, or NIXL's own: an unreachable or vanished peer
-        raise WeightTransferError(f"NIXL read failed: {exc}") from exc
-    finally:
-        agent.deregister_memory(registration)
+    deadline = time.monotonic() + timeout_s
+    whole = ([(buffer.ctypes.data, buffer.nbytes)], [(remote["address"], buffer.nbytes)])
+    first = min(FIRST_READ_BYTES, buffer.nbytes)
+    for tries in range(1, FIRST_READ_TRIES + 1):
+        agent = new_agent("pdc-fetch")
+        registration = agent.register_memory([(buffer.ctypes.data, buffer.nbytes, 0, "")], "DRAM")
+        try:
+            peer = add_peer(agent, base64.b64decode(remote["metadata"]))
+            try:
+                transfer(agent, "READ", [(buffer.ctypes.data, first)], [(remote["address"], first)], peer,
+                         min(FIRST_READ_TIMEOUT_S, deadline - time.monotonic()))
+            except NixlTimeoutError:
+                logger.warning("NIXL: a first read from the peer was not done in %g s (try %d of %d)",
+                               FIRST_READ_TIMEOUT_S, tries, FIRST_READ_TRIES)
+                continue
+            transfer(agent, "READ", *whole, peer, deadline - time.monotonic())
+            agent.remove_remote_agent(peer)
+            return buffer
+        except Exception as exc:  # NixlTransferError, or NIXL's own: an unreachable or vanished peer
+            raise WeightTransferError(f"NIXL read failed: {exc}") from exc
+        finally:
+            agent.deregister_memory(registration)
+    raise WeightTransferError(f"NIXL read failed: no first read done in {FIRST_READ_TRIES} tries")
