@@ -79,8 +79,13 @@ def test_a_pool_of_one_preimported_process_serves_a_burst_as_plain_vllm(artifact
         results = asyncio.run(burst(server.url))
         assert [status for status, _, _ in results] == [200] * len(PROMPTS), results
         assert_conforms(server.url, "tiny", oracle("tiny"))
+        # The pool imports a replacement meanwhile (~18 s here; the burst may be over sooner).
+        deadline = time.monotonic() + 120
+        while not preimported(server):
+            assert time.monotonic() < deadline, server.instances()
+            time.sleep(0.5)
     paths = [json.loads(line)["path"] for line in start_log.read_text().splitlines()]
-    # Imported ahead, started for the burst; the pool imports a replacement meanwhile.
+    # Imported ahead, started for the burst, and a replacement imported.
     assert paths[0] == "preimport" and "preimported" in paths and paths.count("preimport") >= 2, paths
 
 
