@@ -18,14 +18,21 @@ LENGTH_FIELDS = ("max_tokens", "max_completion_tokens", "n", "best_of")
 
 def capped(body):
     """Short generations, and the served model's name (a random name only ever gets the 404
-    the unit tests check), so generated bodies reach the engine."""
+    the unit tests check), so generated bodies reach the engine. A body that sets no length (both
+    absent or null) would generate to the end of the context, n times: it gets `max_tokens` 4."""
     if isinstance(body, dict):
         body["model"] = "tiny"
         for field in LENGTH_FIELDS:
             value = body.get(field)
-            if isinstance(value, int) and not isinstance(value, bool) and value > 4:
+            if is_int(value) and value > 4:
                 body[field] = 4
+        if body.get("max_tokens") is None and not is_int(body.get("max_completion_tokens")):
+            body["max_tokens"] = 4
     return body
+
+
+def is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def fuzz(operation, base_url: str, examples: int, seen: list[int]) -> None:
