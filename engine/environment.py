@@ -50,6 +50,10 @@ ENGINE_CHILDREN_FORK_ENV = "PDC_FORK_ENGINE_CHILDREN"
 """Set in a CPU engine's server environment: vLLM's engine core and workers are forked from the
 server process, where vLLM would spawn them (engine/serving.py). On CUDA
 VLLM_WORKER_MULTIPROC_METHOD=fork does that (engine/server_command.py `server_env`)."""
+CPU_INDUCTOR_ENV = {"TORCHINDUCTOR_COMPILE_THREADS": "1", "TORCHINDUCTOR_CPP_DYNAMIC_THREADS": "1"}
+"""What vLLM's CPU platform sets for its workers (platforms/cpu.py: no compile subprocesses, kernels
+that keep the ranks' thread binding), in a CPU server's environment from its start: torch's
+inductor config reads them once, when the server imports it, and forked workers inherit that."""
 KV_EVENTS_MARK = "pdcluster: kv events bound "
 """What our publisher prints, followed by its bound endpoints as JSON, once it has bound its
 sockets on ports of the system's choosing (engine/kv_event_publisher.py); the engine's host reads them

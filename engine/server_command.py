@@ -13,6 +13,7 @@ from pathlib import Path
 from engine.config import EngineConfig
 from engine.environment import (
     COMPILE_KEY_PLUGIN,
+    CPU_INDUCTOR_ENV,
     ENGINE_CHILDREN_FORK_ENV,
     ENGINE_PLUGINS,
     GRAMMAR_LOGITS_PROCESSOR,
@@ -159,6 +160,7 @@ def server_env(config: EngineConfig, host: str, instance_id: str, keys: EngineKe
         # not what vLLM runs: spawn then.
         if is_cpu_build():
             env[ENGINE_CHILDREN_FORK_ENV] = "1"
+            env.update(CPU_INDUCTOR_ENV)
         else:
             env["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
     # vLLM's startup plan: the KV cache size its first start on this GPU type, configuration and

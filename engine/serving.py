@@ -50,38 +50,45 @@ def _use_socket(listener: socket.socket) -> None:
     module.create_server_socket = lambda address, *, reuse_port=False: listener
 
 
-def _fork_the_engine_children(server_args: list[str]) -> None:
+def _fork_the_engine_children(numa_bind: bool) -> None:
     """Where vLLM would spawn every child (the CPU build, platforms/cpu.py: a worker's OpenMP
     binding is the environment it is exec'd with), the engine core is forked from this process all
-    the same, its imports done, and so are the workers where they can be (`_workers_fork`), each
+    the same, its imports done, and so are the workers where they can be (`_workers_context`), each
     then binding itself to the cores that environment names (`_on_its_cores`). Not with
     `--numa-bind`, which vLLM applies by exec'ing its children under numactl."""
-    if ENGINE_CHILDREN_FORK_ENV not in os.environ or "--numa-bind" in server_args:
+    if ENGINE_CHILDREN_FORK_ENV not in os.environ or numa_bind:
         return
     from vllm.v1.engine import utils as engine_utils
     from vllm.v1.executor import multiproc_executor
 
     if not hasattr(engine_utils, "get_mp_context") or not hasattr(multiproc_executor, "get_mp_context"):
         raise RuntimeError("vLLM starts its engine core or workers elsewhere now: engine/serving.py must follow")
-    fork = functools.partial(multiprocessing.get_context, "fork")
-    engine_utils.get_mp_context = fork
-    if _workers_fork(server_args):
-        multiproc_executor.get_mp_context = fork
-        worker = multiproc_executor.WorkerProc
-        worker.worker_main = staticmethod(_on_its_cores(worker.worker_main))
+    engine_utils.get_mp_context = functools.partial(multiprocessing.get_context, "fork")
+    multiproc_executor.get_mp_context = _workers_context
+    worker = multiproc_executor.WorkerProc
+    # Pickled by name for a spawned worker, which runs vLLM's own `worker_main`.
+    worker.worker_main = staticmethod(_on_its_cores(worker.worker_main))
 
 
-def _workers_fork(server_args: list[str]) -> bool:
-    """Whether a CPU engine's workers can be forked rather than spawned: not with a KV connector.
-    vLLM's check of the connector imports it into this process (LMCache: numba, llvmlite), and a
-    worker's start scans every module it has for kernels to replace, failing on llvmlite's library
-    object (`vars(llvmlite.binding.ffi.lib)` is no dict; vLLM 0.32 triton_utils/dispatcher.py)."""
-    return not any(arg.startswith("--kv-transfer-config") for arg in server_args)
+@functools.cache  # one answer for the executor's lock and every worker it starts
+def _workers_context() -> multiprocessing.context.BaseContext:
+    """How the engine core starts its workers: forked, unless the scan for kernels to replace
+    that vLLM runs at each worker's start, over every module the worker holds, fails on a module
+    this process imported (vLLM 0.32 triton_utils/dispatcher.py reads `vars(value).get`, which
+    llvmlite's library object does not have: LMCache, a KV connector, brings it in through numba,
+    as some multimodal processors and parser plugins would); spawned then, as vLLM has them."""
+    try:
+        from vllm.triton_utils.dispatcher import _rebind_kernels
+
+        _rebind_kernels([])  # the scan itself, replacing nothing
+    except Exception:
+        return multiprocessing.get_context("spawn")
+    return multiprocessing.get_context("fork")
 
 
 def _on_its_cores(worker_main):
     """A forked CPU worker's `worker_main`, run on the cores vLLM named for it in the environment it
-    set for the fork, which the OpenMP runtime loaded before the fork never reads: the process
+    set for the fork, which GNU's OpenMP runtime, loaded before the fork, never reads: the process
     pinned to them, torch's threads one a core."""
     @functools.wraps(worker_main)
     def on_its_cores(*args, **kwargs):
@@ -126,7 +133,7 @@ def serve(server_args: list[str]) -> None:
     validate_parsed_serve_args(args)
     keys = EngineKeys.load()
     _use_socket(inherited_listener())
-    _fork_the_engine_children(server_args)
+    _fork_the_engine_children(getattr(args, "numa_bind", False))  # vLLM 0.26 has no such flag
     token = keys.engine_token
 
     def proves(headers: list[tuple[bytes, bytes]]) -> bool:
