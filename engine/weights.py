@@ -365,16 +365,18 @@ def _nixl_read(remote: dict, buffer: np.ndarray, timeout_s: float) -> np.ndarray
         registration = agent.register_memory([(buffer.ctypes.data, buffer.nbytes, 0, "")], "DRAM")
         try:
             peer = add_peer(agent, base64.b64decode(remote["metadata"]))
-            try:
-                transfer(agent, "READ", [(buffer.ctypes.data, first)], [(remote["address"], first)], peer,
-                         min(FIRST_READ_TIMEOUT_S, deadline - time.monotonic()))
-            except NixlTimeoutError:
-                logger.warning("NIXL: a first read from the peer was not done in %g s (try %d of %d)",
-                               FIRST_READ_TIMEOUT_S, tries, FIRST_READ_TRIES)
-                continue
-            transfer(agent, "READ", *whole, peer, deadline - time.monotonic())
-            agent.remove_remote_agent(peer)
-            return buffer
+            try:  # a stalled try's endpoint is closed too, not left to the serving peer's worker
+                try:
+                    transfer(agent, "READ", [(buffer.ctypes.data, first)], [(remote["address"], first)], peer,
+                             min(FIRST_READ_TIMEOUT_S, deadline - time.monotonic()))
+                except NixlTimeoutError:
+                    logger.warning("NIXL: a first read from the peer was not done in %g s (try %d of %d)",
+                                   FIRST_READ_TIMEOUT_S, tries, FIRST_READ_TRIES)
+                    continue
+                transfer(agent, "READ", *whole, peer, deadline - time.monotonic())
+                return buffer
+            finally:
+                agent.remove_remote_agent(peer)
         except Exception as exc:  # NixlTransferError, or NIXL's own: an unreachable or vanished peer
             raise WeightTransferError(f"NIXL read failed: {exc}") from exc
         finally:
