@@ -35,38 +35,9 @@ async def test_a_stranger_can_neither_subscribe_nor_replay(endpoints):
     pub, replay = endpoints
     engine = publisher(pub, replay, "engine-a")
     context = zmq.asyncio.Context()
-
-    def subscriber(keys) -> zmq.asyncio.Socket:
-        socket = context.socket(zmq.SUB)
-        socket.setsockopt(zmq.LINGER, 0)
-        socket.setsockopt(zmq.SUBSCRIBE, b"")
-        if keys is not None:
-            connect_curve(socket, keys)
-        socket.connect(pub)
-        return socket
-
-    async def heard(socket) -> list[bytes] | None:
-        try:
-            return await asyncio.wait_for(socket.recv_multipart(), 0.3)
-        except TimeoutError:
-            return None
-
-    async def replay_reply(keys) -> list[bytes] | None:
-        socket = context.socket(zmq.DEALER)
-        socket.setsockopt(zmq.LINGER, 0)
-        if keys is not None:
-            connect_curve(socket, keys)
-        socket.connect(replay)
-        await socket.send_multipart((b"", (0).to_bytes(8, "big")))
-        try:
-            return await asyncio.wait_for(socket.recv_multipart(), 1.0)
-        except TimeoutError:
-            return None
-        finally:
-            socket.close(0)
-
-    strangers = [subscriber(None), subscriber(ClusterCredentials.generate().curve(KV_EVENTS_PLANE))]
-    member = subscriber(KEYS)
+    strangers = [subscriber(context, pub, None),
+                 subscriber(context, pub, ClusterCredentials.generate().curve(KV_EVENTS_PLANE))]
+    member = subscriber(context, pub, KEYS)
     try:
         frames = None
         for _ in range(50):  # until the member's subscription reached the engine
@@ -79,15 +50,55 @@ async def test_a_stranger_can_neither_subscribe_nor_replay(endpoints):
         for _ in range(3):  # the strangers' handshakes had as long as the member's, and more
             engine.publish(stored(6))
             assert [await heard(s) for s in strangers] == [None, None]
-        assert await replay_reply(None) is None  # no CURVE
-        assert await replay_reply(ClusterCredentials.generate().curve(KV_EVENTS_PLANE)) is None  # other keys
-        (event, *_) = msgspec.msgpack.decode((await replay_reply(KEYS))[-1], type=KVEventBatch).events
+        assert await replay_reply(context, replay, None) is None  # no CURVE
+        other_keys = ClusterCredentials.generate().curve(KV_EVENTS_PLANE)
+        assert await replay_reply(context, replay, other_keys) is None
+        (event, *_) = msgspec.msgpack.decode((await replay_reply(context, replay, KEYS))[-1], type=KVEventBatch).events
         assert event.token_ids == []
     finally:
         for socket in (*strangers, member):
             socket.close(0)
         engine.shutdown()
         context.term()
+
+
+def subscriber(context, pub: str, keys):
+    """A SUB socket at an engine's publisher, subscribed to everything (keys: the plane's, a
+    stranger's, or None for no CURVE)."""
+    import zmq
+
+    socket = context.socket(zmq.SUB)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.SUBSCRIBE, b"")
+    if keys is not None:
+        connect_curve(socket, keys)
+    socket.connect(pub)
+    return socket
+
+
+async def heard(socket) -> list[bytes] | None:
+    try:
+        return await asyncio.wait_for(socket.recv_multipart(), 0.3)
+    except TimeoutError:
+        return None
+
+
+async def replay_reply(context, replay: str, keys) -> list[bytes] | None:
+    """The replay socket's answer to a request for the whole history, or None within a second."""
+    import zmq
+
+    socket = context.socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    if keys is not None:
+        connect_curve(socket, keys)
+    socket.connect(replay)
+    await socket.send_multipart((b"", (0).to_bytes(8, "big")))
+    try:
+        return await asyncio.wait_for(socket.recv_multipart(), 1.0)
+    except TimeoutError:
+        return None
+    finally:
+        socket.close(0)
 
 
 class MemberPublisher:
@@ -289,15 +300,10 @@ async def test_malformed_replay_requests_leave_the_publisher_replaying_and_publi
     (each lot answered before the next: every one is taken off the socket, those shaped as
     requests answered). After all of that the router's own replay client catches up on the
     engine's history and the engine's next batch reaches the router's index."""
-    import contextlib
-    import dataclasses
     import logging
     import random
-    import socket
 
     import zmq
-
-    from engine.kv_event_publisher import _gates
 
     pub, replay = endpoints
     engine = publisher(pub, replay, "engine-a")
@@ -307,60 +313,87 @@ async def test_malformed_replay_requests_leave_the_publisher_replaying_and_publi
     try:
         for k in (1, 2, 3):  # the history a router catches up on
             engine.publish(stored(k))
-        gate = _gates[id(engine._ctx)]
-        refused = gate.refused
-        other_cluster = ClusterCredentials.generate().curve(KV_EVENTS_PLANE)
-        for keys in (None, other_cluster, dataclasses.replace(other_cluster, server_public=KEYS.server_public)):
-            sockets.append(stranger := replay_dealer(context, replay, keys))
-            for n in range(500):  # under the socket's high-water mark: none blocks
-                with contextlib.suppress(zmq.Again):
-                    stranger.send_multipart(random_replay_request(rng, n), zmq.NOBLOCK)
-        host, port = replay.removeprefix("tcp://").split(":")
-        for n in range(200):
-            with socket.create_connection((host, int(port)), timeout=2) as raw:
-                raw.sendall((ZMTP_CURVE_GREETING if n % 2 else b"") + rng.randbytes(rng.randrange(1, 512)))
-        await until(lambda: gate.refused > refused)  # the ZAP handler turned the own key pair away
-        await asyncio.sleep(0.5)
-        assert [s.poll(0) for s in sockets] == [0, 0, 0]  # no answer
-        assert engine.replay_requests == 0  # and not one message of theirs reached vLLM's code
-
+        await strangers_reach_no_code(engine, context, replay, rng, sockets)
         caplog.set_level(logging.ERROR, logger="vllm.distributed.kv_events")  # a warning per malformed one
         sockets.append(member := replay_dealer(context, replay, KEYS))
-        sent = 0
-        for lot in range(REPLAY_FUZZ // 250):
-            requests = [random_replay_request(rng, n) for n in range(lot * 250, (lot + 1) * 250)]
-            requests.append([b"", (2**64 - 1).to_bytes(8, "big")])  # a request past the history: the lot's end
-            for frames in requests:
-                member.send_multipart(frames)
-            sent += len(requests)
-            ends = sum(len(frames) == 2 for frames in requests)  # each request shaped right: one end marker
-            deadline = time.monotonic() + 20
-            while ends:
-                assert member.poll(max(0, int((deadline - time.monotonic()) * 1000))), \
-                    f"lot {lot}: {ends} answers missing; {engine.replay_requests} of {sent} taken"
-                answer = member.recv_multipart()
-                ends -= answer[2] == END_SEQ
+        sent = fuzz_replay_requests(engine, member, rng)
         assert engine.replay_requests == sent == REPLAY_FUZZ + REPLAY_FUZZ // 250
         assert engine._thread.is_alive()
-
-        index = KVIndex()
-        listener = listener_for(index, {"engine-a": replay}.get)
-        listener.follow("engine-a", pub)
-        listener.start()
-        try:
-            await until(lambda: index.expected_seq("engine-a") == 3)  # replayed: nothing was published since
-            assert index.match([1, 2, 3]) == {"engine-a": 3} and listener.resyncs == 0
-            for k in range(4, 50):  # live now (a batch the SUB side missed is replayed at the next)
-                engine.publish(stored(k))
-                with contextlib.suppress(AssertionError):
-                    await until(lambda k=k: index.expected_seq("engine-a") == k, timeout_s=0.5)
-                    break
-            assert index.match(list(range(1, k + 1))) == {"engine-a": k}
-            assert engine.replay_requests > sent  # the router's replay took the same road
-        finally:
-            await listener.stop()
+        await router_catches_up_and_follows(engine, pub, replay)
+        assert engine.replay_requests > sent  # the router's replay took the same road
     finally:
         for each in sockets:
             each.close(0)
         context.term()
         engine.shutdown()
+
+
+async def strangers_reach_no_code(engine, context, replay: str, rng, sockets: list) -> None:
+    """No CURVE, another cluster's keys, the server's public key with a key pair of their own, and
+    random bytes at the port (with and without a ZMTP greeting): no answer, no message taken."""
+    import contextlib
+    import dataclasses
+    import socket
+
+    import zmq
+
+    from engine.kv_event_publisher import _gates
+
+    gate = _gates[id(engine._ctx)]
+    refused = gate.refused
+    other_cluster = ClusterCredentials.generate().curve(KV_EVENTS_PLANE)
+    for keys in (None, other_cluster, dataclasses.replace(other_cluster, server_public=KEYS.server_public)):
+        sockets.append(stranger := replay_dealer(context, replay, keys))
+        for n in range(500):  # under the socket's high-water mark: none blocks
+            with contextlib.suppress(zmq.Again):
+                stranger.send_multipart(random_replay_request(rng, n), zmq.NOBLOCK)
+    host, port = replay.removeprefix("tcp://").split(":")
+    for n in range(200):
+        with socket.create_connection((host, int(port)), timeout=2) as raw:
+            raw.sendall((ZMTP_CURVE_GREETING if n % 2 else b"") + rng.randbytes(rng.randrange(1, 512)))
+    await until(lambda: gate.refused > refused)  # the ZAP handler turned the own key pair away
+    await asyncio.sleep(0.5)
+    assert [s.poll(0) for s in sockets] == [0, 0, 0]  # no answer
+    assert engine.replay_requests == 0  # and not one message of theirs reached vLLM's code
+
+
+def fuzz_replay_requests(engine, member, rng) -> int:
+    """REPLAY_FUZZ random requests from a member, 250 at a time, each lot closed by a request past
+    the history and answered before the next; how many were sent."""
+    sent = 0
+    for lot in range(REPLAY_FUZZ // 250):
+        requests = [random_replay_request(rng, n) for n in range(lot * 250, (lot + 1) * 250)]
+        requests.append([b"", (2**64 - 1).to_bytes(8, "big")])  # a request past the history: the lot's end
+        for frames in requests:
+            member.send_multipart(frames)
+        sent += len(requests)
+        ends = sum(len(frames) == 2 for frames in requests)  # each request shaped right: one end marker
+        deadline = time.monotonic() + 20
+        while ends:
+            assert member.poll(max(0, int((deadline - time.monotonic()) * 1000))), \
+                f"lot {lot}: {ends} answers missing; {engine.replay_requests} of {sent} taken"
+            answer = member.recv_multipart()
+            ends -= answer[2] == END_SEQ
+    return sent
+
+
+async def router_catches_up_and_follows(engine, pub: str, replay: str) -> None:
+    """The router's own replay client catches up on the engine's history (blocks 1-3), and the
+    engine's next batches reach the router's index."""
+    import contextlib
+
+    index = KVIndex()
+    listener = listener_for(index, {"engine-a": replay}.get)
+    listener.follow("engine-a", pub)
+    listener.start()
+    try:
+        await until(lambda: index.expected_seq("engine-a") == 3)  # replayed: nothing was published since
+        assert index.match([1, 2, 3]) == {"engine-a": 3} and listener.resyncs == 0
+        for k in range(4, 50):  # live now (a batch the SUB side missed is replayed at the next)
+            engine.publish(stored(k))
+            with contextlib.suppress(AssertionError):
+                await until(lambda k=k: index.expected_seq("engine-a") == k, timeout_s=0.5)
+                break
+        assert index.match(list(range(1, k + 1))) == {"engine-a": k}
+    finally:
+        await listener.stop()
