@@ -53,62 +53,70 @@ def main() -> int:
                     "--object-store-memory=100000000", f"--autoscaling-config={config}"],
                    env=env, check=True, capture_output=True)
     try:
-        import asyncio
-
         import ray
 
-        from decode.role import DECODE
-        from deploy.actor_placement import placement_options
-        from deploy.launcher import Launcher
-        from fleet.instances import InstanceRegistry
-        from kvstore.settings import StoreSettings
-        from kvstore.sharded_store import ShardedStore
-        from security.credentials import ClusterCredentials
-        from transport.zmq_curve import STORE_PLANE
-
         ray.init("auto", log_to_driver=False, namespace="pdcluster")
-
-        def decode_nodes() -> int:
-            return sum(1 for n in ray.nodes() if n["Alive"] and n["Resources"].get("decode"))
-
-        credentials = ClusterCredentials.generate()
-        launcher = Launcher(InstanceRegistry(), credentials)
-        shards = asyncio.run(launcher.start_store_shards(32 * 1024**2))
-        # a client from before the scale-up, as an engine's would be
-        store = ShardedStore(StoreSettings(tuple(shards)), credentials.curve(STORE_PLANE))
-        seen = {"decode_nodes_at_start": decode_nodes(), "store_shards_at_start": len(shards)}
-
-        @ray.remote
-        class DecodeSlot:  # holds a decode engine's placement; the engine is not the subject here
-            def node(self) -> str:
-                return ray.get_runtime_context().get_node_id()
-
-        started = time.monotonic()
-        slots = [DecodeSlot.options(**placement_options(DECODE, gpus=0)).remote() for _ in range(2)]
-        nodes = ray.get([s.node.remote() for s in slots], timeout=180)
-        seen.update(scale_up_s=time.monotonic() - started, decode_nodes_in_use=decode_nodes(),
-                    distinct_nodes=len(set(nodes)))
-        # The slots stand for engines: the launcher is told their nodes instead of asking engines.
-        shards = asyncio.run(launcher.store.reconcile(60, engine_nodes=set(nodes)))
-        seen["store_shards_after_scale_up"] = len(shards)
-        store.contains(["any"])  # a reply names the new member list's epoch
-        store.contains(["any"])  # followed before this call
-        seen["client_shards_after_scale_up"] = len(store.shards)
-        for slot in slots:
-            ray.kill(slot)
-        # No engine left there: their shards end, or the nodes would never be idle.
-        seen["store_shards_after_engines_left"] = len(
-            asyncio.run(launcher.store.reconcile(engine_nodes=set()))
-        )
-        seen["scale_down_s"] = wait_for(lambda: decode_nodes() == 0, 180)
-        seen["decode_nodes_at_end"] = decode_nodes()
-        store.close()
-        asyncio.run(launcher.shutdown())
-        print(json.dumps(seen))
+        print(json.dumps(scale_up_and_down()))
         ray.shutdown()
         return 0
     finally:
         subprocess.run([BIN / "ray", "stop", "--force"], env=env, capture_output=True)
+
+
+def decode_nodes() -> int:
+    import ray
+
+    return sum(1 for n in ray.nodes() if n["Alive"] and n["Resources"].get("decode"))
+
+
+def scale_up_and_down() -> dict:
+    """Two decode slots placed (the autoscaler adds their nodes), the store's shards reconciled
+    to them, the slots gone (the nodes idle and are removed): what was seen at each step."""
+    import asyncio
+
+    import ray
+
+    from decode.role import DECODE
+    from deploy.actor_placement import placement_options
+    from deploy.launcher import Launcher
+    from fleet.instances import InstanceRegistry
+    from kvstore.settings import StoreSettings
+    from kvstore.sharded_store import ShardedStore
+    from security.credentials import ClusterCredentials
+    from transport.zmq_curve import STORE_PLANE
+
+    credentials = ClusterCredentials.generate()
+    launcher = Launcher(InstanceRegistry(), credentials)
+    shards = asyncio.run(launcher.start_store_shards(32 * 1024**2))
+    # a client from before the scale-up, as an engine's would be
+    store = ShardedStore(StoreSettings(tuple(shards)), credentials.curve(STORE_PLANE))
+    seen = {"decode_nodes_at_start": decode_nodes(), "store_shards_at_start": len(shards)}
+
+    @ray.remote
+    class DecodeSlot:  # holds a decode engine's placement; the engine is not the subject here
+        def node(self) -> str:
+            return ray.get_runtime_context().get_node_id()
+
+    started = time.monotonic()
+    slots = [DecodeSlot.options(**placement_options(DECODE, gpus=0)).remote() for _ in range(2)]
+    nodes = ray.get([s.node.remote() for s in slots], timeout=180)
+    seen.update(scale_up_s=time.monotonic() - started, decode_nodes_in_use=decode_nodes(),
+                distinct_nodes=len(set(nodes)))
+    # The slots stand for engines: the launcher is told their nodes instead of asking engines.
+    shards = asyncio.run(launcher.store.reconcile(60, engine_nodes=set(nodes)))
+    seen["store_shards_after_scale_up"] = len(shards)
+    store.contains(["any"])  # a reply names the new member list's epoch
+    store.contains(["any"])  # followed before this call
+    seen["client_shards_after_scale_up"] = len(store.shards)
+    for slot in slots:
+        ray.kill(slot)
+    # No engine left there: their shards end, or the nodes would never be idle.
+    seen["store_shards_after_engines_left"] = len(asyncio.run(launcher.store.reconcile(engine_nodes=set())))
+    seen["scale_down_s"] = wait_for(lambda: decode_nodes() == 0, 180)
+    seen["decode_nodes_at_end"] = decode_nodes()
+    store.close()
+    asyncio.run(launcher.shutdown())
+    return seen
 
 
 if __name__ == "__main__":
