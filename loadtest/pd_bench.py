@@ -10,7 +10,8 @@ while the prefill instance has more than one average prompt queued
 long generations; lengths +-50%) at a fixed concurrency against each, --runs times per server
 with a new seed each time (fresh prompts: no run finds another's KV). Prints a table of medians
 over the runs, with ratios to colocated and the router's mean remote-prefill time (the prefill
-part of a P/D request's TTFT); writes JSON (every run's summary) and a PNG. On a 2-core CPU
+part of a P/D request's TTFT); writes JSON (every run's summary, with the cores its engines and
+all other processes used: loadtest.host_cpu) and a PNG. On a 2-core CPU
 machine the engines share the cores the load generator also needs: read the ratios, not the
 absolute times.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import statistics
 from pathlib import Path
@@ -28,6 +30,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from loadtest.arrivals import FixedConcurrency
+from loadtest.host_cpu import HostCpuMeter
 from loadtest.local_cluster import LocalServer
 from loadtest.report import summarize
 from loadtest.runner import Limits, run_load
@@ -77,11 +80,12 @@ def main(argv: list[str] | None = None) -> int:
         with LocalServer(["--model", "tiny", *flags], args.out.parent / f"pd_bench-{slug}.log") as server:
             for run in range(args.runs):
                 workload = RandomLengths(args.input_tokens, args.output_tokens, range_ratio=0.5, seed=7 + run)
-                with Progress(console=console, transient=True) as progress:
+                with Progress(console=console, transient=True) as progress, HostCpuMeter() as cpu:
                     console.print(f"{name}: run {run + 1} of {args.runs}")
                     load = asyncio.run(run_load(server.url, workload.jobs("tiny"), FixedConcurrency(args.concurrency),
                                                 Limits(args.requests), progress))
-                runs.setdefault(name, []).append(summarize(load, slo_ttft_s=2.0, slo_tpot_s=0.1, label=name))
+                summary = summarize(load, slo_ttft_s=2.0, slo_tpot_s=0.1, label=name)
+                runs.setdefault(name, []).append({**summary, "host_cpu": dataclasses.asdict(cpu.result)})
     medians = {name: {column: statistics.median(value(s, path) for s in summaries)
                       for column, path in METRICS.items()} for name, summaries in runs.items()}
     for name, summaries in runs.items():

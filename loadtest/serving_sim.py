@@ -1,6 +1,7 @@
 """Serving simulated step by step: engines that batch, prefill in chunks and decode, placed by the
 live router's own placement step, on step times measured on a real engine (issue #37). Run by
-`loadtest.pd_predict` (beside a load test's measurements) and `pdcluster plan` (loadtest.pd_plan).
+`loadtest.pd_predict` (beside an open-loop load test's measurements), `loadtest.pd_bench_predict`
+(beside pd_bench's closed loop on CPU engines) and `pdcluster plan` (loadtest.pd_plan).
 
 The decode model: each engine runs vLLM's scheduling loop. A step takes every decoding sequence
 (one token each), then the prompts in prefill, oldest first, chunked to the engine's token budget
@@ -161,7 +162,7 @@ class SimEngine:
         self.busy = True
         attention = sum(Step.chunk_attention(c, j.record.input_length - j.compute + j.done) for j, c in chunks)
         step = Step(decode_seqs, self.context_tokens, sum(c for _, c in chunks), attention)
-        self.sim.at(now + self.model.seconds(step), lambda: self._end_step(chunks))
+        self.sim.at(now + self.model.seconds(step) / self.sim.core_share, lambda: self._end_step(chunks))
 
     def _end_step(self, chunks: list[tuple[Job, int]]) -> None:
         now, index = self.sim.now, len(self.step_ends)
@@ -205,11 +206,13 @@ class Simulation:
 
     def __init__(self, topology: Topology, model: StepModel, handover: Handover, pd_model: StepModel | None = None,
                  policy: str = "kv_aware", hop_s: float = 0.002,
-                 remote_prefill_min_tokens: int = DEFAULT_REMOTE_PREFILL_MIN_TOKENS) -> None:
+                 remote_prefill_min_tokens: int = DEFAULT_REMOTE_PREFILL_MIN_TOKENS, core_share: float = 1.0) -> None:
         """`model` steps colocated engines, `pd_model` (default: `model`) prefill and decode ones
-        (ours run P/D engines with other vLLM settings: engine/role_spec.py)."""
+        (ours run P/D engines with other vLLM settings: engine/role_spec.py). An engine's steps take
+        their profiled time over `core_share`, the share of its compute it gets where other
+        processes (the router, clients, API servers) run on its cores (CPU machines; 1 on GPUs)."""
         self.now, self.events, self.counter = 0.0, [], itertools.count()
-        self.handover, self.hop_s = handover, hop_s
+        self.handover, self.hop_s, self.core_share = handover, hop_s, core_share
         self.index = KVIndex(speculative_ttl_s=5.0, clock=lambda: self.now)
         context = PolicyContext(index=self.index)
         settings = PlacementSettings(remote_prefill_min_tokens, topology.max_queued_tokens)
@@ -228,13 +231,33 @@ class Simulation:
         self.inflight: collections.Counter[str] = collections.Counter()
         self.pending_prefill: collections.Counter[str] = collections.Counter()
         self.results: list[RequestResult] = []
+        self.answered: Callable[[], None] | None = None  # a closed loop's client, when an answer ends
 
     def at(self, when: float, action: Callable[[], None]) -> None:
         heapq.heappush(self.events, (when, next(self.counter), action))
 
     def run(self, arrivals: Iterable[TraceRecord]) -> list[RequestResult]:
+        """Requests sent at their records' arrival times (an open loop: loadtest.pd_goodput)."""
         for record in arrivals:
             self.at(record.arrival_s, lambda record=record: self._arrive(record))
+        return self._drain()
+
+    def run_closed(self, records: Iterable[TraceRecord], concurrency: int) -> list[RequestResult]:
+        """`concurrency` clients, each sending the next record once its last answer has ended (a
+        closed loop: loadtest.pd_bench's FixedConcurrency); the records' arrival times are ignored."""
+        pending = iter(records)
+
+        def send() -> None:
+            record = next(pending, None)
+            if record is not None:
+                self._arrive(dataclasses.replace(record, arrival_s=self.now))
+
+        self.answered = send
+        for _ in range(concurrency):
+            self.at(0.0, send)
+        return self._drain()
+
+    def _drain(self) -> list[RequestResult]:
         while self.events:
             self.now, _, action = heapq.heappop(self.events)
             action()
@@ -296,6 +319,8 @@ class Simulation:
         result.ttft_s = result.chunk_times_s[0] - result.started_at
         result.e2e_s = result.chunk_times_s[-1] - result.started_at
         self.results.append(result)
+        if self.answered is not None:
+            self.at(result.chunk_times_s[-1], self.answered)
 
 
 def random_prompts(arrivals: Iterable[float], input_tokens: int, output_tokens: int) -> list[TraceRecord]:

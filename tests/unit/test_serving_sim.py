@@ -1,9 +1,11 @@
 """The serving simulator (issue #37): its step model fits what it is given, its engines batch and
 stall as vLLM's do, P/D keeps decode streams free of prefill stalls, and on the H200 profiles it
-predicts the two-GPU load test that docs/pd.md reports (measured by loadtest.pd_goodput)."""
+predicts the two-GPU load test that docs/pd.md reports (measured by loadtest.pd_goodput), and on
+the CPU profiles pd_bench's closed loop on two cores."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -17,6 +19,7 @@ from loadtest.serving_sim import NETWORKS_GBIT, Simulation, Topology, Workload, 
 from loadtest.step_model import Step, StepModel, chunked_prefill
 
 GPU = Path(__file__).resolve().parents[2] / "docs" / "gpu"
+CPU = GPU.parent / "cpu"
 H200_COLOCATED, H200_PD = GPU / "engine_profile-h200-8b-colocated.json", GPU / "engine_profile-h200-8b-pd.json"
 MEASURED = [GPU / "pd_goodput-h200x2-run1.json", GPU / "pd_goodput-h200x2-run2.json"]
 
@@ -117,6 +120,40 @@ def test_adaptive_prefills_on_the_decode_engine_while_the_prefill_engine_is_queu
     assert all(r.ok and len(r.chunk_times_s) == 64 for r in results)
 
 
+def test_a_closed_loop_keeps_its_clients_busy_and_never_more(model):
+    """pd_bench's fixed concurrency: each client's next request leaves when its last answer ends,
+    so no more than `concurrency` are in flight and one engine's queue is what two clients send."""
+    sim = Simulation(Topology("colocated:1", 1), model, model.handovers["direct"])
+    prompts = random_prompts([0.0] * 7, 1024, 16)
+    results = sorted(sim.run_closed(prompts, concurrency=2), key=lambda r: r.started_at)
+    assert len(results) == 7 and all(r.ok and len(r.chunk_times_s) == 16 for r in results)
+    ends = sorted(r.started_at + r.e2e_s for r in results)
+    assert [r.started_at for r in results] == pytest.approx([0.0, 0.0, *ends[:5]], abs=1e-12)
+    for r in results:
+        in_flight = sum(o.started_at <= r.started_at < o.started_at + o.e2e_s for o in results)
+        assert in_flight <= 2
+
+
+def test_pd_bench_predictions_run_on_its_prompts_and_its_topologies(model, tmp_path):
+    """loadtest.pd_bench_predict: the prompts pd_bench sends (their lengths, none sharing a block),
+    and each of its four topologies simulated to a summary as pd_bench reduces them."""
+    from loadtest import pd_bench_predict
+    from loadtest.workloads import RandomLengths
+
+    prompts = pd_bench_predict.bench_prompts(1536, 8, 5, seed=7)
+    sent = [len(job.body["prompt"]) for job in itertools.islice(RandomLengths(1536, 8, 0.5, seed=7).jobs("tiny"), 5)]
+    assert [p.input_length for p in prompts] == sent
+    blocks = [i for p in prompts for i in p.hash_ids]
+    assert len(set(blocks)) == len(blocks)
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps(synthetic_profile()))
+    out = tmp_path / "predict.json"
+    assert pd_bench_predict.main(["--profile", str(profile), "--out", str(out)]) == 0
+    predicted = json.loads(out.read_text())["predicted"]
+    assert list(predicted) == list(pd_bench_predict.topologies(1536))
+    assert predicted["colocated x2"]["req/s"] > predicted["P/D 1+1, KV via store"]["req/s"] > 0
+
+
 def test_on_the_h200_profiles_it_predicts_the_two_gpu_load_test_below_saturation():
     """docs/pd.md's table, measured on two H200s, for colocated, P/D and adaptive at 4 and 8 req/s
     (the seeds pd_goodput used): TTFT and TPOT p50 within 20%, served rate and loose goodput
@@ -132,6 +169,27 @@ def test_on_the_h200_profiles_it_predicts_the_two_gpu_load_test_below_saturation
         for column, tolerance in (("TTFT p50 ms", 0.2), ("TPOT p50 ms", 0.2), ("served", 0.15), ("good loose", 0.15)):
             measured, predicted = pair["values"][column]
             assert predicted == pytest.approx(measured, rel=tolerance), (pair["topology"], pair["offered_rps"], column)
+
+
+def test_on_cpu_profiles_it_predicts_pd_benchs_rates_and_ranking(tmp_path):
+    """docs/pd.md's CPU table: pd_bench measured on two cores (session 39) against the simulator on
+    tiny's CPU profiles from the same machine, each topology's engines given the share of a core
+    pd_bench measured them to have: every rate within 20%, colocated the fastest, and of the P/D
+    topologies the one that prefills locally when busy the fastest, as measured."""
+    from loadtest import pd_bench_predict
+
+    out = tmp_path / "predict.json"
+    assert pd_bench_predict.main(["--profile", str(CPU / "engine_profile-tiny-colocated.json"), "--pd-profile",
+                                  str(CPU / "engine_profile-tiny-pd.json"), "--compare",
+                                  str(CPU / "pd_bench-session39.json"), "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert all(0.7 < share < 0.9 for share in report["core_shares"].values())
+    rates = {side: {name: row["req/s"] for name, row in report[side].items()} for side in ("measured", "predicted")}
+    for name, measured in rates["measured"].items():
+        assert rates["predicted"][name] == pytest.approx(measured, rel=0.2), name
+    for side in rates.values():
+        ranked = sorted(side, key=side.get, reverse=True)
+        assert ranked[:2] == ["colocated x2", "P/D 1+1, store, local when busy"], ranked
 
 
 def test_a_plan_names_pool_sizes_and_writes_its_figures_and_the_pools_serve_starts(tmp_path):
