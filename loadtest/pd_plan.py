@@ -6,7 +6,9 @@
         [--slo streaming|loose] [--network nvlink|rdma-400|tcp-100 ...] [--duration 20] [--out results/plan.json]
 
 For each GPU count, the candidates are all-colocated, P/D splits (prefill share 1/8 ... 3/4 of the
-GPUs) and the same splits adaptive (decode prefills while a prefill engine has more than one
+GPUs; every prompt prefilled by the prefill pool, as loadtest.pd_goodput measures P/D: the router's
+--remote-prefill-min-tokens 0, without which prompts shorter than its default stay on the decode
+engines) and the same splits adaptive (decode prefills while a prefill engine has more than one
 mean prompt queued: the router's --remote-prefill-max-queued-tokens); each is simulated
 (`loadtest.serving_sim`) at offered rates around the GPUs' estimated capacity (0.25x ... 1.5x).
 A candidate's goodput is its best over those rates; the plan is the candidate with the most, and
@@ -16,6 +18,17 @@ is made for each: a hand-over's bytes cross that link (the profile's own path bo
 the table shows how the answer moves with the network. One GPU per engine (tensor parallelism is
 not in the profile). Prints the plan with `pdcluster serve` flags; writes JSON and a PNG of
 goodput against offered rate per candidate (the first GPU count and network).
+
+The decode model: every engine steps as vLLM's scheduler does (each decoding sequence one token,
+then prompt chunks up to the token budget, oldest first; sequences and KV capacity bound
+admission), each step lasting what the step model fitted to the profile says for its decode
+sequences, their context and its prefill chunks. A colocated engine's streams wait through every
+prefill chunk that shares their step; a P/D decode engine receives a prompt's KV after the
+profiled hand-over (no faster than the link), computes its last token in its next step and
+streams from there. Requests are placed by the router's own placement step and policy; TTFT,
+TPOT, inter-token gaps and goodput at both SLOs are summarized by loadtest.pd_goodput's code.
+Not modelled: preemption, the engines' and router's CPU beyond the profiled steps, contention
+between hand-overs.
 """
 
 from __future__ import annotations
@@ -31,7 +44,7 @@ from rich.console import Console
 from rich.table import Table
 
 from loadtest.output import write_results
-from loadtest.pd_goodput import LOOSE, STREAMING
+from loadtest.pd_goodput import LOOSE, REMOTE_PREFILL_MIN_TOKENS, STREAMING
 from loadtest.pd_predict import add_common_arguments, models_and_handover
 from loadtest.serving_sim import NETWORKS_GBIT, Topology, Workload, simulate_rate
 from loadtest.step_model import Step, StepModel, chunked_prefill
@@ -89,7 +102,8 @@ def _simulated(task: tuple) -> dict:
     """One (topology, rate) of a plan, in whichever process runs it (profiles and trace loaded once per process)."""
     profile, pd_profile, handover_kind, network, workload, topology, rate, duration, seed = task
     model, pd_model, handover = _models(profile, pd_profile, handover_kind, network)
-    return simulate_rate(topology, model, handover, _workload(workload), rate, duration, seed, pd_model)
+    return simulate_rate(topology, model, handover, _workload(workload), rate, duration, seed, pd_model,
+                         remote_prefill_min_tokens=REMOTE_PREFILL_MIN_TOKENS)
 
 
 def best_for(rows: list[dict], slo: str) -> dict:
@@ -115,7 +129,8 @@ def serve_flags(name: str) -> str:
     topology = Topology.parse(name, 0)
     if not topology.prefill:
         return f"--instances {topology.serving}"
-    flags = f"--prefill {topology.prefill} --decode {topology.serving}"
+    flags = (f"--prefill {topology.prefill} --decode {topology.serving} "
+             f"--remote-prefill-min-tokens {REMOTE_PREFILL_MIN_TOKENS}")
     if topology.max_queued_tokens is not None:
         flags += f" --remote-prefill-max-queued-tokens {topology.max_queued_tokens}"
     return flags

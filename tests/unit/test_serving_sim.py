@@ -211,3 +211,4 @@ def test_a_plan_names_pool_sizes_and_writes_its_figures_and_the_pools_serve_star
     assert (serve.instances, serve.prefill, serve.decode) == (1, 1, 1)
     planned = Topology.parse(streaming["topology"], 0)
     assert serve.remote_prefill_max_queued_tokens == planned.max_queued_tokens
+    assert serve.remote_prefill_min_tokens == 0  # every prompt to the prefill pool, as simulated
