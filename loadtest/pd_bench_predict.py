@@ -3,7 +3,7 @@ item 3), beside what pd_bench measured.
 
     python -m loadtest.pd_bench_predict --profile docs/cpu/engine_profile-tiny-colocated.json \
         --pd-profile docs/cpu/engine_profile-tiny-pd.json --compare docs/cpu/pd_bench-session39.json \
-        [--hop-ms 2] [--out results/pd_bench_predict.json]
+        [--core-share 0.8] [--hop-ms 2] [--out results/pd_bench_predict.json]
 
 pd_bench's four topologies, each simulated (`loadtest.serving_sim`, a closed loop) at pd_bench's
 concurrency on the lengths of its prompts (its seeds: each run's prompts are RandomLengths', each
@@ -47,10 +47,9 @@ class Simulated:
 
 def simulated_topologies(input_tokens: int) -> dict[str, Simulated]:
     """pd_bench's topologies (by its names) as the simulator runs them."""
-    simulated = dict(zip(topologies(input_tokens), (
+    return dict(zip(topologies(input_tokens), (
         Simulated("colocated:2"), Simulated("pd:1+1"), Simulated("pd:1+1", "direct"),
         Simulated(f"adaptive:1+1@{input_tokens}")), strict=True))
-    return simulated
 
 
 def bench_prompts(input_tokens: int, output_tokens: int, requests: int, seed: int) -> list[TraceRecord]:
@@ -86,7 +85,7 @@ def predict(args: argparse.Namespace, settings: dict, core_shares: dict[str, flo
             simulation = Simulation(topology, model, pd_model.handovers[simulated.handover], pd_model,
                                     hop_s=args.hop_ms / 1e3,
                                     remote_prefill_min_tokens=simulated.remote_prefill_min_tokens,
-                                    core_share=args.core_share or core_shares.get(name, 1.0))
+                                    core_share=core_shares.get(name, 1.0) if args.core_share is None else args.core_share)
             prompts = bench_prompts(settings["input_tokens"], settings["output_tokens"], settings["requests"], 7 + run)
             results = simulation.run_closed(prompts, settings["concurrency"])
             load = LoadRun(results, [], 0.0, served_span(results))

@@ -18,9 +18,11 @@ router's policies and the load the router books (requests it sent and has not ha
 prompt tokens it sent a prefill instance that has not answered), so `adaptive` (the router's
 --remote-prefill-max-queued-tokens) decides as the router does. A prompt's blocks in an engine's
 prefix cache (an LRU of its KV capacity, filled once the prompt's KV exists there) are not
-computed again. Not modelled: preemption (a request waits for KV instead), the engines' and the
-router's CPU beyond the profiled step (HTTP streaming, the router's relay), network contention
-between hand-overs.
+computed again. On CPU machines the engines' steps take their profiled time over `core_share`,
+the share of its core an engine keeps beside the router, clients and API servers, spread evenly
+over steps. Not modelled: preemption (a request waits for KV instead), when that CPU is taken
+(the serving path's per-token work runs beside decode steps), network contention between
+hand-overs.
 
 Reports what `loadtest.pd_goodput` reports (the same summary of per-request results): TTFT, TPOT,
 inter-token gaps, served rate and goodput at the streaming and loose SLOs.
@@ -212,6 +214,8 @@ class Simulation:
         their profiled time over `core_share`, the share of its compute it gets where other
         processes (the router, clients, API servers) run on its cores (CPU machines; 1 on GPUs)."""
         self.now, self.events, self.counter = 0.0, [], itertools.count()
+        if not 0.0 < core_share <= 1.0:
+            raise ValueError(f"core_share {core_share}: an engine computes with (0, 1] of its core")
         self.handover, self.hop_s, self.core_share = handover, hop_s, core_share
         self.index = KVIndex(speculative_ttl_s=5.0, clock=lambda: self.now)
         context = PolicyContext(index=self.index)
