@@ -62,7 +62,7 @@ def value(summary: dict, path: tuple[str, ...]) -> float:
     return summary
 
 
-def main(argv: list[str] | None = None) -> int:
+def arguments() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -72,7 +72,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input-tokens", type=int, default=1536)
     parser.add_argument("--output-tokens", type=int, default=128)
     parser.add_argument("--out", type=Path, default=Path("results/pd_bench.json"))
-    args = parser.parse_args(argv)
+    return parser
+
+
+def medians_over_runs(runs: dict[str, list[dict]]) -> dict[str, dict[str, float]]:
+    """Each topology's median over its runs of every METRICS column."""
+    return {name: {column: statistics.median(value(s, path) for s in summaries) for column, path in METRICS.items()}
+            for name, summaries in runs.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = arguments().parse_args(argv)
     console = Console(width=150)
     runs: dict[str, list[dict]] = {}
     for name, flags in topologies(args.input_tokens).items():
@@ -86,8 +96,7 @@ def main(argv: list[str] | None = None) -> int:
                                                 Limits(args.requests), progress))
                 summary = summarize(load, slo_ttft_s=2.0, slo_tpot_s=0.1, label=name)
                 runs.setdefault(name, []).append({**summary, "host_cpu": dataclasses.asdict(cpu.result)})
-    medians = {name: {column: statistics.median(value(s, path) for s in summaries)
-                      for column, path in METRICS.items()} for name, summaries in runs.items()}
+    medians = medians_over_runs(runs)
     for name, summaries in runs.items():
         prefills = [s["remote_prefills"]["mean_ms"] for s in summaries if s["remote_prefills"]]
         medians[name]["remote prefill ms"] = statistics.median(prefills) if prefills else None

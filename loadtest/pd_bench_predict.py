@@ -26,12 +26,13 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from loadtest import pd_bench
 from loadtest.host_cpu import HostCpu
-from loadtest.pd_bench import METRICS, topologies, value
+from loadtest.pd_bench import METRICS, medians_over_runs, topologies
 from loadtest.report import summarize
 from loadtest.runner import LoadRun
-from loadtest.serving_sim import Simulation, Topology, random_prompts, served_span
-from loadtest.simulate import TraceRecord
+from loadtest.serving_sim import Simulation, Topology, served_span
+from loadtest.simulate import TRACE_BLOCK_TOKENS, TraceRecord
 from loadtest.step_model import StepModel
 from loadtest.workloads import RandomLengths
 
@@ -55,11 +56,13 @@ def simulated_topologies(input_tokens: int) -> dict[str, Simulated]:
 def bench_prompts(input_tokens: int, output_tokens: int, requests: int, seed: int) -> list[TraceRecord]:
     """The prompts pd_bench sends in a run with `seed`: their lengths, no block shared."""
     jobs = itertools.islice(RandomLengths(input_tokens, output_tokens, range_ratio=0.5, seed=seed).jobs("tiny"), requests)
+    ids = itertools.count()
     records = []
     for job in jobs:
-        records += random_prompts([0.0], len(job.body["prompt"]), output_tokens)
-    ids = itertools.count()  # random_prompts numbers each call's blocks from 0: renumber them apart
-    return [dataclasses.replace(r, hash_ids=tuple(next(ids) for _ in r.hash_ids)) for r in records]
+        length = len(job.body["prompt"])
+        blocks = tuple(next(ids) for _ in range(-(-length // TRACE_BLOCK_TOKENS)))
+        records.append(TraceRecord(0.0, length, output_tokens, blocks))
+    return records
 
 
 def measured_core_shares(measured_json: dict | None) -> dict[str, float]:
@@ -91,11 +94,6 @@ def predict(args: argparse.Namespace, settings: dict, core_shares: dict[str, flo
             load = LoadRun(results, [], 0.0, served_span(results))
             runs.setdefault(name, []).append(summarize(load, slo_ttft_s=2.0, slo_tpot_s=0.1, label=name))
     return runs
-
-
-def medians(runs: dict[str, list[dict]]) -> dict[str, dict[str, float]]:
-    return {name: {column: statistics.median(value(s, path) for s in summaries) for column, path in METRICS.items()}
-            for name, summaries in runs.items()}
 
 
 def print_table(predicted: dict, measured: dict | None, console: Console) -> None:
@@ -151,11 +149,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("results/pd_bench_predict.json"))
     args = parser.parse_args(argv)
     measured_json = json.loads(args.compare.read_text()) if args.compare else None
-    defaults = {"runs": 3, "requests": 40, "concurrency": 4, "input_tokens": 1536, "output_tokens": 128}
-    settings = {key: int(measured_json["args"][key]) if measured_json else default for key, default in defaults.items()}
+    # pd_bench's own settings: those the measured run had, else its defaults
+    defaults = vars(pd_bench.arguments().parse_args([]))
+    settings = {key: int(measured_json["args"][key]) if measured_json else defaults[key]
+                for key in ("runs", "requests", "concurrency", "input_tokens", "output_tokens")}
     core_shares = measured_core_shares(measured_json)
     runs = predict(args, settings, core_shares)
-    predicted = medians(runs)
+    predicted = medians_over_runs(runs)
     measured = measured_json["medians"] if measured_json else None
     print_table(predicted, measured, Console(width=200))
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -18,17 +18,6 @@ is made for each: a hand-over's bytes cross that link (the profile's own path bo
 the table shows how the answer moves with the network. One GPU per engine (tensor parallelism is
 not in the profile). Prints the plan with `pdcluster serve` flags; writes JSON and a PNG of
 goodput against offered rate per candidate (the first GPU count and network).
-
-The decode model: every engine steps as vLLM's scheduler does (each decoding sequence one token,
-then prompt chunks up to the token budget, oldest first; sequences and KV capacity bound
-admission), each step lasting what the step model fitted to the profile says for its decode
-sequences, their context and its prefill chunks. A colocated engine's streams wait through every
-prefill chunk that shares their step; a P/D decode engine receives a prompt's KV after the
-profiled hand-over (no faster than the link), computes its last token in its next step and
-streams from there. Requests are placed by the router's own placement step and policy; TTFT,
-TPOT, inter-token gaps and goodput at both SLOs are summarized by loadtest.pd_goodput's code.
-Not modelled: preemption, the engines' and router's CPU beyond the profiled steps, contention
-between hand-overs.
 """
 
 from __future__ import annotations
@@ -46,8 +35,10 @@ from rich.table import Table
 from loadtest.output import write_results
 from loadtest.pd_goodput import LOOSE, REMOTE_PREFILL_MIN_TOKENS, STREAMING
 from loadtest.pd_predict import add_common_arguments, models_and_handover
-from loadtest.serving_sim import NETWORKS_GBIT, Topology, Workload, simulate_rate
+from loadtest.serving_sim import DECODE_MODEL, NETWORKS_GBIT, Topology, Workload, simulate_rate
 from loadtest.step_model import Step, StepModel, chunked_prefill
+
+__doc__ += "\n" + DECODE_MODEL  # `pdcluster plan --help` states the model it plans with
 
 PREFILL_SHARES = (1 / 8, 1 / 4, 3 / 8, 1 / 2, 5 / 8, 3 / 4)
 LOAD_FACTORS = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5)

@@ -48,6 +48,9 @@ from router.kv_index import KVIndex
 from router.placement import DEFAULT_REMOTE_PREFILL_MIN_TOKENS, PlacementSettings, Placer
 from router.policies import PolicyContext, RoutingRequest, make_policy
 
+# The docstring's decode model, for the help of the commands that run it.
+DECODE_MODEL = next(paragraph for paragraph in __doc__.split("\n\n") if paragraph.startswith("The decode model:"))
+
 
 @dataclasses.dataclass(frozen=True)
 class Topology:
