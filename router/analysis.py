@@ -66,8 +66,9 @@ class RequestAnalyzer:
 
     def start(self) -> None:
         """Start the tokenizing processes now (each loads its tokenizers: seconds), not on the
-        first long prompt."""
-        self._starting = [self._pool.submit(_ready) for _ in range(self._processes)]
+        first long prompt. None for a router with no tokenizer: it routes on load only."""
+        if self.hashers:
+            self._starting = [self._pool.submit(_ready) for _ in range(self._processes)]
 
     async def _started(self) -> None:
         """Until a tokenizing process is up: a prompt's deadline counts its tokenizing, not the

@@ -66,3 +66,15 @@ async def test_tokenizing_processes_yield_the_cpu_to_the_event_loop(analyzer):
     assert analyzer._pool._processes
     for pid in analyzer._pool._processes:
         assert os.getpriority(os.PRIO_PROCESS, pid) == min(router + TOKENIZING_NICENESS, 19)
+
+
+async def test_a_router_without_a_tokenizer_routes_on_load_and_starts_no_process():
+    """An operator who gives no tokenizer (routing on load only) pays no tokenizing process."""
+    analyzer = RequestAnalyzer(RouterConfig(models=(ServedModel(name="m", max_model_len=64),)))
+    analyzer.start()
+    try:
+        request = CompletionRequest(model="m", prompt="x" * (2 * RequestAnalyzer.INLINE_BYTES))
+        routed = await analyzer.analyze(request, len(request.model_dump_json()))
+        assert routed.block_hashes == () and not analyzer._pool._processes
+    finally:
+        analyzer.close()

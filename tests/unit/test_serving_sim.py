@@ -145,6 +145,7 @@ def test_a_closed_loop_keeps_its_clients_busy_and_never_more(model):
         assert in_flight <= 2
 
 
+@pytest.mark.slow  # simulates whole benchmarks: seconds
 def test_pd_bench_predictions_run_on_its_prompts_and_its_topologies(model, tmp_path):
     """loadtest.pd_bench_predict: the prompts pd_bench sends (their lengths, none sharing a block),
     and each of its four topologies simulated to a summary as pd_bench reduces them."""
@@ -165,6 +166,7 @@ def test_pd_bench_predictions_run_on_its_prompts_and_its_topologies(model, tmp_p
     assert predicted["colocated x2"]["req/s"] > predicted["P/D 1+1, KV via store"]["req/s"] > 0
 
 
+@pytest.mark.slow  # simulates whole benchmarks: seconds
 def test_on_the_h200_profiles_it_predicts_the_two_gpu_load_test_below_saturation():
     """docs/pd.md's table, measured on two H200s, for colocated, P/D and adaptive at 4 and 8 req/s
     (the seeds pd_goodput used): TTFT and TPOT p50 within 20%, served rate and loose goodput
@@ -182,6 +184,7 @@ def test_on_the_h200_profiles_it_predicts_the_two_gpu_load_test_below_saturation
             assert predicted == pytest.approx(measured, rel=tolerance), (pair["topology"], pair["offered_rps"], column)
 
 
+@pytest.mark.slow  # simulates whole benchmarks: seconds
 def test_on_cpu_profiles_it_predicts_pd_benchs_rates_and_ranking(tmp_path):
     """docs/pd.md's CPU table: pd_bench measured on two cores (session 39) against the simulator on
     tiny's CPU profiles from the same machine, each topology's engines given the share of a core
@@ -204,6 +207,7 @@ def test_on_cpu_profiles_it_predicts_pd_benchs_rates_and_ranking(tmp_path):
         assert ranked[:2] == ["colocated x2", "P/D 1+1, store, local when busy"], ranked
 
 
+@pytest.mark.slow  # simulates whole benchmarks: seconds
 def test_a_plan_names_pool_sizes_and_writes_its_figures_and_the_pools_serve_starts(tmp_path):
     out, serve_args = tmp_path / "plan.json", tmp_path / "pools.args"
     assert pd_plan.main(["--profile", str(H200_COLOCATED), "--pd-profile", str(H200_PD), "--gpus", "2",

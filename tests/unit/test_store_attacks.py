@@ -91,6 +91,7 @@ def test_absurd_sizes_are_an_error_and_evict_nothing(shard):
         client.close()
 
 
+@pytest.mark.slow  # a fuzzer: seconds
 def test_ten_thousand_random_frames_leave_the_shard_serving(shard):
     """From a member's socket (a stranger's never reach the decoder): random frame counts, random
     bytes, random msgpack values. Each is answered with an error or dropped; none stops the shard."""

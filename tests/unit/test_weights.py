@@ -167,6 +167,7 @@ time.sleep(600)
 """
 
 
+@pytest.mark.slow  # starts a process that imports torch and NIXL: seconds
 def test_a_peer_that_died_costs_a_clean_error_not_a_hang(tiny_model, tmp_path):
     peer = subprocess.Popen([sys.executable, "-c", PEER_SCRIPT, str(tiny_model)],
                             stdout=subprocess.PIPE, text=True)

@@ -222,6 +222,7 @@ async def test_a_failed_listening_task_is_logged_and_listens_again(endpoints, ca
         await listener.stop()
 
 
+@pytest.mark.slow  # a fuzzer: seconds
 async def test_malformed_messages_are_dropped_and_counted_and_the_listener_lives(endpoints):
     """From a member's socket (strangers never complete a handshake): wrong frame counts, short
     sequence numbers, negative ones, random payloads, a topic that is not text or no instance's. 10,000 of them,
