@@ -22,7 +22,6 @@ from engine.config import EngineConfig, TensorParallel
 from engine.engine_args import EngineArgs
 from engine.environment import is_cpu_build, is_loopback, use_ray
 from engine.models import BUILDERS, default_model_root, is_complete
-from engine.role_spec import Role
 from router.config import RouterConfig, ServedModel
 from security.credentials import ClusterCredentials, CredentialsError, read_private
 
@@ -164,11 +163,6 @@ def _tensor_parallel(args: argparse.Namespace, topology: Topology) -> TensorPara
                            decode=args.decode_tensor_parallel_size)
     if pd:
         sizes.check_pd()
-    # Between CPU TP engines a first NIXL read stalls for seconds to minutes (docs/tensor-parallel.md).
-    if pd and args.kv_transfer == "direct" and args.address is None and is_cpu_build() and sizes.for_role(Role.PREFILL) > 1:
-        raise ValueError("--kv-transfer direct does not serve tensor-parallel engines on the CPU build: a decode "
-                         "rank's first KV reads stall there for seconds to minutes; "
-                         "hand KV over through the store (--kv-transfer store)")
     return sizes
 
 

@@ -3,9 +3,10 @@ a deadline. Shared by the weight plane (engine/weights.py) and the KV store (kvs
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from transport.listener_warden import watched_listeners
 
@@ -28,6 +29,21 @@ class NixlTimeoutError(NixlTransferError):
 # (loadtest.store_bench, docs/pd.md). The thread stays: a shard's UCX worker must progress to
 # serve one-sided reads over TCP (with no thread, transfers to it time out).
 PROGRESS_THREAD_DELAY_US = 100
+
+# A CPU rank computes on its own core(s) (engine/serving.py pins it). NIXL's progress thread, made by
+# the rank's thread, would share that core with it, and both take the UCX worker's spinlock: the
+# rank's thread polling a KV read, the progress thread looping while a new connection settles. On one
+# core the spinner holds the core while the holder waits for it, and a direct P/D engine's first
+# reads at TP=2 stalled 23-200 s on two cores (docs/tensor-parallel.md). None: where they were made.
+_backend_thread_cores: frozenset[int] | None = None
+
+
+def run_backend_threads_on(cores: Iterable[int]) -> None:
+    """Run the threads the UCX backends of this process's NIXL agents start from now on (NIXL's
+    progress thread, UCX's async thread) on `cores` (the whole engine's), not on the cores of the
+    thread that makes the agent (one rank's)."""
+    global _backend_thread_cores
+    _backend_thread_cores = frozenset(cores)
 
 
 def quiet_progress_threads() -> None:
@@ -72,10 +88,22 @@ def _guarded_agent_type(agent_type):
             params = dict(params)
             if backend == "UCX":
                 params.pop("num_threads", None)
+            threads = set(os.listdir("/proc/self/task"))
             with watched_listeners():
-                return super().createBackend(backend, params)
+                backend_handle = super().createBackend(backend, params)
+            if _backend_thread_cores is not None:
+                _move_threads(set(os.listdir("/proc/self/task")) - threads, _backend_thread_cores)
+            return backend_handle
 
     return GuardedAgent
+
+
+def _move_threads(thread_ids: Iterable[str], cores: frozenset[int]) -> None:
+    for thread_id in thread_ids:
+        try:
+            os.sched_setaffinity(int(thread_id), cores)
+        except OSError:  # ended meanwhile
+            pass
 
 
 def new_agent(prefix: str):

@@ -76,8 +76,6 @@ def test_shards_go_rank_to_rank_and_a_whole_checkpoint_to_every_rank(tiny_model)
     (["--prefill", "1", "--decode", "1", "--prefill-tensor-parallel-size", "2"],
      "prefill engines of tensor-parallel size 2 cannot hand KV to decode engines of size 1"),
     (["--decode-tensor-parallel-size", "2"], "are for a P/D topology's pools"),
-    (["--prefill", "1", "--decode", "1", "--tensor-parallel-size", "2", "--kv-transfer", "direct"],
-     "--kv-transfer direct does not serve tensor-parallel engines on the CPU build"),
 ])
 def test_serve_refuses_sizes_it_cannot_serve_before_starting_anything(tiny_model, tmp_path, flags, message):
     done = subprocess.run([sys.executable, "-m", "deploy.cli", "serve", "--model", str(tiny_model),
