@@ -34,7 +34,7 @@ PROGRESS_THREAD_DELAY_US = 100
 # the rank's thread, would share that core with it, and both take the UCX worker's spinlock: the
 # rank's thread polling a KV read, the progress thread looping while a new connection settles. On one
 # core the spinner holds the core while the holder waits for it, and a direct P/D engine's first
-# reads at TP=2 stalled 23-200 s on two cores (docs/tensor-parallel.md). None: where they were made.
+# reads at TP=2 stalled 23-202 s on two cores (docs/tensor-parallel.md). None: where they were made.
 _backend_thread_cores: frozenset[int] | None = None
 
 
