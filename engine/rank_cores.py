@@ -18,14 +18,20 @@ environment) on the CPU build:
   first IDLE_AFTER_S of waiting and every IDLE_RECHECK_MS after, so a lost notification costs a
   millisecond within a step and at most IDLE_RECHECK_MS in a long wait, and an idle rank wakes 50
   times a second. (A writer still yields in a loop while the queue's ring is full.)
+- vLLM's NixlConnector makes its NIXL agent in a rank's thread, whose UCX backend would start its
+  progress thread on the rank's own core, where it takes the UCX worker's lock beside the rank's
+  thread: the threads of agents made in an engine of ours start on all the engine's cores instead
+  (transport/nixl.py `run_backend_threads_on`).
   docs/tensor-parallel.md has the measurements."""
 
 from __future__ import annotations
 
 import functools
+import os
 import time
 
 from security.credentials import EngineKeys
+from transport.nixl import run_backend_threads_on
 
 BUSY_RECHECK_MS = 1
 IDLE_AFTER_S = 0.1
@@ -54,6 +60,16 @@ def wait_without_spinning() -> None:
     read_timeout.timeout_ms = timeout_ms
 
 
+def bound_cores(binding: str) -> frozenset[int]:
+    """The cores of this machine that vLLM's binding names ("0-3|4,5": ranks apart by "|", cores as
+    lists and ranges). ValueError for its words ("auto", "nobind")."""
+    cores, machine = set(), os.cpu_count() or 1
+    for part in binding.replace("|", ",").split(","):
+        first, _, last = part.partition("-")
+        cores.update(range(int(first), min(int(last or first), machine - 1) + 1))
+    return frozenset(cores)
+
+
 def register() -> None:
     """vLLM general plugin: loaded in each of an engine's processes before its workers are built."""
     from vllm.platforms import current_platform
@@ -61,3 +77,7 @@ def register() -> None:
     if EngineKeys.present() and current_platform.is_cpu():
         type(current_platform).discover_numa_topology = classmethod(no_core_reserved_for_kv_loads)
         wait_without_spinning()
+        try:
+            run_backend_threads_on(bound_cores(os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")))
+        except ValueError:  # vLLM picks the cores: no engine's set to name
+            pass

@@ -30,7 +30,6 @@ from engine.environment import ENGINE_CHILDREN_FORK_ENV
 from engine.server_command import LISTEN_FD_ENV
 from security.credentials import EngineKeys, bearer_matches
 from transport.listener_guard import ListenerLimits, guarded_protocol
-from transport.nixl import run_backend_threads_on
 
 
 def inherited_listener() -> socket.socket:
@@ -90,14 +89,12 @@ def _workers_context() -> multiprocessing.context.BaseContext:
 def _on_its_cores(worker_main):
     """A forked CPU worker's `worker_main`, run on the cores vLLM named for it in the environment it
     set for the fork, which GNU's OpenMP runtime, loaded before the fork, never reads: the process
-    pinned to them, torch's threads one a core. The threads its NIXL agents start keep the engine's
-    cores (transport/nixl.py says why)."""
+    pinned to them, torch's threads one a core."""
     @functools.wraps(worker_main)
     def on_its_cores(*args, **kwargs):
         if cores := omp_cores(os.environ):
             import torch
 
-            run_backend_threads_on(os.sched_getaffinity(0))
             os.sched_setaffinity(0, cores)
             torch.set_num_threads(len(cores))
         return worker_main(*args, **kwargs)

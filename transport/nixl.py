@@ -30,18 +30,18 @@ class NixlTimeoutError(NixlTransferError):
 # serve one-sided reads over TCP (with no thread, transfers to it time out).
 PROGRESS_THREAD_DELAY_US = 100
 
-# A CPU rank computes on its own core(s) (engine/serving.py pins it). NIXL's progress thread, made by
-# the rank's thread, would share that core with it, and both take the UCX worker's spinlock: the
-# rank's thread polling a KV read, the progress thread looping while a new connection settles. On one
-# core the spinner holds the core while the holder waits for it, and a direct P/D engine's first
-# reads at TP=2 stalled 23-202 s on two cores (docs/tensor-parallel.md). None: where they were made.
+# A CPU rank computes on its own core(s), and vLLM's NixlConnector makes its agent in the rank's
+# thread: NIXL's progress thread would inherit those cores and take the UCX worker's spinlock there
+# beside the rank's thread (which takes it to poll its reads). While the progress thread loops, as it
+# does while a new connection settles, on one core the thread spinning for the lock holds the core
+# the holder needs (docs/tensor-parallel.md). None: the threads inherit the making thread's cores.
 _backend_thread_cores: frozenset[int] | None = None
 
 
 def run_backend_threads_on(cores: Iterable[int]) -> None:
-    """Run the threads the UCX backends of this process's NIXL agents start from now on (NIXL's
-    progress thread, UCX's async thread) on `cores` (the whole engine's), not on the cores of the
-    thread that makes the agent (one rank's)."""
+    """Start the threads of the UCX backends this process's NIXL agents make from now on (NIXL's
+    progress thread, UCX's async thread) on `cores` (a whole engine's), whatever cores the thread
+    that makes the agent (one rank's) runs on."""
     global _backend_thread_cores
     _backend_thread_cores = frozenset(cores)
 
@@ -88,22 +88,16 @@ def _guarded_agent_type(agent_type):
             params = dict(params)
             if backend == "UCX":
                 params.pop("num_threads", None)
-            threads = set(os.listdir("/proc/self/task"))
-            with watched_listeners():
-                backend_handle = super().createBackend(backend, params)
+            own_cores = os.sched_getaffinity(0)  # this thread's: the threads it starts inherit them
             if _backend_thread_cores is not None:
-                _move_threads(set(os.listdir("/proc/self/task")) - threads, _backend_thread_cores)
-            return backend_handle
+                os.sched_setaffinity(0, _backend_thread_cores)
+            try:
+                with watched_listeners():
+                    return super().createBackend(backend, params)
+            finally:
+                os.sched_setaffinity(0, own_cores)
 
     return GuardedAgent
-
-
-def _move_threads(thread_ids: Iterable[str], cores: frozenset[int]) -> None:
-    for thread_id in thread_ids:
-        try:
-            os.sched_setaffinity(int(thread_id), cores)
-        except OSError:  # ended meanwhile
-            pass
 
 
 def new_agent(prefix: str):

@@ -61,8 +61,12 @@ def test_pd_with_tp2_on_both_sides_answers_as_plain_vllm_at_tp2(transfer, oracle
         assert scrape_engine(decode, (hits,))[hits] - before >= (len(prompt.input_ids) - 1) // block * block
     (decode_log,) = log.with_suffix("").glob("decode-*.log")
     (prefill_log,) = log.with_suffix("").glob("prefill-*.log")
-    if transfer == "direct":  # no read after the prefill let its blocks go (they may hold others' KV by then)
+    if transfer == "direct":
+        # No read after the prefill let its blocks go (they may hold others' KV by then), and no rank
+        # stuck in a read while its engine core waited on it (the stall of docs/tensor-parallel.md).
         assert "Potentially invalid KV blocks" not in prefill_log.read_text()
+        for engine_log in (prefill_log, decode_log):
+            assert "No available shared memory broadcast block" not in engine_log.read_text()
         return
     # The scheduler looks up rank 0's chunks; a rank that found fewer of its own would say so. Not
     # one whose write the store never committed: the stall of issue #34 (a shard's control socket
