@@ -17,6 +17,7 @@ import functools
 
 import vllm.envs
 
+from engine.rank_cores import core_ranges
 from security.credentials import EngineKeys
 
 PORT = "VLLM_NIXL_SIDE_CHANNEL_PORT"
@@ -49,17 +50,12 @@ def cores_per_rank(binding: str) -> str:
 
 def _distinct(rank: str) -> int:
     """The cores a rank's list ("0-3,2-5") names, each once (its ranges merged, not expanded)."""
-    ranges = sorted(_range(part) for part in rank.split(","))
+    ranges = sorted(core_ranges(rank))
     count, end = 0, -1
     for first, last in ranges:
         count += max(0, last - max(first, end + 1) + 1)
         end = max(end, last)
     return count
-
-
-def _range(part: str) -> tuple[int, int]:
-    first, _, last = part.partition("-")
-    return int(first), int(last or first)
 
 
 def register() -> None:

@@ -60,14 +60,21 @@ def wait_without_spinning() -> None:
     read_timeout.timeout_ms = timeout_ms
 
 
-def bound_cores(binding: str) -> frozenset[int]:
-    """The cores of this machine that vLLM's binding names ("0-3|4,5": ranks apart by "|", cores as
-    lists and ranges). ValueError for its words ("auto", "nobind")."""
-    cores, machine = set(), os.cpu_count() or 1
-    for part in binding.replace("|", ",").split(","):
+def core_ranges(cores: str) -> list[tuple[int, int]]:
+    """A core list of vLLM's binding ("0-3,5") as (first, last) ranges. ValueError for its words
+    ("auto", "nobind")."""
+    ranges = []
+    for part in cores.split(","):
         first, _, last = part.partition("-")
-        cores.update(range(int(first), min(int(last or first), machine - 1) + 1))
-    return frozenset(cores)
+        ranges.append((int(first), int(last or first)))
+    return ranges
+
+
+def bound_cores(binding: str) -> frozenset[int]:
+    """The cores of this machine that vLLM's binding names ("0-3|4,5": ranks apart by "|")."""
+    machine = os.cpu_count() or 1
+    return frozenset(core for first, last in core_ranges(binding.replace("|", ","))
+                     for core in range(first, min(last, machine - 1) + 1))
 
 
 def register() -> None:
