@@ -162,7 +162,7 @@ def _tensor_parallel(args: argparse.Namespace, topology: Topology) -> TensorPara
     sizes = TensorParallel(every_pool=args.tensor_parallel_size, prefill=args.prefill_tensor_parallel_size,
                            decode=args.decode_tensor_parallel_size)
     if pd:
-        sizes.check_pd()
+        sizes.check_pd(direct=args.kv_transfer == "direct")
     return sizes
 
 

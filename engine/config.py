@@ -64,15 +64,22 @@ class TensorParallel(BaseModel):
         own = {Role.PREFILL: self.prefill, Role.DECODE: self.decode}.get(role)
         return own or self.every_pool
 
-    def check_pd(self) -> None:
-        """P/D hands KV over per rank: a store chunk holds one rank's KV heads and its key names
-        the TP size and rank (kvstore/lmcache_engine.py), so a decode rank of another TP size would
-        find no chunk to load. Refused rather than served by recomputing every prompt."""
+    def check_pd(self, direct: bool) -> None:
+        """P/D through the store hands KV over per rank: a store chunk holds one rank's KV heads and
+        its key names the TP size and rank (kvstore/lmcache_engine.py), so a decode rank of another
+        TP size would find no chunk to load; refused rather than served by recomputing every prompt.
+        Directly, vLLM's NixlConnector maps ranks of sizes that divide one another (a decode rank
+        reads its heads from the prefill rank that holds them, or from several); other sizes refused."""
         prefill, decode = self.for_role(Role.PREFILL), self.for_role(Role.DECODE)
-        if prefill != decode:
+        if prefill == decode:
+            return
+        if not direct:
             raise ValueError(f"prefill engines of tensor-parallel size {prefill} cannot hand KV to decode engines "
-                             f"of size {decode}: each rank stores and loads its own KV heads; give both pools "
-                             "the same size")
+                             f"of size {decode} through the store: each rank stores and loads its own KV heads; "
+                             "give both pools the same size, or hand KV over directly (--kv-transfer direct)")
+        if max(prefill, decode) % min(prefill, decode):
+            raise ValueError(f"prefill and decode tensor-parallel sizes {prefill} and {decode}: for direct KV "
+                             "transfers one must divide the other (vLLM's NixlConnector splits KV heads between ranks)")
 
 
 class EngineConfig(BaseModel):

@@ -35,23 +35,29 @@ TP = 2
 CREDENTIALS = ClusterCredentials.load()
 
 
-@pytest.mark.parametrize("transfer", ["store", "direct"])
-def test_pd_with_tp2_on_both_sides_answers_as_plain_vllm_at_tp2(transfer, oracle, artifacts):
-    """First in the module: its clusters' four ranks run before the module's engines start. Through
-    the store each rank saves and loads its own KV heads; directly, each decode rank reads its heads
-    from the prefill rank of its number (vLLM's NixlConnector)."""
-    want = oracle(MODEL, TP)
+@pytest.mark.parametrize(("transfer", "prefill_tp", "decode_tp"),
+                         [("store", TP, TP), ("direct", TP, TP), ("direct", 1, TP), ("direct", TP, 1)],
+                         ids=["store", "direct", "direct-tp1-to-tp2", "direct-tp2-to-tp1"])
+def test_pd_with_tp_engines_answers_as_plain_vllm_at_the_decodes_tp(transfer, prefill_tp, decode_tp, oracle,
+                                                                     artifacts):
+    """First in the module: its clusters' ranks run before the module's engines start. Through the
+    store each rank saves and loads its own KV heads; directly, each decode rank reads its heads
+    from the prefill rank that holds them (vLLM's NixlConnector): of its number at equal sizes,
+    half of one rank's heads from a TP=1 prefill, both ranks' heads from a TP=2 prefill into a TP=1
+    decode. The decode engine computes every token, so plain vLLM at the decode's size is the oracle."""
+    want = oracle(MODEL, decode_tp)
     hits = "vllm:external_prefix_cache_hits_total"
     # A store read past --store-timeout is a miss that vLLM recomputes (right answers, no KV
     # through the store): one rank's first read took the whole 5 s default once in CI (session
     # 18; the next one 1.0 s), four ranks, the shard and the router sharing two cores. What that
     # read waits for is not known yet (issue #34); here the store gets time to answer.
     args = ["--model", MODEL, "--prefill", "1", "--decode", "1", "--kv-transfer", transfer,
-            "--tensor-parallel-size", str(TP), "--remote-prefill-min-tokens", "0",
-            *(["--store-timeout", "30"] if transfer == "store" else [])]
-    log = artifacts / f"serve-conformance-pd-tp2-{transfer}.log"
+            "--prefill-tensor-parallel-size", str(prefill_tp), "--decode-tensor-parallel-size", str(decode_tp),
+            "--remote-prefill-min-tokens", "0", *(["--store-timeout", "30"] if transfer == "store" else [])]
+    log = artifacts / f"serve-conformance-pd-tp{prefill_tp}-tp{decode_tp}-{transfer}.log"
     with LocalServer(args, log) as server:
-        assert {(i["role"], i["tensor_parallel_size"]) for i in server.instances()} == {("prefill", TP), ("decode", TP)}
+        assert {(i["role"], i["tensor_parallel_size"]) for i in server.instances()} == {
+            ("prefill", prefill_tp), ("decode", decode_tp)}
         (decode,) = [server.engine_access(i["instance_id"]) for i in server.instances() if i["role"] == "decode"]
         before = scrape_engine(decode, (hits,)).get(hits, 0.0)
         assert_conforms(server.url, MODEL, want)

@@ -26,8 +26,16 @@ def test_each_pool_spans_its_own_size_or_every_pools():
     sizes = TensorParallel(every_pool=2, decode=4)
     assert [sizes.for_role(role) for role in Role] == [2, 2, 4]
     with pytest.raises(ValueError, match="each rank stores and loads its own KV heads"):
-        sizes.check_pd()
-    TensorParallel(every_pool=4, decode=4).check_pd()
+        sizes.check_pd(direct=False)
+    TensorParallel(every_pool=4, decode=4).check_pd(direct=False)
+
+
+def test_direct_pd_takes_pools_whose_sizes_divide_one_another():
+    """vLLM's NixlConnector splits a prefill rank's KV heads between decode ranks, or gathers them."""
+    TensorParallel(prefill=1, decode=2).check_pd(direct=True)
+    TensorParallel(prefill=4, decode=2).check_pd(direct=True)
+    with pytest.raises(ValueError, match="one must divide the other"):
+        TensorParallel(prefill=2, decode=3).check_pd(direct=True)
 
 
 def test_the_engine_command_names_its_pools_size_and_vllms_multiprocessing_executor(tiny_model):
@@ -74,7 +82,9 @@ def test_shards_go_rank_to_rank_and_a_whole_checkpoint_to_every_rank(tiny_model)
 
 @pytest.mark.parametrize("flags, message", [
     (["--prefill", "1", "--decode", "1", "--prefill-tensor-parallel-size", "2"],
-     "prefill engines of tensor-parallel size 2 cannot hand KV to decode engines of size 1"),
+     "prefill engines of tensor-parallel size 2 cannot hand KV to decode engines of size 1 through the store"),
+    (["--prefill", "1", "--decode", "1", "--kv-transfer", "direct", "--prefill-tensor-parallel-size", "2",
+      "--decode-tensor-parallel-size", "3"], "one must divide the other"),
     (["--decode-tensor-parallel-size", "2"], "are for a P/D topology's pools"),
 ])
 def test_serve_refuses_sizes_it_cannot_serve_before_starting_anything(tiny_model, tmp_path, flags, message):
