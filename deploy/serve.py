@@ -153,8 +153,8 @@ def _engine_args(args: argparse.Namespace, topology: Topology) -> EngineArgs:
     return EngineArgs.from_flags(args.engine_arg, args.prefill_engine_arg, args.decode_engine_arg)
 
 
-def _tensor_parallel(args: argparse.Namespace, topology: Topology) -> TensorParallel:
-    """The devices each pool's engines span."""
+def _tensor_parallel(args: argparse.Namespace, topology: Topology, model: Path) -> TensorParallel:
+    """The devices each pool's engines span, serving `model`."""
     pd = topology.prefill or topology.decode
     if not pd and (args.prefill_tensor_parallel_size or args.decode_tensor_parallel_size):
         raise ValueError("--prefill-tensor-parallel-size and --decode-tensor-parallel-size are for a P/D "
@@ -162,7 +162,7 @@ def _tensor_parallel(args: argparse.Namespace, topology: Topology) -> TensorPara
     sizes = TensorParallel(every_pool=args.tensor_parallel_size, prefill=args.prefill_tensor_parallel_size,
                            decode=args.decode_tensor_parallel_size)
     if pd:
-        sizes.check_pd(direct=args.kv_transfer == "direct")
+        sizes.check_pd(direct=args.kv_transfer == "direct", model=model)
     return sizes
 
 
@@ -185,7 +185,7 @@ def _engine_configs(args: argparse.Namespace, models: list[tuple[Path, str]], to
         log_dir=args.engine_log_dir.resolve() if args.engine_log_dir else None,
         otlp_traces_endpoint=args.otlp_traces_endpoint,
         engine_args=engine_args,
-        tensor_parallel=_tensor_parallel(args, topology),
+        tensor_parallel=_tensor_parallel(args, topology, path),
     ) for path, name in models]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Annotated, Literal
 from urllib.parse import urlparse
@@ -64,12 +65,14 @@ class TensorParallel(BaseModel):
         own = {Role.PREFILL: self.prefill, Role.DECODE: self.decode}.get(role)
         return own or self.every_pool
 
-    def check_pd(self, direct: bool) -> None:
+    def check_pd(self, direct: bool, model: Path) -> None:
         """P/D through the store hands KV over per rank: a store chunk holds one rank's KV heads and
         its key names the TP size and rank (kvstore/lmcache_engine.py), so a decode rank of another
         TP size would find no chunk to load; refused rather than served by recomputing every prompt.
         Directly, vLLM's NixlConnector maps ranks of sizes that divide one another (a decode rank
-        reads its heads from the prefill rank that holds them, or from several); other sizes refused."""
+        reads its heads from the prefill rank that holds them, or from several), except into a
+        smaller decode pool from prefill ranks that replicate KV heads (more ranks than `model` has:
+        vLLM fails that handshake, tp_mapping.py); other pairs refused."""
         prefill, decode = self.for_role(Role.PREFILL), self.for_role(Role.DECODE)
         if prefill == decode:
             return
@@ -80,6 +83,9 @@ class TensorParallel(BaseModel):
         if max(prefill, decode) % min(prefill, decode):
             raise ValueError(f"prefill and decode tensor-parallel sizes {prefill} and {decode}: for direct KV "
                              "transfers one must divide the other (vLLM's NixlConnector splits KV heads between ranks)")
+        if prefill > decode and prefill > (heads := kv_heads(model)):
+            raise ValueError(f"prefill engines of tensor-parallel size {prefill} replicate the model's {heads} KV "
+                             f"heads, which vLLM's NixlConnector cannot read into decode engines of size {decode}")
 
 
 class EngineConfig(BaseModel):
@@ -215,4 +221,11 @@ class EngineConfig(BaseModel):
                 f"{path} holds no config.json; build a model with `pdcluster model tiny|smollm2`"
             )
         return path.resolve()
+
+
+def kv_heads(model: Path) -> int:
+    """How many KV heads the checkpoint's attention has (the text model's, for a multimodal one)."""
+    config = json.loads((model / "config.json").read_text())
+    text = config.get("text_config", config)
+    return text.get("num_key_value_heads") or text["num_attention_heads"]
 

@@ -22,20 +22,23 @@ from engine.weights import PeerWeights
 from prefill.role import PREFILL
 
 
-def test_each_pool_spans_its_own_size_or_every_pools():
+def test_each_pool_spans_its_own_size_or_every_pools(tiny_model):
     sizes = TensorParallel(every_pool=2, decode=4)
     assert [sizes.for_role(role) for role in Role] == [2, 2, 4]
     with pytest.raises(ValueError, match="each rank stores and loads its own KV heads"):
-        sizes.check_pd(direct=False)
-    TensorParallel(every_pool=4, decode=4).check_pd(direct=False)
+        sizes.check_pd(direct=False, model=tiny_model)
+    TensorParallel(every_pool=4, decode=4).check_pd(direct=False, model=tiny_model)
 
 
-def test_direct_pd_takes_pools_whose_sizes_divide_one_another():
-    """vLLM's NixlConnector splits a prefill rank's KV heads between decode ranks, or gathers them."""
-    TensorParallel(prefill=1, decode=2).check_pd(direct=True)
-    TensorParallel(prefill=4, decode=2).check_pd(direct=True)
+def test_direct_pd_takes_pools_whose_sizes_divide_one_another(tiny_model):
+    """vLLM's NixlConnector splits a prefill rank's KV heads between decode ranks, or gathers them,
+    but not from prefill ranks that hold copies of the same head (the tiny model has 2 KV heads)."""
+    TensorParallel(prefill=1, decode=4).check_pd(direct=True, model=tiny_model)
+    TensorParallel(prefill=2, decode=1).check_pd(direct=True, model=tiny_model)
     with pytest.raises(ValueError, match="one must divide the other"):
-        TensorParallel(prefill=2, decode=3).check_pd(direct=True)
+        TensorParallel(prefill=2, decode=3).check_pd(direct=True, model=tiny_model)
+    with pytest.raises(ValueError, match="replicate the model's 2 KV heads"):
+        TensorParallel(prefill=4, decode=2).check_pd(direct=True, model=tiny_model)
 
 
 def test_the_engine_command_names_its_pools_size_and_vllms_multiprocessing_executor(tiny_model):
