@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated, Literal
 from urllib.parse import urlparse
@@ -71,8 +70,9 @@ class TensorParallel(BaseModel):
         TP size would find no chunk to load; refused rather than served by recomputing every prompt.
         Directly, vLLM's NixlConnector maps ranks of sizes that divide one another (a decode rank
         reads its heads from the prefill rank that holds them, or from several), except into a
-        smaller decode pool from prefill ranks that replicate KV heads (more ranks than `model` has:
-        vLLM fails that handshake, tp_mapping.py); other pairs refused."""
+        smaller decode pool from prefill ranks that hold copies of `model`'s KV heads (vLLM asserts
+        against it in the handshake, nixl/base_worker.py `_validate_remote_agent_handshake`; its
+        exemption for Mamba hybrids is not followed here: refused); other pairs refused."""
         prefill, decode = self.for_role(Role.PREFILL), self.for_role(Role.DECODE)
         if prefill == decode:
             return
@@ -83,9 +83,10 @@ class TensorParallel(BaseModel):
         if max(prefill, decode) % min(prefill, decode):
             raise ValueError(f"prefill and decode tensor-parallel sizes {prefill} and {decode}: for direct KV "
                              "transfers one must divide the other (vLLM's NixlConnector splits KV heads between ranks)")
-        if prefill > decode and prefill > (heads := kv_heads(model)):
-            raise ValueError(f"prefill engines of tensor-parallel size {prefill} replicate the model's {heads} KV "
-                             f"heads, which vLLM's NixlConnector cannot read into decode engines of size {decode}")
+        if prefill > decode and replicates_kv_heads(model, prefill):
+            raise ValueError(f"prefill engines of tensor-parallel size {prefill} hold copies of the model's KV heads "
+                             f"(more ranks than heads), which vLLM's NixlConnector cannot read into decode engines "
+                             f"of size {decode}")
 
 
 class EngineConfig(BaseModel):
@@ -223,9 +224,18 @@ class EngineConfig(BaseModel):
         return path.resolve()
 
 
-def kv_heads(model: Path) -> int:
-    """How many KV heads the checkpoint's attention has (the text model's, for a multimodal one)."""
-    config = json.loads((model / "config.json").read_text())
-    text = config.get("text_config", config)
-    return text.get("num_key_value_heads") or text["num_attention_heads"]
+def replicates_kv_heads(model: Path, tensor_parallel_size: int) -> bool:
+    """Whether ranks of `tensor_parallel_size` hold copies of `model`'s KV heads (more ranks than KV
+    heads), as vLLM reads the checkpoint's config (its attribute names per architecture, the text
+    model's of a multimodal one). MLA's latent KV is the same on every rank by design: not counted."""
+    import vllm.config  # noqa: F401  (the convertor module imports itself through it)
+    from vllm.transformers_utils.config import get_config, get_hf_text_config
+    from vllm.transformers_utils.model_arch_config_convertor import (
+        MODEL_ARCH_CONFIG_CONVERTORS,
+        ModelArchConfigConvertorBase,
+    )
 
+    config = get_config(str(model), trust_remote_code=False)
+    convertor = MODEL_ARCH_CONFIG_CONVERTORS.get(config.model_type, ModelArchConfigConvertorBase)(
+        config, get_hf_text_config(config))
+    return not convertor.is_deepseek_mla() and tensor_parallel_size > convertor.get_total_num_kv_heads()

@@ -10,16 +10,12 @@ KV, whose layout is tiny's."""
 from __future__ import annotations
 
 import pytest
-from oracle import PROMPTS, assert_conforms
-from transformers import AutoTokenizer
+from kv_handover import assert_long_prompt_handed_over, kv_counts
+from oracle import assert_conforms
 
-from engine.config import KVHashing
-from engine.models import default_model_root
 from loadtest.local_cluster import LocalServer
-from loadtest.scrape import scrape_engine
 
 pytestmark = pytest.mark.slow
-HITS = "vllm:external_prefix_cache_hits_total"
 
 
 @pytest.mark.parametrize(("model", "transfer"), [
@@ -30,10 +26,6 @@ def test_pd_answers_as_plain_vllm(model, transfer, oracle, artifacts):
             "--remote-prefill-min-tokens", "0"]
     with LocalServer(args, artifacts / f"serve-conformance-pd-{model}.log") as server:
         (decode,) = [server.engine_access(i["instance_id"]) for i in server.instances() if i["role"] == "decode"]
-        hits = scrape_engine(decode, (HITS,)).get(HITS, 0.0)
+        before = kv_counts(decode)
         assert_conforms(server.url, model, want)
-        # The long completion's KV came from the prefill instance (vLLM counts it as external
-        # hits): every whole block but the one holding its last token, at least.
-        prompt = AutoTokenizer.from_pretrained(default_model_root() / model)(PROMPTS["completion-long"]["prompt"])
-        block = KVHashing().block_size
-        assert scrape_engine(decode, (HITS,))[HITS] - hits >= (len(prompt.input_ids) - 1) // block * block
+        assert_long_prompt_handed_over(decode, before, model, direct=transfer == "direct")

@@ -19,14 +19,12 @@ import warnings
 import psutil
 import pytest
 from engine_pair import peer_and_standby
-from oracle import PROMPTS, ask_all, assert_conforms, differences
-from transformers import AutoTokenizer
+from kv_handover import assert_long_prompt_handed_over, kv_counts
+from oracle import ask_all, assert_conforms, differences
 
-from engine.config import EngineConfig, KVHashing, TensorParallel
+from engine.config import EngineConfig, TensorParallel
 from engine.lifecycle import InstanceState
-from engine.models import default_model_root
 from loadtest.local_cluster import LocalServer
-from loadtest.scrape import scrape_engine
 from security.credentials import ClusterCredentials
 
 pytestmark = pytest.mark.slow
@@ -46,25 +44,23 @@ def test_pd_with_tp_engines_answers_as_plain_vllm_at_the_decodes_tp(transfer, pr
     half of one rank's heads from a TP=1 prefill, both ranks' heads from a TP=2 prefill into a TP=1
     decode. The decode engine computes every token, so plain vLLM at the decode's size is the oracle."""
     want = oracle(MODEL, decode_tp)
-    hits = "vllm:external_prefix_cache_hits_total"
     # A store read past --store-timeout is a miss that vLLM recomputes (right answers, no KV
     # through the store): one rank's first read took the whole 5 s default once in CI (session
     # 18; the next one 1.0 s), four ranks, the shard and the router sharing two cores. What that
     # read waits for is not known yet (issue #34); here the store gets time to answer.
-    args = ["--model", MODEL, "--prefill", "1", "--decode", "1", "--kv-transfer", transfer,
-            "--prefill-tensor-parallel-size", str(prefill_tp), "--decode-tensor-parallel-size", str(decode_tp),
+    sizes = (["--tensor-parallel-size", str(TP)] if prefill_tp == decode_tp else
+             ["--prefill-tensor-parallel-size", str(prefill_tp), "--decode-tensor-parallel-size", str(decode_tp)])
+    args = ["--model", MODEL, "--prefill", "1", "--decode", "1", "--kv-transfer", transfer, *sizes,
             "--remote-prefill-min-tokens", "0", *(["--store-timeout", "30"] if transfer == "store" else [])]
     log = artifacts / f"serve-conformance-pd-tp{prefill_tp}-tp{decode_tp}-{transfer}.log"
     with LocalServer(args, log) as server:
         assert {(i["role"], i["tensor_parallel_size"]) for i in server.instances()} == {
             ("prefill", prefill_tp), ("decode", decode_tp)}
         (decode,) = [server.engine_access(i["instance_id"]) for i in server.instances() if i["role"] == "decode"]
-        before = scrape_engine(decode, (hits,)).get(hits, 0.0)
+        before = kv_counts(decode)
         assert_conforms(server.url, MODEL, want)
         # The long completion's KV came from the prefill engine: every rank found its own heads.
-        prompt = AutoTokenizer.from_pretrained(default_model_root() / MODEL)(PROMPTS["completion-long"]["prompt"])
-        block = KVHashing().block_size
-        assert scrape_engine(decode, (hits,))[hits] - before >= (len(prompt.input_ids) - 1) // block * block
+        assert_long_prompt_handed_over(decode, before, MODEL, direct=transfer == "direct")
     (decode_log,) = log.with_suffix("").glob("decode-*.log")
     (prefill_log,) = log.with_suffix("").glob("prefill-*.log")
     if transfer == "direct":

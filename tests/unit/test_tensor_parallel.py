@@ -6,6 +6,7 @@ not used."""
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 
@@ -14,7 +15,7 @@ from pydantic import ValidationError
 
 from decode.role import DECODE
 from deploy.actor_placement import CoreSets, cpu_core_sets, placement_options
-from engine.config import EngineConfig, TensorParallel
+from engine.config import EngineConfig, TensorParallel, replicates_kv_heads
 from engine.host import EngineHost
 from engine.role_spec import COLOCATED, Role
 from engine.server_command import server_command
@@ -37,8 +38,22 @@ def test_direct_pd_takes_pools_whose_sizes_divide_one_another(tiny_model):
     TensorParallel(prefill=2, decode=1).check_pd(direct=True, model=tiny_model)
     with pytest.raises(ValueError, match="one must divide the other"):
         TensorParallel(prefill=2, decode=3).check_pd(direct=True, model=tiny_model)
-    with pytest.raises(ValueError, match="replicate the model's 2 KV heads"):
+    with pytest.raises(ValueError, match="hold copies of the model's KV heads"):
         TensorParallel(prefill=4, decode=2).check_pd(direct=True, model=tiny_model)
+
+
+@pytest.mark.parametrize("config, replicated_at, whole_at", [
+    ({"model_type": "falcon", "num_attention_heads": 32, "num_kv_heads": 8, "new_decoder_architecture": True}, 16, 8),
+    ({"model_type": "llama", "num_attention_heads": 32, "num_key_value_heads": 8}, 16, 8),
+    ({"model_type": "deepseek_v3", "num_attention_heads": 16, "num_key_value_heads": 16, "kv_lora_rank": 512,
+      "q_lora_rank": 1536, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128}, None, 64),
+])
+def test_kv_heads_are_counted_as_vllm_counts_them(tmp_path, config, replicated_at, whole_at):
+    """Falcon names its KV heads num_kv_heads; MLA's latent KV is one per rank by design."""
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["X"], **config}))
+    assert not replicates_kv_heads(tmp_path, whole_at)
+    if replicated_at:
+        assert replicates_kv_heads(tmp_path, replicated_at)
 
 
 def test_the_engine_command_names_its_pools_size_and_vllms_multiprocessing_executor(tiny_model):
@@ -88,6 +103,8 @@ def test_shards_go_rank_to_rank_and_a_whole_checkpoint_to_every_rank(tiny_model)
      "prefill engines of tensor-parallel size 2 cannot hand KV to decode engines of size 1 through the store"),
     (["--prefill", "1", "--decode", "1", "--kv-transfer", "direct", "--prefill-tensor-parallel-size", "2",
       "--decode-tensor-parallel-size", "3"], "one must divide the other"),
+    (["--prefill", "1", "--decode", "1", "--kv-transfer", "direct", "--prefill-tensor-parallel-size", "4",
+      "--decode-tensor-parallel-size", "2"], "hold copies of the model's KV heads"),
     (["--decode-tensor-parallel-size", "2"], "are for a P/D topology's pools"),
 ])
 def test_serve_refuses_sizes_it_cannot_serve_before_starting_anything(tiny_model, tmp_path, flags, message):
