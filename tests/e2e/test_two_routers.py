@@ -114,11 +114,15 @@ def test_two_routers_share_events_and_limits_and_one_can_die(model_dir, artifact
                          10, "the second router never saw the first router's blocks")
 
             # One key, two streams in flight (one through each router): its limit of 2 is the cluster's.
-            streams = [Stream(owner.url, KEYS[1], "A long story, part one.", LONG_TOKENS),
-                       Stream(other.url, KEYS[1], "A long story, part two.", LONG_TOKENS)]
-            until(lambda: all(s.events for s in streams), 60, "both streams under way")
+            # The second router's first stream has taken 15 s to start (CI): it goes first, so that
+            # the other stream cannot have ended before the limit is tried.
+            streams = []
+            for router, part in ((other, "one"), (owner, "two")):
+                streams.append(Stream(router.url, KEYS[1], f"A long story, part {part}.", LONG_TOKENS))
+                until(lambda: streams[-1].events, 60, f"stream {part} under way")
             third = httpx.post(f"{other.url}/v1/completions", headers=headers(KEYS[1]), json=body("x", 2), timeout=30)
-            assert third.status_code == 429 and third.headers.get("retry-after"), third.text
+            in_flight = [s.completion_tokens is None for s in streams]
+            assert third.status_code == 429 and third.headers.get("retry-after"), (in_flight, third.text)
             other_key = httpx.post(f"{other.url}/v1/completions", headers=headers(KEYS[2]),
                                    json=body("x", 2, stream=False), timeout=30)
             assert other_key.status_code == 200, other_key.text
