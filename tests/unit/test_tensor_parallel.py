@@ -31,6 +31,7 @@ def test_each_pool_spans_its_own_size_or_every_pools(tiny_model):
     TensorParallel(every_pool=4, decode=4).check_pd(direct=False, model=tiny_model)
 
 
+@pytest.mark.slow  # reads configs through vLLM's (imports it: ~12 s here)
 def test_direct_pd_takes_pools_whose_sizes_divide_one_another(tiny_model):
     """vLLM's NixlConnector splits a prefill rank's KV heads between decode ranks, or gathers them,
     but not from prefill ranks that hold copies of the same head (the tiny model has 2 KV heads)."""
@@ -42,6 +43,7 @@ def test_direct_pd_takes_pools_whose_sizes_divide_one_another(tiny_model):
         TensorParallel(prefill=4, decode=2).check_pd(direct=True, model=tiny_model)
 
 
+@pytest.mark.slow  # reads configs through vLLM's (imports it: ~12 s here)
 @pytest.mark.parametrize("config, replicated_at, whole_at", [
     ({"model_type": "falcon", "num_attention_heads": 32, "num_kv_heads": 8, "new_decoder_architecture": True}, 16, 8),
     ({"model_type": "llama", "num_attention_heads": 32, "num_key_value_heads": 8}, 16, 8),
@@ -103,8 +105,9 @@ def test_shards_go_rank_to_rank_and_a_whole_checkpoint_to_every_rank(tiny_model)
      "prefill engines of tensor-parallel size 2 cannot hand KV to decode engines of size 1 through the store"),
     (["--prefill", "1", "--decode", "1", "--kv-transfer", "direct", "--prefill-tensor-parallel-size", "2",
       "--decode-tensor-parallel-size", "3"], "one must divide the other"),
-    (["--prefill", "1", "--decode", "1", "--kv-transfer", "direct", "--prefill-tensor-parallel-size", "4",
-      "--decode-tensor-parallel-size", "2"], "hold copies of the model's KV heads"),
+    pytest.param(["--prefill", "1", "--decode", "1", "--kv-transfer", "direct", "--prefill-tensor-parallel-size", "4",
+                  "--decode-tensor-parallel-size", "2"], "hold copies of the model's KV heads",
+                 marks=pytest.mark.slow),  # reads the config through vLLM's (imports it: ~12 s here)
     (["--decode-tensor-parallel-size", "2"], "are for a P/D topology's pools"),
 ])
 def test_serve_refuses_sizes_it_cannot_serve_before_starting_anything(tiny_model, tmp_path, flags, message):
