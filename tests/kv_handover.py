@@ -6,10 +6,9 @@ NixlConnector's transfer metrics do."""
 
 from __future__ import annotations
 
-import time
-
 from oracle import PROMPTS
 from transformers import AutoTokenizer
+from waiting import until
 
 from engine.config import KVHashing
 from engine.models import default_model_root
@@ -36,10 +35,11 @@ def assert_long_prompt_handed_over(decode: EngineAccess, before: dict[str, float
     assert now[HITS] - before.get(HITS, 0.0) >= (len(prompt.input_ids) - 1) // block * block
     if not direct:
         return
-    deadline = time.monotonic() + within_s
+
+    def after_a_read() -> dict[str, float] | None:
+        counts = kv_counts(decode)
+        return counts if counts.get(NIXL_READS, 0.0) > before.get(NIXL_READS, 0.0) else None
+
     # The connector's stats reach vLLM's metrics with the engine core's next outputs.
-    while now.get(NIXL_READS, 0.0) <= before.get(NIXL_READS, 0.0) and time.monotonic() < deadline:
-        time.sleep(0.5)
-        now = kv_counts(decode)
-    assert now.get(NIXL_READS, 0.0) > before.get(NIXL_READS, 0.0), now
+    now = until(after_a_read, "a NIXL read counted", timeout_s=within_s, every_s=0.5)
     assert now.get(NIXL_FAILED, 0.0) == before.get(NIXL_FAILED, 0.0), now

@@ -15,6 +15,7 @@ import time
 import httpx
 import pytest
 from machine import unless_ci
+from waiting import until
 
 from loadtest.balancer import balancer
 from loadtest.local_cluster import LocalServer, RayHead
@@ -82,14 +83,6 @@ def matched(router: LocalServer, prompt: str, tenant: str) -> dict[str, int]:
     return explained.json()["matched_blocks"]
 
 
-def until(condition, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while not (value := condition()):
-        assert time.monotonic() < deadline, what
-        time.sleep(0.2)
-    return value
-
-
 @pytest.mark.timeout(900)
 def test_two_routers_share_events_and_limits_and_one_can_die(model_dir, artifacts, tmp_path):
     model_dir(MODEL)
@@ -103,7 +96,7 @@ def test_two_routers_share_events_and_limits_and_one_can_die(model_dir, artifact
         try:
             owner.start()
             other.start()
-            until(lambda: sum(i["state"] == "ready" for i in other.instances()) == 2, 30, "the second router's fleet")
+            until(lambda: sum(i["state"] == "ready" for i in other.instances()) == 2, "the second router's fleet")
 
             # The second router's index follows the engines' events of a request it never saw.
             complete = httpx.post(f"{owner.url}/v1/completions", headers=headers(KEYS[0]), timeout=60,
@@ -111,7 +104,7 @@ def test_two_routers_share_events_and_limits_and_one_can_die(model_dir, artifact
             assert complete.status_code == 200, complete.text
             blocks = len(PROMPT.split()) // 32
             held = until(lambda: {h: n for h, n in matched(other, PROMPT, "tenant-0").items() if n >= blocks},
-                         10, "the second router never saw the first router's blocks")
+                         "the second router seeing the first router's blocks", timeout_s=10)
 
             # One key, two streams in flight (one through each router): its limit of 2 is the cluster's.
             # The second router's first stream has taken 15 s to start (CI): it goes first, so that
@@ -119,7 +112,7 @@ def test_two_routers_share_events_and_limits_and_one_can_die(model_dir, artifact
             streams = []
             for router, part in ((other, "one"), (owner, "two")):
                 streams.append(Stream(router.url, KEYS[1], f"A long story, part {part}.", LONG_TOKENS))
-                until(lambda: streams[-1].events, 60, f"stream {part} under way")
+                until(lambda: streams[-1].events, f"stream {part} under way", timeout_s=60)
             third = httpx.post(f"{other.url}/v1/completions", headers=headers(KEYS[1]), json=body("x", 2), timeout=30)
             in_flight = [s.completion_tokens is None for s in streams]
             assert third.status_code == 429 and third.headers.get("retry-after"), (in_flight, third.text)
@@ -130,7 +123,7 @@ def test_two_routers_share_events_and_limits_and_one_can_die(model_dir, artifact
 
             with balancer([owner.url, other.url], tmp_path / "nginx") as front:
                 load = [Stream(front, KEYS[3 + k], f"Story {k}: once upon a time") for k in range(8)]
-                until(lambda: all(s.events >= 3 for s in load), 60, "every stream under way")
+                until(lambda: all(s.events >= 3 for s in load), "every stream under way", timeout_s=60)
                 owner.kill()  # the router that owns the fleet; its engines live on
                 cut = [s for s in (s.join() for s in load) if not s.whole]
                 retried = [r.join() for r in [Stream(front, s.key, s.prompt) for s in cut]]  # once each, together

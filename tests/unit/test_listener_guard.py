@@ -15,6 +15,7 @@ import time
 import pytest
 import uvicorn
 import uvicorn.server
+from waiting import until
 
 from engine.environment import free_port
 from transport.guarded_server import ACCEPTS_PER_TURN, MAX_HEAD_BYTES, SWEEP_S, BareConnection, GuardedServer
@@ -149,12 +150,12 @@ def test_a_connection_costs_no_protocol_until_its_request_head_is_in_and_a_reque
             # Nagle off, as on asyncio's own accepts: a streamed answer's events are not held back
             # for the client's delayed ACK (40 ms a request when it was on)
             assert served.transport.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
-        until(lambda: len(protocol.book.open) == 8, "the tenant's connection closed")
+        until(lambda: len(protocol.book.open) == 8, "the tenant's connection closed", every_s=0.02)
         assert all(isinstance(connection, BareConnection) for connection in protocol.book.open)
         assert len(protocol.book._pending) == 8 and not server.server_state.connections
         for connection in idle:
             connection.close()
-        until(lambda: not protocol.book.open, "the idle connections closed")
+        until(lambda: not protocol.book.open, "the idle connections closed", every_s=0.02)
 
 
 def test_blank_lines_before_a_request_keep_it_bare_and_a_head_past_the_limit_is_answered_431():
@@ -168,7 +169,7 @@ def test_blank_lines_before_a_request_keep_it_bare_and_a_head_past_the_limit_is_
             start = b"GET / HTTP/1.1\r\nx-pad: "
             endless.sendall(start + b"a" * (MAX_HEAD_BYTES - len(start)))  # no more: a clean close
             assert endless.recv(4096).startswith(b"HTTP/1.1 431") and endless.recv(1) == b""
-            until(lambda: len(protocol.book.open) == 1, "the long head closed")
+            until(lambda: len(protocol.book.open) == 1, "the long head closed", every_s=0.02)
             assert all(isinstance(connection, BareConnection) for connection in protocol.book.open)
             blank_first.sendall(b"dels HTTP/1.1\r\nhost: x\r\n\r\n")
             assert blank_first.recv(4096).startswith(b"HTTP/1.1 200")
@@ -261,7 +262,7 @@ def test_shutdown_closes_the_listener_and_every_bare_connection():
     with serving(echo, protocol) as (_, port):
         idle = socket.create_connection(("127.0.0.1", port), timeout=10)
         idle.sendall(b"GET")
-        until(lambda: len(protocol.book.open) == 1, "the connection accepted")
+        until(lambda: len(protocol.book.open) == 1, "the connection accepted", every_s=0.02)
     with idle:
         assert idle.recv(1) == b""
     try:
@@ -293,19 +294,12 @@ def serving(app, protocol, freeze_heap: bool = False):
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
-        until(lambda: server.started, "the server started")
+        until(lambda: server.started, "the server started", every_s=0.02)
         yield server, server.config.port
     finally:
         server.should_exit = True
         thread.join(timeout=30)
         assert not thread.is_alive(), "the server did not stop"
-
-
-def until(condition, what: str, timeout_s: float = 30) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"not {what} in {timeout_s} s"
-        time.sleep(0.02)
 
 
 def answer(connection: socket.socket, body: bytes = b"ok") -> bytes:
