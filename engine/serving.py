@@ -74,16 +74,26 @@ def _fork_the_engine_children(numa_bind: bool) -> None:
 def _workers_context() -> multiprocessing.context.BaseContext:
     """How the engine core starts its workers: forked, unless the scan for kernels to replace
     that vLLM runs at each worker's start, over every module the worker holds, fails on a module
-    this process imported (vLLM 0.32 triton_utils/dispatcher.py reads `vars(value).get`, which
-    llvmlite's library object does not have: LMCache, a KV connector, brings it in through numba,
-    as some multimodal processors and parser plugins would); spawned then, as vLLM has them."""
-    try:
-        from vllm.triton_utils.dispatcher import _rebind_kernels
+    this process imported; spawned then, as vLLM has them (a spawned CPU worker imports vLLM
+    again: ~35 s for two engines of two ranks on two cores, against ~2 s forked)."""
+    from vllm.triton_utils import dispatcher
 
-        _rebind_kernels([])  # the scan itself, replacing nothing
+    # vLLM 0.32's scan reads `vars(value).get("kernel")` of every module attribute; llvmlite's
+    # library wrapper (LMCache, a KV connector, brings it in through numba, as some multimodal
+    # processors and parser plugins would) answers any attribute, `__dict__` too, with a C
+    # function. The scan reads such an object as holding no kernel, which it does not.
+    dispatcher.vars = _namespace
+    try:
+        dispatcher._rebind_kernels([])  # the scan itself, replacing nothing
     except Exception:
         return multiprocessing.get_context("spawn")
     return multiprocessing.get_context("fork")
+
+
+def _namespace(value: object) -> Mapping:
+    """`vars(value)`, or an empty namespace where what an object gives as its `__dict__` is none."""
+    namespace = vars(value)
+    return namespace if isinstance(namespace, Mapping) else {}
 
 
 def _on_its_cores(worker_main):
