@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import os
+import warnings
 from pathlib import Path
 
 import pytest
@@ -60,27 +62,75 @@ def model_dir():
     return built_model
 
 
+OracleKey = tuple[str, int]  # a model of engine.models.BUILDERS and a tensor-parallel size
+
+
+def oracle_keys(mark: pytest.Mark) -> list[OracleKey]:
+    """The keys an `oracles` mark names: model names (at TP=1), or (model, TP) pairs."""
+    return [(key, 1) if isinstance(key, str) else tuple(key) for key in mark.args]
+
+
+def pytest_configure(config) -> None:
+    config.addinivalue_line("markers", "oracles(*keys): the plain-vLLM answers a test compares with "
+                            "(model names, or (model, tensor-parallel size) pairs), computed ahead (Oracle)")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """The oracles the collected tests want, in the order they run: what Oracle computes ahead."""
+    wanted: list[OracleKey] = []
+    for item in items:
+        for mark in item.iter_markers("oracles"):
+            wanted += [key for key in oracle_keys(mark) if key not in wanted]
+    config.stash[WANTED_ORACLES] = wanted
+
+
+WANTED_ORACLES = pytest.StashKey[list]()
+
+
 class Oracle:
     """Plain vLLM's answers for models of engine.models.BUILDERS served under their builder names,
     computed once per session: `oracle(model)` to tests/oracle.py's PROMPTS (`oracle(model, 2)`:
     vLLM's own tensor parallelism over two ranks, one core each), and `oracle.tool_calls()` to
-    tests/tool_calls.py's requests (the tiny model, TINY_ENGINE_ARGS)."""
+    tests/tool_calls.py's requests (the tiny model, TINY_ENGINE_ARGS).
 
-    def __init__(self, artifacts: Path) -> None:
+    One plain vLLM at a time computes them, in a thread of its own, starting with those the
+    session's tests name (`pytest.mark.oracles`) in the order they run: an oracle's start and
+    prompts (49-115 s each here) overlap the tests' own engine starts, which leave a core idle
+    for most of their time, instead of adding to them."""
+
+    def __init__(self, artifacts: Path, wanted: list[OracleKey]) -> None:
         self.artifacts = artifacts
-        self._answers: dict[tuple[str, int], dict] = {}
+        self._computing = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="oracle")
+        self._answers: dict[OracleKey, concurrent.futures.Future] = {}
         self._tool_answers: dict = {}
+        self._server = None  # the plain vLLM started last, stopped by `close`
+        self._closed = False
+        for key in wanted:
+            self._ahead(key)
 
     def __call__(self, model: str, tensor_parallel_size: int = 1) -> dict:
-        if (model, tensor_parallel_size) not in self._answers:
-            self._ask(model, tensor_parallel_size)
-        return self._answers[model, tensor_parallel_size]
+        key = (model, tensor_parallel_size)
+        if key not in self._answers:
+            warnings.warn(f"oracle {key} computed on demand: name it in the test's pytest.mark.oracles", stacklevel=2)
+        return self._ahead(key).result(timeout=1200)
 
     def tool_calls(self) -> dict:
         self("tiny")
         return self._tool_answers
 
-    def _ask(self, model: str, tensor_parallel_size: int) -> None:
+    def close(self) -> None:
+        """Compute nothing more; stop a plain vLLM still running (a session cut short)."""
+        self._closed = True
+        self._computing.shutdown(wait=False, cancel_futures=True)
+        if (server := self._server) is not None:
+            server.__exit__()
+
+    def _ahead(self, key: OracleKey) -> concurrent.futures.Future:
+        if key not in self._answers:
+            self._answers[key] = self._computing.submit(self._ask, *key)
+        return self._answers[key]
+
+    def _ask(self, model: str, tensor_parallel_size: int) -> dict:
         import oracle
         import tool_calls
 
@@ -92,15 +142,30 @@ class Oracle:
                               tensor_parallel=TensorParallel(every_pool=tensor_parallel_size))
         core = "|".join(str(rank) for rank in range(tensor_parallel_size)) if tensor_parallel_size > 1 else "1"
         log = self.artifacts / f"plain-vllm-{model}-tp{tensor_parallel_size}.log"
-        with oracle.PlainVLLM(config, log, core=core) as server:
-            self._answers[model, tensor_parallel_size] = oracle.warmed_up_answers(server.url, model)
+        self._server = server = oracle.PlainVLLM(config, log, core=core)
+        if self._closed:
+            raise RuntimeError("the session ended")
+        with server:  # stopped by `close` while it starts, it ends the wait as any exit does
+            answers = oracle.warmed_up_answers(server.url, model)
             if model == "tiny" and tensor_parallel_size == 1:
                 self._tool_answers = tool_calls.ask_all(server.url, model)
+        return answers
+
+
+@pytest.fixture(scope="session", autouse=True)
+def oracles_ahead(request) -> None:
+    """The session's oracles start computing with its first test, whichever it is."""
+    if request.config.stash.get(WANTED_ORACLES, []):
+        request.getfixturevalue("oracle")
 
 
 @pytest.fixture(scope="session")
-def oracle(artifacts) -> Oracle:
-    return Oracle(artifacts)
+def oracle(artifacts, pytestconfig):
+    computed = Oracle(artifacts, pytestconfig.stash.get(WANTED_ORACLES, []))
+    try:
+        yield computed
+    finally:
+        computed.close()
 
 
 @pytest.fixture(scope="session")

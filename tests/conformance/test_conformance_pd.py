@@ -19,7 +19,8 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.mark.parametrize(("model", "transfer"), [
-    ("smollm2", "store"), ("tiny", "direct")])
+    pytest.param("smollm2", "store", marks=pytest.mark.oracles("smollm2")),
+    pytest.param("tiny", "direct", marks=pytest.mark.oracles("tiny"))])
 def test_pd_answers_as_plain_vllm(model, transfer, oracle, artifacts):
     want = oracle(model)
     args = ["--model", model, "--prefill", "1", "--decode", "1", "--kv-transfer", transfer,

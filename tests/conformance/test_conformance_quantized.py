@@ -18,7 +18,7 @@ from engine.config import EngineConfig
 from engine.lifecycle import InstanceState
 from security.credentials import ClusterCredentials
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.oracles("tiny-w8a8")]
 MODEL = "tiny-w8a8"
 CREDENTIALS = ClusterCredentials.load()
 

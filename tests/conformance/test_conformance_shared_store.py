@@ -13,7 +13,7 @@ from engine.models import default_model_root
 from loadtest.local_cluster import LocalServer
 from loadtest.scrape import scrape_engine
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.oracles("tiny")]
 HITS = "vllm:external_prefix_cache_hits_total"
 
 

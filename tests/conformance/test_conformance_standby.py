@@ -83,8 +83,9 @@ def standby(engines, config, model, oracle):
         asyncio.run(host.stop())
 
 
-@pytest.mark.parametrize(("model", "transport"), [("smollm2", "shm"), ("tiny", "shm"), ("tiny", "nixl")],
-                         indirect=["model"])
+@pytest.mark.parametrize(("model", "transport"), [
+    pytest.param("smollm2", "shm", marks=pytest.mark.oracles("smollm2")),
+    pytest.param("tiny", "shm", marks=pytest.mark.oracles("tiny")), ("tiny", "nixl")], indirect=["model"])
 def test_standby_activated_from_a_peer_answers_as_plain_vllm(model, transport, peer, standby, oracle):
     descriptor = asyncio.run(peer.export_weights(use_nixl=transport == "nixl", offer_file=transport == "shm"))
     timeline = asyncio.run(standby.activate(descriptor))
@@ -94,6 +95,7 @@ def test_standby_activated_from_a_peer_answers_as_plain_vllm(model, transport, p
     assert_conforms(standby.access, model, oracle(model))
 
 
+@pytest.mark.oracles("tiny")
 @pytest.mark.parametrize("model", ["tiny"], indirect=True)
 def test_a_corrupted_transfer_is_detected_and_the_weights_come_from_disk(model, peer, standby, oracle):
     weights = asyncio.run(peer.export_weights(use_nixl=False))

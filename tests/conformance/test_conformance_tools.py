@@ -14,7 +14,7 @@ from engine.config import KVHashing
 from router.hashing import PromptHasher
 from router.openai_requests import ChatCompletionRequest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.oracles("tiny")]
 
 
 def test_tool_calls_answer_as_plain_vllm(served, oracle):

@@ -27,14 +27,15 @@ from engine.lifecycle import InstanceState
 from loadtest.local_cluster import LocalServer
 from security.credentials import ClusterCredentials
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.oracles(("tiny", 2))]
 MODEL = "tiny"
 TP = 2
 CREDENTIALS = ClusterCredentials.load()
 
 
 @pytest.mark.parametrize(("transfer", "prefill_tp", "decode_tp"),
-                         [("store", TP, TP), ("direct", TP, TP), ("direct", 1, TP), ("direct", TP, 1)],
+                         [("store", TP, TP), ("direct", TP, TP), ("direct", 1, TP),
+                          pytest.param("direct", TP, 1, marks=pytest.mark.oracles("tiny"))],
                          ids=["store", "direct", "direct-tp1-to-tp2", "direct-tp2-to-tp1"])
 def test_pd_with_tp_engines_answers_as_plain_vllm_at_the_decodes_tp(transfer, prefill_tp, decode_tp, oracle,
                                                                      artifacts):

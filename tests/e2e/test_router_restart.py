@@ -18,9 +18,9 @@ from loadtest.local_cluster import LocalServer, RayHead
 from loadtest.scrape import scrape_engine
 from router.status_model import ClusterStatus
 
-pytestmark = pytest.mark.slow
 HITS = "vllm:prefix_cache_hits_total"
 MODELS = ("tiny", "tiny-tied", "smollm2")  # a request that reached another model answers wrong; two tokenizers
+pytestmark = [pytest.mark.slow, pytest.mark.oracles(*MODELS)]
 PROMPT = " ".join(
     f"Item {k}: the router must survive its own restart without a cold engine." for k in range(30)
 )

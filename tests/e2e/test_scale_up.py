@@ -66,6 +66,7 @@ def test_a_burst_on_an_empty_pool_is_queued_and_served_by_the_activated_standby(
     assert "standby_start" in paths and "standby" in paths, paths
 
 
+@pytest.mark.oracles("tiny")
 def test_a_pool_of_one_preimported_process_serves_a_burst_as_plain_vllm(artifacts, oracle, tmp_path):
     """Scale-to-zero on a pre-imported process (issue #23): vLLM imported, no engine started; the
     burst waits in the queue while the pool starts it, and the engine answers as plain vLLM."""

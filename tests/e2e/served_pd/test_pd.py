@@ -36,7 +36,7 @@ from router.config import RouterConfig, ServedModel
 from security.engine_access import EngineAccess
 from transport.zmq_curve import STORE_PLANE
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.oracles("tiny")]
 LONG = " ".join(f"line {k}: the quick brown fox jumps over the lazy dog." for k in range(60))
 
 
