@@ -76,14 +76,14 @@ def _workers_context() -> multiprocessing.context.BaseContext:
     that vLLM runs at each worker's start, over every module the worker holds, fails on a module
     this process imported; spawned then, as vLLM has them (a spawned CPU worker imports vLLM
     again: ~35 s for two engines of two ranks on two cores, against ~2 s forked)."""
-    from vllm.triton_utils import dispatcher
-
-    # vLLM 0.32's scan reads `vars(value).get("kernel")` of every module attribute; llvmlite's
-    # library wrapper (LMCache, a KV connector, brings it in through numba, as some multimodal
-    # processors and parser plugins would) answers any attribute, `__dict__` too, with a C
-    # function. The scan reads such an object as holding no kernel, which it does not.
-    dispatcher.vars = _namespace
     try:
+        from vllm.triton_utils import dispatcher
+
+        # vLLM 0.32's scan reads `vars(value).get("kernel")` of every module attribute; llvmlite's
+        # library wrapper (LMCache, a KV connector, brings it in through numba, as some multimodal
+        # processors and parser plugins would) answers any attribute, `__dict__` too, with a C
+        # function. The scan reads such an object as holding no kernel, which it does not.
+        dispatcher.vars = _namespace
         dispatcher._rebind_kernels([])  # the scan itself, replacing nothing
     except Exception:
         return multiprocessing.get_context("spawn")
