@@ -56,6 +56,14 @@ class LocalServer:
                    "--engine-log-dir", str(engine_logs), *self.args]
         env = os.environ.copy() | ({"PYTHONPATH": str(self.tree)} if self.tree else {})
         self._process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.tree)
+        try:
+            self._wait_until_ready()
+        except BaseException:  # its deadline, its exit, or the caller's (a test's timeout): nothing left running
+            self.stop()
+            raise
+        return self
+
+    def _wait_until_ready(self) -> None:
         deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline:
             if self._process.poll() is not None:
@@ -64,11 +72,10 @@ class LocalServer:
                 )
             try:
                 if self.ready(self):
-                    return self
+                    return
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
-        self.stop()
         raise TimeoutError(f"pdcluster serve not ready in {self.start_timeout_s} s; see {self.log_path}")
 
     @property

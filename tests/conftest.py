@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import os
+import threading
 import warnings
 from pathlib import Path
 
@@ -36,10 +37,19 @@ def artifacts() -> Path:
     return ARTIFACTS
 
 
-@functools.cache
 def built_model(name: str) -> Path:
     """A model of engine.models.BUILDERS, built once (in a child process, as torch must not load
-    here) into the test model root; checked once a session (a child costs a second of import)."""
+    here) into the test model root; checked once a session (a child costs a second of import).
+    One build at a time: the oracles' thread and a test may want the same model first."""
+    with _BUILDING:
+        return _built_model(name)
+
+
+_BUILDING = threading.Lock()
+
+
+@functools.cache
+def _built_model(name: str) -> Path:
     import subprocess
     import sys
 
@@ -63,6 +73,7 @@ def model_dir():
 
 
 OracleKey = tuple[str, int]  # a model of engine.models.BUILDERS and a tensor-parallel size
+WANTED_ORACLES = pytest.StashKey[list]()
 
 
 def oracle_keys(mark: pytest.Mark) -> list[OracleKey]:
@@ -75,16 +86,15 @@ def pytest_configure(config) -> None:
                             "(model names, or (model, tensor-parallel size) pairs), computed ahead (Oracle)")
 
 
-def pytest_collection_modifyitems(config, items) -> None:
-    """The oracles the collected tests want, in the order they run: what Oracle computes ahead."""
+def pytest_collection_finish(session) -> None:
+    """The oracles the selected tests want, in the order they run: what Oracle computes ahead.
+    None in a pytest-xdist worker, which collects every test but runs only those it is sent, in
+    no order known here: there each oracle is computed when asked for."""
     wanted: list[OracleKey] = []
-    for item in items:
+    for item in session.items if not hasattr(session.config, "workerinput") else ():
         for mark in item.iter_markers("oracles"):
             wanted += [key for key in oracle_keys(mark) if key not in wanted]
-    config.stash[WANTED_ORACLES] = wanted
-
-
-WANTED_ORACLES = pytest.StashKey[list]()
+    session.config.stash[WANTED_ORACLES] = wanted
 
 
 class Oracle:
@@ -95,8 +105,8 @@ class Oracle:
 
     One plain vLLM at a time computes them, in a thread of its own, starting with those the
     session's tests name (`pytest.mark.oracles`) in the order they run: an oracle's start and
-    prompts (49-115 s each here) overlap the tests' own engine starts, which leave a core idle
-    for most of their time, instead of adding to them."""
+    prompts (49-115 s each here) overlap the tests' own engine starts, which had left a core
+    idle much of the time, instead of adding to them."""
 
     def __init__(self, artifacts: Path, wanted: list[OracleKey]) -> None:
         self.artifacts = artifacts
@@ -104,13 +114,13 @@ class Oracle:
         self._answers: dict[OracleKey, concurrent.futures.Future] = {}
         self._tool_answers: dict = {}
         self._server = None  # the plain vLLM started last, stopped by `close`
-        self._closed = False
+        self._closed = threading.Event()  # also ends a plain vLLM's start (PlainVLLM's `stopped`)
         for key in wanted:
             self._ahead(key)
 
     def __call__(self, model: str, tensor_parallel_size: int = 1) -> dict:
         key = (model, tensor_parallel_size)
-        if key not in self._answers:
+        if self._answers and key not in self._answers:  # none named: an xdist worker, or no marks
             warnings.warn(f"oracle {key} computed on demand: name it in the test's pytest.mark.oracles", stacklevel=2)
         return self._ahead(key).result(timeout=1200)
 
@@ -120,13 +130,16 @@ class Oracle:
 
     def close(self) -> None:
         """Compute nothing more; stop a plain vLLM still running (a session cut short)."""
-        self._closed = True
+        self._closed.set()
         self._computing.shutdown(wait=False, cancel_futures=True)
         if (server := self._server) is not None:
             server.__exit__()
 
     def _ahead(self, key: OracleKey) -> concurrent.futures.Future:
-        if key not in self._answers:
+        """`key`'s answers, being computed or done; asked again where they failed (a start that
+        timed out fails the test that waited, not every later one)."""
+        known = self._answers.get(key)
+        if known is None or (known.done() and not known.cancelled() and known.exception() is not None):
             self._answers[key] = self._computing.submit(self._ask, *key)
         return self._answers[key]
 
@@ -142,10 +155,8 @@ class Oracle:
                               tensor_parallel=TensorParallel(every_pool=tensor_parallel_size))
         core = "|".join(str(rank) for rank in range(tensor_parallel_size)) if tensor_parallel_size > 1 else "1"
         log = self.artifacts / f"plain-vllm-{model}-tp{tensor_parallel_size}.log"
-        self._server = server = oracle.PlainVLLM(config, log, core=core)
-        if self._closed:
-            raise RuntimeError("the session ended")
-        with server:  # stopped by `close` while it starts, it ends the wait as any exit does
+        self._server = server = oracle.PlainVLLM(config, log, core=core, stopped=self._closed)
+        with server:
             answers = oracle.warmed_up_answers(server.url, model)
             if model == "tiny" and tensor_parallel_size == 1:
                 self._tool_answers = tool_calls.ask_all(server.url, model)

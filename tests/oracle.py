@@ -13,6 +13,7 @@ import dataclasses
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -139,8 +140,10 @@ class PlainVLLM:
     change how reductions are split, so they are held equal; a tensor-parallel engine, one core
     per rank: "0|1"). Owns its process."""
 
-    def __init__(self, config: EngineConfig, log_path: Path, core: str = "1", start_timeout_s: float = 300):
+    def __init__(self, config: EngineConfig, log_path: Path, core: str = "1", start_timeout_s: float = 300,
+                 stopped: threading.Event | None = None):
         self.config = config
+        self.stopped = stopped or threading.Event()  # set: the start is given up (its owner closes)
         self.log_path = log_path
         self.core = core
         self.start_timeout_s = start_timeout_s
@@ -168,7 +171,7 @@ class PlainVLLM:
             self._process = subprocess.Popen(self.command(), env=env, stdout=log, stderr=subprocess.STDOUT,
                                              start_new_session=True)
         deadline = time.monotonic() + self.start_timeout_s
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not self.stopped.is_set():
             if self._process.poll() is not None:
                 raise RuntimeError(f"plain vLLM exited ({self._process.returncode}); see {self.log_path}")
             try:
@@ -178,6 +181,8 @@ class PlainVLLM:
                 pass
             time.sleep(0.5)
         self.__exit__()
+        if self.stopped.is_set():
+            raise RuntimeError("plain vLLM's start given up: its owner closed")
         raise TimeoutError(f"plain vLLM not up in {self.start_timeout_s} s; see {self.log_path}")
 
     def __exit__(self, *exc) -> None:

@@ -85,7 +85,8 @@ def standby(engines, config, model, oracle):
 
 @pytest.mark.parametrize(("model", "transport"), [
     pytest.param("smollm2", "shm", marks=pytest.mark.oracles("smollm2")),
-    pytest.param("tiny", "shm", marks=pytest.mark.oracles("tiny")), ("tiny", "nixl")], indirect=["model"])
+    pytest.param("tiny", "shm", marks=pytest.mark.oracles("tiny")),
+    pytest.param("tiny", "nixl", marks=pytest.mark.oracles("tiny"))], indirect=["model"])
 def test_standby_activated_from_a_peer_answers_as_plain_vllm(model, transport, peer, standby, oracle):
     descriptor = asyncio.run(peer.export_weights(use_nixl=transport == "nixl", offer_file=transport == "shm"))
     timeline = asyncio.run(standby.activate(descriptor))
